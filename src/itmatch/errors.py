@@ -1,0 +1,47 @@
+"""User-facing errors: what is wrong, where (file and line), and how to fix it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ItmatchError(Exception):
+    """An error caused by the user's input; the CLI prints it without a traceback."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, line: int | None = None,
+                 hint: str | None = None) -> None:
+        self.message, self.path, self.line, self.hint = message, path, line, hint
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = ""
+        if self.path is not None:
+            where = f"{self.path}:{self.line}: " if self.line is not None else f"{self.path}: "
+        text = f"{where}{self.message}"
+        if self.hint:
+            text += f"\n  fix: {self.hint}"
+        return text
+
+
+class DataError(ItmatchError):
+    """Malformed dataset, caption file, image or feature array."""
+
+
+class ConfigError(ItmatchError):
+    """Unknown model name, unknown config key, or an invalid value."""
+
+
+class CheckpointError(ItmatchError):
+    """Missing, corrupt or mismatched checkpoint."""
+
+
+class OverwriteError(ItmatchError):
+    """The output exists and --force was not given."""
+
+
+def refuse_overwrite(path: str | Path, force: bool) -> None:
+    """Raise unless `path` is absent or the user passed --force."""
+    p = Path(path)
+    if p.exists() and not force:
+        raise OverwriteError(f"{p} already exists", path=p,
+                             hint="choose another output path or pass --force to replace it")

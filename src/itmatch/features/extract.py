@@ -1,0 +1,427 @@
+"""Images folder + CaptionTable -> SCAN precomp layout, with a progress bar, resumable.
+
+For each split the extractor streams features into `{split}_ims.npy.partial` (a memory-mapped .npy of
+the final shape) and records its progress in `{split}.progress.json` (written atomically every few
+batches and when interrupted). Re-running the same command continues where it stopped; a run over a
+different image list or backbone refuses to reuse that state unless `force`. When a split is done the
+partial file is flushed, fsync'ed and renamed to `{split}_ims.npy`, then `{split}_caps.txt` and
+`{split}_ids.txt` are written and the progress file is deleted: an interrupted run never leaves files
+under the final names that look like a complete split. `meta.json` records the backbone, the
+preprocessing and per-split counts.
+
+Determinism: the same images, backbone, batch size and thread count give bit-identical arrays. The
+batch size is part of that (oneDNN picks kernels by batch shape; measured differences are ~1e-5), so a
+resumed run keeps the batch size recorded in its progress file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.lib.format import open_memmap
+from PIL import Image, ImageFile
+from tqdm import tqdm
+
+from itmatch.data.captions import CaptionTable
+from itmatch.data.precomp import captions_path, features_path, ids_path, write_captions
+from itmatch.errors import DataError, ItmatchError, OverwriteError, refuse_overwrite
+from itmatch.features.backbones import Backbone, load_backbone
+from itmatch.io import write_json_atomic
+
+log = logging.getLogger("itmatch.features")
+
+META_NAME = "meta.json"
+PROGRESS_VERSION = 1
+# Bump when preprocessing changes in a way that changes the features (invalidates resumable state).
+PREPROCESS_VERSION = 1
+# Save progress at least every FLUSH_IMAGES images or FLUSH_SECONDS seconds.
+FLUSH_IMAGES = 256
+FLUSH_SECONDS = 60.0
+
+# Called after every batch with (split, images done, images in split); may raise to stop the run.
+BatchHook = Callable[[str, int, int], None]
+
+
+def partial_path(root: Path, split: str) -> Path:
+    return root / f"{split}_ims.npy.partial"
+
+
+def progress_path(root: Path, split: str) -> Path:
+    return root / f"{split}.progress.json"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("itmatch")
+    except Exception:  # not installed (running from a source tree)
+        import itmatch
+
+        return str(getattr(itmatch, "__version__", "unknown"))
+
+
+def _fingerprint(bb: Backbone, ids: list[str]) -> str:
+    h = hashlib.sha256()
+    head = {"backbone": bb.name, "weights": Path(bb.weights).name, "image_size": bb.image_size,
+            "normalisation": bb.normalisation, "preprocess_version": PREPROCESS_VERSION}
+    h.update(json.dumps(head, sort_keys=True).encode())
+    for image_id in ids:
+        h.update(image_id.encode("utf-8") + b"\0")
+    return h.hexdigest()
+
+
+def _backbone_meta(bb: Backbone) -> dict[str, Any]:
+    return {"backbone": bb.name, "weights": Path(bb.weights).name, "image_size": bb.image_size,
+            "resize": "bilinear to image_size x image_size (aspect ratio not kept), EXIF orientation applied",
+            "normalisation": bb.normalisation, "grid": bb.grid, "regions": bb.grid * bb.grid,
+            "region_order": "row-major: region r is cell (r // grid, r % grid)", "dim": bb.out_dim}
+
+
+@contextmanager
+def _strict_pil():
+    """Make PIL raise on truncated images instead of silently padding them with grey."""
+    previous = ImageFile.LOAD_TRUNCATED_IMAGES
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    try:
+        yield
+    finally:
+        ImageFile.LOAD_TRUNCATED_IMAGES = previous
+
+
+@contextmanager
+def _torch_threads(n: int | None):
+    previous = torch.get_num_threads()
+    if n is not None:
+        if n < 1:
+            raise ValueError(f"num_threads must be >= 1, got {n}")
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+class _Bad(Exception):
+    """An image that is missing or cannot be decoded (internal; becomes DataError or a skip)."""
+
+    def __init__(self, image_id: str, path: Path, reason: str, missing: bool) -> None:
+        super().__init__(reason)
+        self.image_id, self.path, self.reason, self.missing = image_id, path, reason, missing
+
+
+def _load_one(bb: Backbone, images_dir: Path, image_id: str) -> torch.Tensor:
+    path = images_dir / image_id
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return bb.preprocess(im)
+    except FileNotFoundError:
+        raise _Bad(image_id, path, "image file not found", missing=True) from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        # OSError covers UnidentifiedImageError and "image file is truncated".
+        raise _Bad(image_id, path, f"cannot read image: {exc}", missing=False) from None
+
+
+def _load_batch(bb: Backbone, images_dir: Path, ids: list[str], skip_bad: bool
+                ) -> tuple[list[torch.Tensor], list[_Bad]]:
+    """Decode and preprocess a batch; bad images raise unless skip_bad (then they are returned)."""
+    tensors: list[torch.Tensor] = []
+    bad: list[_Bad] = []
+    for image_id in ids:
+        try:
+            tensors.append(_load_one(bb, images_dir, image_id))
+        except _Bad as b:
+            if not skip_bad:
+                raise
+            bad.append(b)
+    return tensors, bad
+
+
+def _bad_image_error(b: _Bad, table: CaptionTable, images_dir: Path) -> DataError:
+    source = table.source or "the caption table"
+    if b.missing:
+        return DataError(f"image {b.image_id!r} named in {source} is not in {images_dir}", path=b.path,
+                         hint="point --images at the folder that holds the images of the caption file, "
+                              "or pass --skip-bad-images to drop this image and its captions")
+    return DataError(f"{b.reason} (image {b.image_id!r} named in {source})", path=b.path,
+                     hint="replace or delete the file, or pass --skip-bad-images to drop this image and its "
+                          "captions; the run resumes from here when restarted")
+
+
+def _read_progress(path: Path) -> dict[str, Any] | None:
+    if not path.exists():
+        return None
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # unreadable progress: treated as absent (the run starts this split again)
+    if not isinstance(state, dict) or state.get("version") != PROGRESS_VERSION:
+        return None
+    return state
+
+
+def _finishing(out_dir: Path, split: str, fingerprint: str) -> bool:
+    """True when a previous run stopped after renaming the features but before writing the captions."""
+    state = _read_progress(progress_path(out_dir, split))
+    return bool(state and state.get("fingerprint") == fingerprint and state.get("features_complete")
+                and features_path(out_dir, split).exists())
+
+
+def _open_partial(path: Path, shape: tuple[int, ...], resume: bool) -> np.memmap:
+    if resume:
+        try:
+            arr = open_memmap(path, mode="r+")
+        except (OSError, ValueError):
+            arr = None
+        if arr is not None and arr.shape == shape and arr.dtype == np.float32:
+            return arr
+        log.warning("%s does not match its progress file; starting this split again", path)
+    # open_memmap takes the full path as given (np.save would append ".npy").
+    return open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+
+
+def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
+                   ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
+                   progress: bool, on_batch: BatchHook | None) -> dict[str, Any]:
+    n = len(ids)
+    per = len(caps) // n
+    fp = _fingerprint(bb, ids)
+    final, partial, prog = features_path(out_dir, split), partial_path(out_dir, split), progress_path(out_dir, split)
+    shape = (n, bb.grid * bb.grid, bb.out_dim)
+
+    state = _read_progress(prog)
+    if state is not None and state.get("fingerprint") != fp:
+        if not force:
+            raise OverwriteError(
+                f"an unfinished extraction of split {split!r} with a different image list or backbone "
+                f"({state.get('backbone')}, {state.get('n_images')} images) is in {out_dir}", path=prog,
+                hint="resume it with the same captions and backbone, write elsewhere, or pass --force to discard it")
+        state = None
+    resume = state is not None and partial.exists() and not state.get("features_complete")
+    finishing = state is not None and bool(state.get("features_complete")) and final.exists()
+    if state is not None and not resume and not finishing:
+        state = None
+    if state is None:
+        state = {"version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name,
+                 "n_images": n, "batch_size": batch_size, "done": 0, "written": 0, "skipped": [],
+                 "features_complete": False}
+    elif state.get("batch_size") != batch_size and not finishing:
+        log.info("resuming split %s with its recorded batch size %s (not %s) so the features stay "
+                 "bit-identical to an uninterrupted run", split, state["batch_size"], batch_size)
+    bs = int(state["batch_size"])
+    started = time.perf_counter()
+    done_at_start = int(state["done"])
+
+    if not finishing:
+        arr = _open_partial(partial, shape, resume)
+        if not resume:
+            state.update(done=0, written=0, skipped=[])
+            done_at_start = 0
+        write_json_atomic(prog, state)
+
+        def save() -> None:
+            arr.flush()
+            write_json_atomic(prog, state)
+
+        is_tty = progress and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+        bar = tqdm(total=n, initial=state["done"], unit="img", desc=f"extract {split}", disable=not progress,
+                   mininterval=0.5 if is_tty else 30.0, dynamic_ncols=True)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="itmatch-decode")
+        starts = list(range(int(state["done"]), n, bs))
+        try:
+            last_save_images, last_save_time = state["done"], time.monotonic()
+            nxt: Future | None = None
+            if starts:
+                nxt = pool.submit(_load_batch, bb, images_dir, ids[starts[0]:starts[0] + bs], skip_bad)
+            for j, start in enumerate(starts):
+                batch_ids = ids[start:start + bs]
+                try:
+                    tensors, bad = nxt.result()
+                except _Bad as b:
+                    raise _bad_image_error(b, table, images_dir) from None
+                # Decode the next batch while the network runs on this one.
+                nxt = (pool.submit(_load_batch, bb, images_dir, ids[starts[j + 1]:starts[j + 1] + bs], skip_bad)
+                       if j + 1 < len(starts) else None)
+                for b in bad:
+                    log.warning("skipping image %r and its captions: %s (%s)", b.image_id, b.reason, b.path)
+                    state["skipped"].append({"image_id": b.image_id, "index": ids.index(b.image_id),
+                                             "reason": b.reason})
+                if tensors:
+                    with torch.inference_mode():
+                        feats = bb(torch.stack(tensors)).float().cpu().numpy()
+                    w = int(state["written"])
+                    arr[w:w + len(tensors)] = feats
+                    state["written"] = w + len(tensors)
+                state["done"] = start + len(batch_ids)
+                bar.update(len(batch_ids))
+                now = time.monotonic()
+                if state["done"] - last_save_images >= FLUSH_IMAGES or now - last_save_time >= FLUSH_SECONDS:
+                    save()
+                    last_save_images, last_save_time = state["done"], now
+                if on_batch is not None:
+                    on_batch(split, int(state["done"]), n)
+        except BaseException:
+            # Keep everything computed so far: the next run continues from state["done"].
+            pool.shutdown(wait=True, cancel_futures=True)
+            save()
+            bar.close()
+            raise
+        pool.shutdown(wait=True)
+        bar.close()
+        save()
+        written = int(state["written"])
+        if written == 0:
+            raise DataError(f"no readable image in split {split!r} ({n} skipped)", path=images_dir,
+                            hint="check the images folder")
+        # Stale captions/ids of an older extraction must never sit beside the new features.
+        for p in (captions_path(out_dir, split), ids_path(out_dir, split)):
+            p.unlink(missing_ok=True)
+        if written < n:
+            # Skipped images: copy the filled rows into an array of the right length.
+            compact = out_dir / f"{split}_ims.npy.compact.partial"
+            dst = open_memmap(compact, mode="w+", dtype=np.float32, shape=(written, *shape[1:]))
+            for s in range(0, written, 512):
+                dst[s:s + 512] = arr[s:min(s + 512, written)]
+            dst.flush()
+            del dst
+            del arr
+            _fsync_file(compact)
+            os.replace(compact, final)
+            partial.unlink()
+        else:
+            del arr
+            _fsync_file(partial)
+            os.replace(partial, final)
+        _fsync_dir(out_dir)
+        state["features_complete"] = True
+        write_json_atomic(prog, state)
+
+    skipped_idx = {s["index"] for s in state["skipped"]}
+    kept_ids = [i for k, i in enumerate(ids) if k not in skipped_idx]
+    kept_caps = [c for k, c in enumerate(caps) if k // per not in skipped_idx]
+    write_captions(out_dir, split, kept_ids, kept_caps, per_image=per)
+    _fsync_dir(out_dir)
+    prog.unlink(missing_ok=True)
+    seconds = time.perf_counter() - started
+    computed = n - done_at_start if not finishing else 0
+    return {"images": len(kept_ids), "captions": len(kept_caps), "listed_images": n,
+            "skipped": [{"image_id": s["image_id"], "reason": s["reason"]} for s in state["skipped"]],
+            "batch_size": bs, "num_threads": torch.get_num_threads(),
+            "seconds_this_run": round(seconds, 2),
+            "images_per_second": round(computed / seconds, 2) if computed and seconds > 0 else None}
+
+
+def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
+                    splits: list[str] | None = None, batch_size: int = 32, force: bool = False,
+                    skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
+                    on_batch: BatchHook | None = None) -> dict[str, Any]:
+    """Extract backbone grid features of every image of `table` into the precomp layout in `out_dir`.
+
+    Writes, per split (default: every non-empty split name of the table), `{split}_ims.npy` float32
+    [N, grid*grid, dim], `{split}_caps.txt` and `{split}_ids.txt`, and `out_dir/meta.json`. The image
+    of id `x` is `images_dir / x`. Resumable (see the module docstring); existing outputs are replaced
+    only with `force`. With `skip_bad_images`, missing or unreadable images are dropped with their
+    captions, logged and listed in meta.json; otherwise the first one raises DataError.
+    `on_batch(split, done, total)` is called after every batch (it may raise to stop the run).
+    Returns the metadata written to meta.json.
+    """
+    images_dir, out_dir = Path(images_dir), Path(out_dir)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not images_dir.is_dir():
+        raise DataError("images folder not found", path=images_dir,
+                        hint="pass the folder that holds the image files named in the caption source")
+    available = [s for s in table.split_names() if s]
+    if splits is None:
+        splits = available
+        if not splits:
+            raise DataError("the caption table assigns no image to a split", path=table.source or None,
+                            hint="give the captions a split column (train/dev/test) or use a source with splits")
+    unknown = [s for s in splits if s not in available]
+    if unknown:
+        raise DataError(f"split(s) {', '.join(map(repr, unknown))} not in the caption table",
+                        path=table.source or None, hint=f"available splits: {', '.join(available) or 'none'}")
+    rows = {s: table.precomp_rows(s) for s in splits}  # caption-count errors surface before any work
+
+    # Missing files are the common mistake (wrong folder): find them all now, it costs one stat each.
+    for split, (ids, _) in rows.items():
+        missing = [i for i in ids if not (images_dir / i).is_file()]
+        if missing and not skip_bad_images:
+            source = table.source or "the caption table"
+            raise DataError(f"{len(missing)} of {len(ids)} images of split {split!r} named in {source} are not "
+                            f"in {images_dir}, e.g. {missing[0]!r}", path=images_dir / missing[0],
+                            hint="point --images at the folder that holds the images of the caption file, "
+                                 "or pass --skip-bad-images to drop them and their captions")
+
+    bb = load_backbone(backbone)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fingerprints = {s: _fingerprint(bb, rows[s][0]) for s in splits}
+    for split in splits:
+        if _finishing(out_dir, split, fingerprints[split]):
+            continue
+        for p in (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split)):
+            refuse_overwrite(p, force)
+
+    meta_file = out_dir / META_NAME
+    bmeta = _backbone_meta(bb)
+    meta: dict[str, Any] = {}
+    if meta_file.exists():
+        try:
+            old = json.loads(meta_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = {}
+        same = all(old.get(k) == v for k, v in bmeta.items() if k in ("backbone", "image_size", "normalisation"))
+        if not same and old:
+            others = [s for s in old.get("splits", {}) if s not in splits]
+            if others and not force:
+                raise OverwriteError(
+                    f"{out_dir} holds {old.get('backbone')} features (splits {', '.join(others)}); adding "
+                    f"{bb.name} features would mix backbones", path=meta_file,
+                    hint="write to another directory or pass --force")
+        elif old:
+            meta = old
+    meta.update({"format": "itmatch-precomp", "itmatch_version": _version(), **bmeta})
+    meta.setdefault("splits", {})
+
+    with _strict_pil(), _torch_threads(num_threads):
+        for split in splits:
+            ids, caps = rows[split]
+            try:
+                info = _extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
+                                      force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch)
+            except ItmatchError:
+                raise
+            meta["splits"][split] = info
+            write_json_atomic(meta_file, meta)
+    return meta

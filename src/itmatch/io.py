@@ -1,0 +1,44 @@
+"""Atomic file writes: a reader never sees a half-written file under the final name."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp_path, final)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def write_with(path: str | Path, writer: Callable[[Path], None]) -> None:
+    """Atomically write `path` with a function that writes to a given temporary path."""
+    with atomic_path(path) as tmp:
+        writer(tmp)

@@ -1,0 +1,1 @@
+"""nn.Modules only: no I/O, no training code."""

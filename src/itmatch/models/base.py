@@ -1,0 +1,117 @@
+"""The Matcher contract shared by every model: encode each side once, then score all pairs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+from torch import nn
+
+EPS = 1e-8  # the public SCAN code's epsilon in l2norm and cosine similarity
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
+    """x / (||x|| + eps), exactly as the public SCAN code (not F.normalize, which clamps instead)."""
+    return x / (x.pow(2).sum(dim=dim, keepdim=True).sqrt() + eps)
+
+
+def length_mask(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tensor:
+    """[B, L] bool, True on real time steps."""
+    max_len = int(lengths.max()) if max_len is None else max_len
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+@dataclass
+class Embeddings:
+    """Per-item tensors, first dimension = item. `extras` holds per-item parts a head precomputes
+    once (e.g. Gram matrices), so that pair scoring never recomputes them."""
+
+    extras: dict[str, torch.Tensor] = field(default_factory=dict, kw_only=True)
+
+    def take(self, index: torch.Tensor | slice) -> Embeddings:
+        """The same embeddings restricted to some items (a block of the evaluator, a batch)."""
+        changes = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "extras":
+                changes["extras"] = {k: v[index] for k, v in value.items()}
+            elif isinstance(value, torch.Tensor):
+                changes[f.name] = value[index]
+        return replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> Embeddings:
+        changes = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        changes["extras"] = {k: v.to(device) for k, v in self.extras.items()}
+        return replace(self, **changes)
+
+
+@dataclass
+class ImageEmb(Embeddings):
+    regions: torch.Tensor  # [N, k, D]
+    mask: torch.Tensor  # [N, k] bool, True on real regions
+    vector: torch.Tensor | None = None  # [N, D] pair-independent embedding, when the model has one
+
+    def __len__(self) -> int:
+        return int(self.regions.shape[0])
+
+
+@dataclass
+class TextEmb(Embeddings):
+    words: torch.Tensor  # [M, L, D]
+    lengths: torch.Tensor  # [M]
+    vector: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.words.shape[0])
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return length_mask(self.lengths, self.words.shape[1])
+
+    def trimmed(self) -> TextEmb:
+        """Drop padding columns beyond the longest caption present (after taking a block)."""
+        longest = int(self.lengths.max())
+        if longest == self.words.shape[1]:
+            return self
+        extras = {k: v[:, :longest, :longest] if k == "gram" else v for k, v in self.extras.items()}
+        return replace(self, words=self.words[:, :longest], extras=extras)
+
+
+class SimilarityHead(nn.Module):
+    """score(img, txt) -> [n_img, n_txt]. `prepare_*` add per-item parts once per item."""
+
+    #: bytes of temporaries per (image, caption, region, word) cell; the evaluator sizes blocks from it.
+    bytes_per_cell: float = 0.0
+
+    def prepare_images(self, img: ImageEmb) -> ImageEmb:
+        return img
+
+    def prepare_texts(self, txt: TextEmb) -> TextEmb:
+        return txt
+
+    def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Matcher(nn.Module):
+    """An image encoder, a text encoder and a similarity head."""
+
+    def __init__(self, image_encoder: nn.Module, text_encoder: nn.Module, head: SimilarityHead) -> None:
+        super().__init__()
+        self.image_encoder, self.text_encoder, self.head = image_encoder, text_encoder, head
+
+    def encode_images(self, feats: torch.Tensor, mask: torch.Tensor | None = None) -> ImageEmb:
+        if mask is None:
+            mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
+        return self.head.prepare_images(self.image_encoder(feats, mask))
+
+    def encode_texts(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextEmb:
+        return self.head.prepare_texts(self.text_encoder(tokens, lengths))
+
+    def score(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        return self.head(img, txt)
+
+    @property
+    def has_global_embedding(self) -> bool:
+        return bool(getattr(self.image_encoder, "pools", False))

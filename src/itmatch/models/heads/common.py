@@ -1,0 +1,35 @@
+"""Pieces every region-word head shares."""
+
+from __future__ import annotations
+
+import torch
+
+from itmatch.models.base import ImageEmb, TextEmb
+
+
+def region_word_dots(img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+    """s[n, k, m, l] = v_nk . e_ml for a whole block in one GEMM (layout chosen so that the region
+    axis is a batch-matmul axis and the word axis is contiguous)."""
+    n, k, d = img.regions.shape
+    m, length, _ = txt.words.shape
+    return (img.regions.reshape(n * k, d) @ txt.words.reshape(m * length, d).T).view(n, k, m, length)
+
+
+def pair_mask(img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+    """[n, k, m, l] bool: region k of image n and word l of caption m are both real."""
+    return img.mask[:, :, None, None] & txt.mask[None, None, :, :]
+
+
+def masked_pool(values: torch.Tensor, mask: torch.Tensor, dim: int, how: str, lse_lambda: float = 1.0
+                ) -> torch.Tensor:
+    """Pool `values` over `dim`, ignoring masked-out entries: avg, sum, max, or lse
+    (log(sum exp(lambda x)) / lambda, SCAN Eq. 5/7)."""
+    if how == "avg":
+        return values.masked_fill(~mask, 0.0).sum(dim) / mask.sum(dim).clamp(min=1)
+    if how == "sum":
+        return values.masked_fill(~mask, 0.0).sum(dim)
+    if how == "max":
+        return values.masked_fill(~mask, float("-inf")).amax(dim)
+    if how == "lse":
+        return torch.logsumexp((values * lse_lambda).masked_fill(~mask, float("-inf")), dim) / lse_lambda
+    raise ValueError(f"unknown pooling {how!r}; choose avg, lse, max or sum")

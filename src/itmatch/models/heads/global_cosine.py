@@ -1,0 +1,14 @@
+"""Global embedding similarity (VSE++): cosine of two l2-normalised vectors."""
+
+from __future__ import annotations
+
+import torch
+
+from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb
+
+
+class GlobalCosineHead(SimilarityHead):
+    def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        if img.vector is None or txt.vector is None:
+            raise ValueError("the global head needs pooled image and caption vectors")
+        return img.vector @ txt.vector.T

@@ -1,0 +1,92 @@
+"""Stacked Cross Attention (SCAN, Lee et al. 2018, Eq. 1-8), all pairs of a block at once.
+
+The attended vector a = sum_k alpha_k x_k is never materialised: its dot with the query is
+sum_k alpha_k s_k (s = raw region-word dots, one GEMM for the block) and its squared norm is
+alpha^T G alpha, with G the k x k Gram matrix of the attended item (regions of an image for t-i, words
+of a caption for i-t), computed once per item in `prepare_*`. Same numbers as the direct formula,
+several times less work (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb
+from itmatch.models.heads.common import masked_pool, region_word_dots
+
+NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
+POOLS = ("avg", "lse", "max", "sum")
+
+
+def normalise_over(s: torch.Tensor, mask: torch.Tensor, dim: int, how: str,
+                   clip_slope: float) -> torch.Tensor:
+    """The region-word similarity normalisation over the *query* axis `dim` (public SCAN code).
+
+    clipped_l2norm: [s]_+ / sqrt(sum [s]_+^2), where [.]_+ is LeakyReLU(clip_slope) (the code uses 0.1;
+    the paper writes a plain ReLU, clip_slope=0); padding entries do not enter the norm."""
+    if how == "softmax":
+        return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=dim)
+    if how in ("clipped_l2norm", "clipped"):
+        s = F.leaky_relu(s, clip_slope)
+    if how in ("clipped_l2norm", "l2norm"):
+        s = s.masked_fill(~mask, 0.0)
+        s = s / (s.pow(2).sum(dim=dim, keepdim=True).sqrt() + EPS)
+    elif how not in ("clipped", "no_norm"):
+        raise ValueError(f"unknown normalisation {how!r}; choose one of {NORMS}")
+    return s
+
+
+class ScanHead(SimilarityHead):
+    """direction t2i: words attend to regions, words are scored and pooled (Eq. 7-8);
+    direction i2t: regions attend to words, regions are scored and pooled (Eq. 4-6)."""
+
+    bytes_per_cell = 28.0  # s, normalised s, logits/alpha, G.alpha, two products (float32)
+
+    def __init__(self, direction: str = "t2i", pool: str = "avg", lambda_softmax: float = 9.0,
+                 lambda_lse: float = 6.0, norm: str = "clipped_l2norm", clip_slope: float = 0.1) -> None:
+        super().__init__()
+        if direction not in ("t2i", "i2t"):
+            raise ValueError(f"direction must be 't2i' or 'i2t', not {direction!r}")
+        if pool not in POOLS:
+            raise ValueError(f"unknown pooling {pool!r}; choose one of {POOLS}")
+        if norm not in NORMS:
+            raise ValueError(f"unknown normalisation {norm!r}; choose one of {NORMS}")
+        self.direction, self.pool, self.norm = direction, pool, norm
+        self.lambda_softmax, self.lambda_lse, self.clip_slope = lambda_softmax, lambda_lse, clip_slope
+
+    def prepare_images(self, img: ImageEmb) -> ImageEmb:
+        if self.direction == "t2i":
+            img.extras["gram"] = img.regions @ img.regions.transpose(1, 2)  # [N, k, k]
+        return img
+
+    def prepare_texts(self, txt: TextEmb) -> TextEmb:
+        if self.direction == "i2t":
+            txt.extras["gram"] = txt.words @ txt.words.transpose(1, 2)  # [M, L, L]
+        return txt
+
+    def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        s = region_word_dots(img, txt)  # [n, k, m, l]
+        rmask = img.mask[:, :, None, None]
+        wmask = txt.mask[None, None, :, :]
+        n, k, m, length = s.shape
+        if self.direction == "t2i":
+            # normalise over words (the query axis), attend over regions
+            sn = normalise_over(s, wmask, 3, self.norm, self.clip_slope)
+            alpha = torch.softmax((self.lambda_softmax * sn).masked_fill(~rmask, float("-inf")), dim=1)
+            dot = (alpha * s).sum(1)  # [n, m, l] = e_l . a_l
+            g_alpha = torch.bmm(img.extras["gram"], alpha.reshape(n, k, m * length)).view(n, k, m, length)
+            sq_norm = (alpha * g_alpha).sum(1)  # ||a_l||^2
+            query_norm = txt.words.norm(dim=-1)[None]  # [1, m, l]
+            relevance = dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
+            return masked_pool(relevance, txt.mask[None], 2, self.pool, self.lambda_lse)
+        # i2t: normalise over regions (the query axis), attend over words
+        sn = normalise_over(s, rmask, 1, self.norm, self.clip_slope)
+        alpha = torch.softmax((self.lambda_softmax * sn).masked_fill(~wmask, float("-inf")), dim=3)
+        dot = (alpha * s).sum(3)  # [n, k, m] = v_k . a_k
+        per_caption = alpha.permute(2, 0, 1, 3).reshape(m, n * k, length)
+        h_alpha = torch.bmm(per_caption, txt.extras["gram"]).view(m, n, k, length).permute(1, 2, 0, 3)
+        sq_norm = (alpha * h_alpha).sum(3)  # [n, k, m]
+        query_norm = img.regions.norm(dim=-1)[:, :, None]  # [n, k, 1]
+        relevance = dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
+        return masked_pool(relevance, img.mask[:, :, None], 1, self.pool, self.lambda_lse)

@@ -1,0 +1,96 @@
+"""Name -> model. Every paper configuration worth reproducing is a named preset: a partial config
+applied over the defaults (paper hyper-parameters; the CPU schedule of docs/ is applied on top)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from itmatch.config import Config, ModelConfig, config_from_dict, update
+from itmatch.errors import ConfigError
+from itmatch.models.base import Matcher
+from itmatch.models.heads import GlobalCosineHead, ScanHead, SumMaxHead
+from itmatch.models.image import RegionEncoder
+from itmatch.models.text import RNNTextEncoder
+
+ARCHS = ("vsepp", "summax", "scan")
+
+# SCAN supplementary: Flickr30K lr 2e-4 for 15 epochs then 2e-5 for 15; COCO 5e-4 for 10 then 5e-5 for 10.
+F30K_SCHEDULE = {"epochs": 30, "lr": 2e-4, "lr_update": 15}
+COCO_SCHEDULE = {"epochs": 20, "lr": 5e-4, "lr_update": 10}
+# lambda_1 / lambda_2 of SCAN Table 1 (Flickr30K) and Table 2 (COCO).
+SCAN_LAMBDAS = {
+    ("f30k", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
+    ("f30k", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 5.0},
+    ("coco", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
+    ("coco", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 20.0},
+}
+
+
+def _presets() -> dict[str, dict[str, Any]]:
+    presets: dict[str, dict[str, Any]] = {}
+    for dataset, schedule in (("f30k", F30K_SCHEDULE), ("coco", COCO_SCHEDULE)):
+        suffix = "" if dataset == "f30k" else "_coco"
+        presets[f"vsepp{suffix}"] = {"model": {"arch": "vsepp", "bidirectional": False}, "train": schedule}
+        for direction in ("t2i", "i2t"):
+            presets[f"summax_{direction}{suffix}"] = {
+                "model": {"arch": "summax", "direction": direction}, "train": schedule}
+            for pool in ("avg", "lse", "max", "sum"):  # MAX / SUM: SCAN Table 4
+                presets[f"scan_{direction}_{pool}{suffix}"] = {
+                    "model": {"arch": "scan", "direction": direction, "pool": pool,
+                              **SCAN_LAMBDAS[(dataset, direction)]},
+                    "train": schedule}
+    return presets
+
+
+PRESETS = _presets()
+
+
+def list_models() -> list[str]:
+    """Names of every preset, e.g. scan_t2i_avg, scan_i2t_lse_coco, vsepp, summax_t2i."""
+    return sorted(PRESETS)
+
+
+def preset_config(name: str) -> Config:
+    if name not in PRESETS:
+        close = [p for p in PRESETS if name.split("_")[0] in p][:8]
+        raise ConfigError(f"unknown model {name!r}",
+                          hint=f"run `itmatch models` for the list; similar: {', '.join(close) or 'none'}")
+    cfg = config_from_dict(copy.deepcopy(PRESETS[name]))
+    cfg.preset = cfg.name = name
+    return cfg
+
+
+def resolve_config(preset: str | None, *layers: dict[str, Any]) -> Config:
+    """Defaults <- preset <- each layer (YAML file, CLI --set) in order."""
+    cfg = preset_config(preset) if preset else Config()
+    for layer in layers:
+        layer = dict(layer)
+        if "preset" in layer and layer["preset"] and not preset:
+            cfg = preset_config(layer["preset"])
+        layer.pop("preset", None)
+        update(cfg, layer)
+    return cfg
+
+
+def build_model(mc: ModelConfig) -> Matcher:
+    if mc.vocab_size <= 0 or mc.img_dim <= 0:
+        raise ConfigError("model.vocab_size and model.img_dim must be set (the trainer fills them from data)")
+    if mc.arch not in ARCHS:
+        raise ConfigError(f"unknown model.arch {mc.arch!r}", hint=f"choose one of {', '.join(ARCHS)}")
+    is_global = mc.arch == "vsepp"
+    image = RegionEncoder(mc.img_dim, mc.embed_size, norm=mc.img_norm, pool=is_global)
+    text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
+                          bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm,
+                          pool="last" if is_global else "none")
+    try:
+        if is_global:
+            head = GlobalCosineHead()
+        elif mc.arch == "summax":
+            head = SumMaxHead(mc.direction)
+        else:
+            head = ScanHead(mc.direction, mc.pool, mc.lambda_softmax, mc.lambda_lse, mc.raw_feature_norm,
+                            mc.clip_slope)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return Matcher(image, text, head)
