@@ -12,7 +12,6 @@ from itmatch.models.base import ImageEmb, TextEmb, l2norm
 from itmatch.models.heads import ScanHead, SumMaxHead
 
 
-
 @pytest.fixture(autouse=True)
 def float64():
     """The references run in float64; the heads follow the input dtype."""

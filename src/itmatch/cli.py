@@ -1,0 +1,187 @@
+"""`itmatch <verb>`: models, synth, extract, train, evaluate, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from itmatch.errors import ItmatchError
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from itmatch.models.registry import PRESETS, list_models
+
+    for name in list_models():
+        m = PRESETS[name]["model"]
+        t = PRESETS[name]["train"]
+        detail = " ".join(f"{k}={v}" for k, v in m.items() if k != "arch")
+        print(f"{name:<22} {m['arch']:<7} {detail}  (epochs {t['epochs']}, lr {t['lr']:g})")
+    return 0
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from itmatch.data.synth import render_synthetic
+
+    out = render_synthetic(Path(args.out), n_train=args.train, n_dev=args.dev, n_test=args.test,
+                           image_size=args.size, seed=args.seed, force=args.force)
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_extract(args: argparse.Namespace) -> int:
+    from itmatch.data.captions import read_captions
+    from itmatch.features.extract import extract_precomp
+
+    images = Path(args.images)
+    table = read_captions(args.captions, images_dir=images, fmt=args.format)
+    for problem in table.skipped:
+        print(f"skipped: {problem}", file=sys.stderr)
+    meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
+                           batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images)
+    print(json.dumps(meta, indent=2))
+    return 0
+
+
+def _resolve_train_config(args: argparse.Namespace):
+    from itmatch.config import load_yaml, parse_overrides
+    from itmatch.models.registry import resolve_config
+
+    layers = []
+    if args.config:
+        layers.append(load_yaml(args.config))
+    if args.data:
+        layers.append({"data": {"path": args.data}})
+    layers.append(parse_overrides(args.set or []))
+    cfg = resolve_config(args.preset, *layers)
+    if args.name:
+        cfg.name = args.name
+    return cfg
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from itmatch.engine.train import train
+
+    cfg = None if args.resume else _resolve_train_config(args)
+    if args.resume:
+        from itmatch.config import Config
+
+        cfg = Config()  # replaced by the checkpoint's config
+    result = train(cfg, Path(args.out), resume=args.resume, force=args.force)
+    print(f"best dev rsum {result['best_rsum']:.1f} at epoch {result['best_epoch']}; "
+          f"checkpoint {Path(args.out) / 'best'}")
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from itmatch.data.precomp import read_precomp
+    from itmatch.engine.checkpoint import load_checkpoint
+    from itmatch.engine.evaluate import evaluate_models, format_table
+    from itmatch.engine.results import result_row, upsert_row
+    from itmatch.io import write_json_atomic
+
+    checkpoints = [load_checkpoint(p) for p in args.checkpoints]
+    data = args.data or checkpoints[0].config.data.path
+    split = read_precomp(data, args.split)
+    result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
+                             args.budget_gb * 1024**3, progress=not args.quiet)
+    result["checkpoints"] = [str(p) for p in args.checkpoints]
+    print(format_table(result))
+    if args.json:
+        write_json_atomic(args.json, result)
+    if args.results:
+        name = args.name or "+".join(c.config.name for c in checkpoints)
+        model = "+".join(c.config.preset or c.config.model.arch for c in checkpoints)
+        command = args.command or "itmatch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        upsert_row(args.results, result_row(name, model, args.dataset or Path(data).name, result, command),
+                   force=args.force)
+        print(f"row {name!r} written to {args.results}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from itmatch.demo import run_demo
+
+    run_demo(Path(args.out), force=args.force, epochs=args.epochs)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="itmatch", description="Image-text matching: train, evaluate, search.")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    s = sub.add_parser("models", help="list the model presets (paper configurations)")
+    s.set_defaults(func=_cmd_models)
+
+    s = sub.add_parser("synth", help="render the embedded captioned-scene dataset (no download)")
+    s.add_argument("out", help="output directory (images/ and dataset_synth.json)")
+    s.add_argument("--train", type=int, default=1500, help="training images (default 1500)")
+    s.add_argument("--dev", type=int, default=200)
+    s.add_argument("--test", type=int, default=200)
+    s.add_argument("--size", type=int, default=224, help="image side in pixels")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--force", action="store_true", help="replace an existing output directory")
+    s.set_defaults(func=_cmd_synth)
+
+    s = sub.add_parser("extract", help="images + captions -> precomp dataset of CNN grid features")
+    s.add_argument("images", help="folder of images")
+    s.add_argument("captions", help="caption source: Flickr8k.token.txt, dataset_*.json, captions_*.json, CSV")
+    s.add_argument("--out", required=True, help="precomp output directory")
+    s.add_argument("--format", default="auto", choices=["auto", "flickr8k", "karpathy", "coco", "csv"])
+    s.add_argument("--backbone", default="lite0", help="lite0 (7x7, default) or lite2 (9x9)")
+    s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
+    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--skip-bad-images", action="store_true", help="report and drop unreadable images")
+    s.add_argument("--force", action="store_true", help="replace existing outputs")
+    s.set_defaults(func=_cmd_extract)
+
+    s = sub.add_parser("train", help="train a model on a precomp dataset")
+    s.add_argument("--preset", help="model preset, see `itmatch models` (e.g. scan_t2i_avg)")
+    s.add_argument("--config", help="YAML config (may name a preset); --set overrides it")
+    s.add_argument("--data", help="precomp directory (data.path)")
+    s.add_argument("--out", required=True, help="run directory (best/, last/, config.json, metrics.jsonl)")
+    s.add_argument("--name", help="run name (default: the preset)")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, repeatable")
+    s.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    s.add_argument("--force", action="store_true", help="start over in a non-empty --out")
+    s.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("evaluate", help="evaluate one checkpoint, or an ensemble of several")
+    s.add_argument("checkpoints", nargs="+", help="checkpoint directories (several = ensemble)")
+    s.add_argument("--data", help="precomp directory (default: the first checkpoint's)")
+    s.add_argument("--split", default="test")
+    s.add_argument("--protocol", default="full", choices=["1k", "full", "coco1k", "coco5k"])
+    s.add_argument("--budget-gb", type=float, default=4.0, help="memory budget of a scoring block")
+    s.add_argument("--json", help="write the metrics as JSON here")
+    s.add_argument("--results", help="results CSV to add a row to (docs/results/<dataset>.csv)")
+    s.add_argument("--name", help="row name in --results")
+    s.add_argument("--dataset", help="dataset column in --results (default: data directory name)")
+    s.add_argument("--command", help="command recorded in --results (default: this command line)")
+    s.add_argument("--force", action="store_true", help="replace an existing row of the same name")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=_cmd_evaluate)
+
+    s = sub.add_parser("demo", help="the main job: synth -> extract -> train SCAN -> evaluate")
+    s.add_argument("--out", default="runs/demo", help="working directory (default runs/demo)")
+    s.add_argument("--epochs", type=int, default=6)
+    s.add_argument("--force", action="store_true", help="start over in an existing --out")
+    s.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ItmatchError as exc:
+        print(f"itmatch {args.verb}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"itmatch {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Everything before a tensor reaches a model."""

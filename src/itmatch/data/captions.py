@@ -1,0 +1,507 @@
+"""Caption sources -> one CaptionTable (image_id, caption, split).
+
+Readers for Flickr8K, Karpathy JSON, COCO captions JSON and a plain CSV live below the table.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from itmatch.errors import DataError
+
+CAPTIONS_PER_IMAGE = 5
+
+
+@dataclass
+class CaptionTable:
+    """Column-oriented caption table: row r says caption `captions[r]` describes `image_ids[r]`,
+    which belongs to split `splits[r]` (train/dev/test/testall, or "" when the source has none)."""
+
+    image_ids: list[str] = field(default_factory=list)
+    captions: list[str] = field(default_factory=list)
+    splits: list[str] = field(default_factory=list)
+    source: str = ""
+    # Problems that were reported and skipped (e.g. a caption naming a missing image).
+    skipped: list[str] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.captions)
+
+    def add(self, image_id: str, caption: str, split: str = "") -> None:
+        self.image_ids.append(image_id)
+        self.captions.append(caption)
+        self.splits.append(split)
+
+    def split_names(self) -> list[str]:
+        return list(OrderedDict.fromkeys(self.splits))
+
+    def grouped(self, split: str | None = None) -> OrderedDict[str, list[str]]:
+        """Captions per image, images in first-appearance order, optionally one split only."""
+        groups: OrderedDict[str, list[str]] = OrderedDict()
+        for image_id, caption, s in zip(self.image_ids, self.captions, self.splits, strict=True):
+            if split is None or s == split:
+                groups.setdefault(image_id, []).append(caption)
+        return groups
+
+    def precomp_rows(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> tuple[list[str], list[str]]:
+        """(image ids, captions) in the precomp order: captions per_image*i .. per_image*i+per_image-1
+        belong to image i. Images with more captions keep their first `per_image` (as the Karpathy
+        splits used by SCAN do); an image with fewer is an error."""
+        ids: list[str] = []
+        caps: list[str] = []
+        for image_id, group in self.grouped(split).items():
+            if len(group) < per_image:
+                raise DataError(f"image {image_id!r} in split {split!r} has {len(group)} captions, "
+                                f"the precomp layout needs {per_image}", path=self.source or None,
+                                hint="add the missing captions or drop the image from the split")
+            ids.append(image_id)
+            caps.extend(group[:per_image])
+        if not ids:
+            raise DataError(f"split {split!r} has no images", path=self.source or None,
+                            hint=f"available splits: {', '.join(self.split_names()) or 'none'}")
+        return ids, caps
+
+
+# ----------------------------------------------------------------------------------------------------
+# Readers. Every reader returns a CaptionTable whose rows are grouped per image (an image's captions are
+# consecutive, images in first-appearance order), raises DataError (file, line, fix) on malformed input,
+# and *reports and skips* rows that name an image that cannot exist, so that one bad id in a 40k-line
+# file costs a warning, not a crash. Nothing is ever written next to the source: the shared data is
+# read-only.
+# ----------------------------------------------------------------------------------------------------
+
+FORMATS = ("flickr8k", "karpathy", "coco", "csv")
+
+FLICKR8K_TOKEN_FILE = "Flickr8k.token.txt"
+FLICKR8K_SPLIT_FILES = {"train": "Flickr_8k.trainImages.txt", "dev": "Flickr_8k.devImages.txt",
+                        "test": "Flickr_8k.testImages.txt"}
+# Image folders found beside the token file when images_dir is not given: ours, and the official
+# (misspelled) folder name of the Flickr8K distribution.
+FLICKR8K_IMAGE_DIRS = ("images", "Flicker8k_Dataset", "Flickr8k_Dataset")
+
+# Karpathy split names -> ours. "restval" (the COCO validation images outside the 5K dev/test) is
+# training data, as in SCAN's precomp files; "val" is our "dev".
+KARPATHY_SPLITS = {"train": "train", "restval": "train", "val": "dev", "test": "test"}
+CSV_SPLITS = ("train", "dev", "test", "testall", "")
+CSV_HEADER = "image,caption[,split]"
+
+
+class SkippedRowsWarning(UserWarning):
+    """Some caption rows were reported and skipped (see CaptionTable.skipped for each one)."""
+
+
+def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: str = "auto") -> CaptionTable:
+    """Read any supported caption source into a CaptionTable.
+
+    `source` is a file, or a directory holding `Flickr8k.token.txt` or a single `dataset_*.json`.
+    `fmt="auto"` detects the format from the file name, then the content, so that one command works for
+    every dataset; pass `fmt` ("flickr8k", "karpathy", "coco", "csv") when detection guesses wrong.
+    `images_dir`, when given, is where image ids are looked up; captions of images that are missing
+    there are reported in `table.skipped` and dropped (features cannot be extracted for them).
+    """
+    path = Path(source)
+    if fmt not in ("auto", *FORMATS):
+        raise DataError(f"unknown caption format {fmt!r}", path=path,
+                        hint=f"use one of: auto, {', '.join(FORMATS)}")
+    if not path.exists():
+        raise DataError("caption source not found", path=path,
+                        hint="check the path; it may be a caption file or a dataset directory")
+    if path.is_dir():
+        path, detected = _resolve_directory(path)
+        fmt = detected if fmt == "auto" else fmt
+    if fmt == "flickr8k":
+        return read_flickr8k(path, images_dir=images_dir)
+    if fmt == "csv":
+        return read_csv(path, images_dir=images_dir)
+    if fmt == "karpathy":
+        return read_karpathy(path, images_dir=images_dir)
+    if fmt == "coco":
+        return read_coco(path, images_dir=images_dir)
+    # auto, on a file
+    name = path.name.lower()
+    if name.endswith(".csv"):
+        return read_csv(path, images_dir=images_dir)
+    if name.endswith((".token.txt", ".token")):
+        return read_flickr8k(path, images_dir=images_dir)
+    if name.endswith(".json"):
+        data = _load_json(path)  # parsed once: COCO/Karpathy files are up to ~150 MB
+        if isinstance(data, dict) and "annotations" in data:
+            return _coco_from_json(data, path, images_dir=images_dir, split=None)
+        if isinstance(data, dict) and "images" in data:
+            return _karpathy_from_json(data, path, images_dir=images_dir)
+        raise DataError("JSON file is neither Karpathy ('images' with 'sentences') nor COCO captions "
+                        "('images' and 'annotations')", path=path,
+                        hint="pass fmt='karpathy' or fmt='coco' if the file is one of them")
+    first = _first_line(path)
+    if "\t" in first and "#" in first.split("\t", 1)[0]:
+        return read_flickr8k(path, images_dir=images_dir)
+    if first.strip().lower().startswith("image,caption"):
+        return read_csv(path, images_dir=images_dir)
+    raise DataError("cannot tell the caption format of this file", path=path,
+                    hint=f"pass fmt= one of {', '.join(FORMATS)}")
+
+
+def _resolve_directory(directory: Path) -> tuple[Path, str]:
+    """The caption file inside a dataset directory, and its format."""
+    token = directory / FLICKR8K_TOKEN_FILE
+    if token.is_file():
+        return token, "flickr8k"
+    karpathy = sorted(directory.glob("dataset_*.json"))
+    if len(karpathy) == 1:
+        return karpathy[0], "karpathy"
+    if len(karpathy) > 1:
+        raise DataError(f"several Karpathy files: {', '.join(p.name for p in karpathy)}", path=directory,
+                        hint="pass the one you want as the source file")
+    raise DataError("no caption file found in this directory", path=directory,
+                    hint=f"expected {FLICKR8K_TOKEN_FILE} or one dataset_*.json; or pass the caption file")
+
+
+def _first_line(path: Path) -> str:
+    try:
+        with open(path, encoding="utf-8-sig") as fh:
+            return fh.readline()
+    except UnicodeDecodeError as exc:
+        raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+
+
+def _read_text_lines(path: Path, what: str, hint: str | None = None) -> list[str]:
+    """Lines of a UTF-8 text file without line endings (CRLF files exist: Flickr_8k.trainImages.txt)."""
+    try:
+        return path.read_text(encoding="utf-8-sig").splitlines()
+    except FileNotFoundError:
+        raise DataError(f"{what} not found", path=path, hint=hint) from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+
+
+def _load_json(path: Path) -> object:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        raise DataError("file not found", path=path) from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", path=path,
+                        line=exc.lineno, hint="the file is truncated or not JSON; fetch it again") from None
+
+
+class _ImageCheck:
+    """Is an image id present under images_dir? (Always yes when there is no directory to look in.)"""
+
+    def __init__(self, images_dir: Path | None) -> None:
+        self.images_dir = Path(images_dir) if images_dir is not None else None
+        if self.images_dir is not None and not self.images_dir.is_dir():
+            raise DataError("image directory not found", path=self.images_dir,
+                            hint="pass the folder that holds the images, or leave images_dir unset")
+        self._cache: dict[str, bool] = {}
+
+    def __call__(self, image_id: str) -> bool:
+        if self.images_dir is None:
+            return True
+        if image_id not in self._cache:
+            self._cache[image_id] = (self.images_dir / image_id).is_file()
+        return self._cache[image_id]
+
+
+class _Builder:
+    """Collects rows per image in first-appearance order, then emits them grouped."""
+
+    def __init__(self, source: Path) -> None:
+        self.source = source
+        self.groups: OrderedDict[str, list[tuple[str, str]]] = OrderedDict()
+        self.skipped: list[str] = []
+
+    def add(self, image_id: str, caption: str, split: str) -> None:
+        self.groups.setdefault(image_id, []).append((caption, split))
+
+    def skip(self, where: str, message: str) -> None:
+        self.skipped.append(f"{where}: {message}")
+
+    def table(self) -> CaptionTable:
+        table = CaptionTable(source=str(self.source), skipped=list(self.skipped))
+        for image_id, rows in self.groups.items():
+            for caption, split in rows:
+                table.add(image_id, caption, split)
+        if self.skipped:
+            shown = "\n  ".join(self.skipped[:3])
+            more = f"\n  ... and {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
+            warnings.warn(f"{self.source}: skipped {len(self.skipped)} caption row(s):\n  {shown}{more}",
+                          SkippedRowsWarning, stacklevel=3)
+        return table
+
+
+def read_flickr8k(source: str | Path, *, images_dir: Path | None = None) -> CaptionTable:
+    """Read the official Flickr8K captions (`IMAGE.jpg#k<TAB>caption`) with the official splits.
+
+    `source` is `Flickr8k.token.txt` or its directory. The split lists `Flickr_8k.{train,dev,test}Images.txt`
+    must sit beside it (they *are* the benchmark: without them test numbers are not comparable). Images
+    in no split list get split "". `images_dir` defaults to an `images/` (or the official
+    `Flicker8k_Dataset/`) folder beside the token file when one exists.
+
+    A row whose image is in no split list and not on disk (or, with no image folder at all, in no split
+    list) cannot be used, so it is reported in `table.skipped` and dropped: the official file has one,
+    `2258277193_586949ec62.jpg.1`. A row that cannot be parsed is an error, not a skip: it means the file
+    is not what we think it is.
+    """
+    path = Path(source)
+    if path.is_dir():
+        path = path / FLICKR8K_TOKEN_FILE
+    root = path.parent
+    if images_dir is None:
+        images_dir = next((root / d for d in FLICKR8K_IMAGE_DIRS if (root / d).is_dir()), None)
+    on_disk = _ImageCheck(images_dir)
+
+    split_of: dict[str, str] = {}
+    for split, name in FLICKR8K_SPLIT_FILES.items():
+        split_path = root / name
+        if not split_path.is_file():
+            raise DataError(f"Flickr8K split file {name} is missing", path=split_path,
+                            hint=f"put {', '.join(FLICKR8K_SPLIT_FILES.values())} (from Flickr8k_text.zip) "
+                                 f"beside {path.name}, or use the Karpathy file dataset_flickr8k.json "
+                                 f"with fmt='karpathy'")
+        for lineno, line in enumerate(_read_text_lines(split_path, "split file"), 1):
+            image = line.strip()
+            if not image:
+                continue
+            if split_of.setdefault(image, split) != split:
+                raise DataError(f"image {image!r} is in both the {split_of[image]} and {split} splits",
+                                path=split_path, line=lineno, hint="the split lists must be disjoint")
+
+    lines = _read_text_lines(path, "Flickr8K caption file",
+                             hint=f"pass the path of {FLICKR8K_TOKEN_FILE} or the directory holding it")
+    builder = _Builder(path)
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        key, tab, caption = line.partition("\t")
+        if not tab:
+            raise DataError("no tab between image and caption", path=path, line=lineno,
+                            hint="each line must be IMAGE.jpg#k<TAB>caption")
+        image, hash_, k = key.strip().rpartition("#")
+        if not hash_ or not image or not k.isdigit():
+            raise DataError(f"expected IMAGE.jpg#k before the tab, found {key!r}", path=path, line=lineno,
+                            hint="each line must be IMAGE.jpg#k<TAB>caption, k = 0..4")
+        caption = caption.strip()
+        if not caption:
+            raise DataError(f"empty caption for {image}#{k}", path=path, line=lineno,
+                            hint="remove the line or write the caption")
+        split = split_of.get(image)
+        if images_dir is None and split is None:
+            builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is in no split "
+                                             f"file and there is no image folder to find it in")
+            continue
+        if not on_disk(image):
+            where = "in no split file and" if split is None else f"in the {split} split but"
+            builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is {where} "
+                                             f"not in {images_dir}")
+            continue
+        builder.add(image, caption, split or "")
+    return builder.table()
+
+
+def _where(path: Path, location: str) -> str:
+    return f"{path} ({location})"
+
+
+def _expect(value: object, kind: type | tuple[type, ...], path: Path, location: str, what: str) -> None:
+    if not isinstance(value, kind):
+        raise DataError(f"{location}: expected {what}, found {type(value).__name__}", path=path,
+                        hint="the file does not have the expected structure; check the format")
+
+
+def _caption_text(value: object, path: Path, location: str) -> str:
+    _expect(value, str, path, location, "a caption string")
+    text = str(value).strip()
+    if not text:
+        raise DataError(f"{location}: empty caption", path=path, hint="remove the caption or write it")
+    return text
+
+
+def read_karpathy(source: str | Path, *, images_dir: Path | None = None) -> CaptionTable:
+    """Read Karpathy's split files (`dataset_flickr30k.json`, `dataset_coco.json`, `dataset_flickr8k.json`):
+    the splits every paper in the field (SCAN included) reports on.
+
+    Split names are mapped to ours: `val` -> `dev`, `restval` -> `train` (SCAN's precomp training set
+    is train + restval), `train` and `test` unchanged. The image id is `filepath/filename` when the entry
+    has a `filepath` (COCO: `val2014/COCO_val2014_....jpg`, so `images_dir` is the COCO root), else
+    `filename`. JSON has no useful line numbers after parsing, so errors name the entry, e.g.
+    `images[12].sentences[3]`.
+    """
+    path = Path(source)
+    return _karpathy_from_json(_load_json(path), path, images_dir=images_dir)
+
+
+def _karpathy_from_json(data: object, path: Path, *, images_dir: Path | None) -> CaptionTable:
+    _expect(data, dict, path, "top level", "an object with an 'images' list")
+    assert isinstance(data, dict)
+    images = data.get("images")
+    _expect(images, list, path, "'images'", "a list of images")
+    assert isinstance(images, list)
+    on_disk = _ImageCheck(images_dir)
+    builder = _Builder(path)
+    seen: set[str] = set()
+    for i, entry in enumerate(images):
+        loc = f"images[{i}]"
+        _expect(entry, dict, path, loc, "an object")
+        filename = entry.get("filename")
+        if not isinstance(filename, str) or not filename:
+            raise DataError(f"{loc}: missing 'filename'", path=path,
+                            hint="Karpathy entries need filename, split and sentences")
+        filepath = entry.get("filepath")
+        image_id = filename
+        if isinstance(filepath, str) and filepath:
+            image_id = f"{filepath.rstrip('/')}/{filename}"
+        raw_split = entry.get("split")
+        if raw_split not in KARPATHY_SPLITS:
+            raise DataError(f"{loc} ({image_id}): unknown split {raw_split!r}", path=path,
+                            hint=f"Karpathy splits are {', '.join(KARPATHY_SPLITS)}")
+        sentences = entry.get("sentences")
+        _expect(sentences, list, path, f"{loc}.sentences", "a list of sentences")
+        if image_id in seen:
+            raise DataError(f"{loc}: image {image_id!r} is listed twice", path=path,
+                            hint="each image must appear once in 'images'")
+        seen.add(image_id)
+        if not on_disk(image_id):
+            builder.skip(_where(path, loc), f"skipped {len(sentences)} caption(s) of {image_id!r}: "
+                                            f"image not found in {images_dir}")
+            continue
+        for j, sentence in enumerate(sentences):
+            sloc = f"{loc}.sentences[{j}]"
+            _expect(sentence, dict, path, sloc, "an object with 'raw'")
+            if "raw" not in sentence:
+                raise DataError(f"{sloc}: no 'raw' caption", path=path,
+                                hint="Karpathy sentences are {\"raw\": \"...\", \"tokens\": [...]}")
+            builder.add(image_id, _caption_text(sentence["raw"], path, f"{sloc}.raw"),
+                        KARPATHY_SPLITS[raw_split])
+    return builder.table()
+
+
+def coco_split_from_name(path: str | Path) -> str:
+    """`captions_train2014.json` -> train, `captions_val2014.json` -> dev, `..test..` -> test, else ""."""
+    name = Path(path).name.lower()
+    for key, split in (("train", "train"), ("val", "dev"), ("test", "test")):
+        if key in name:
+            return split
+    return ""
+
+
+def read_coco(source: str | Path, *, images_dir: Path | None = None,
+              split: str | None = None) -> CaptionTable:
+    """Read an MS-COCO captions file (`captions_*.json`: 'images' with id/file_name, 'annotations' with
+    image_id/caption).
+
+    These files carry no split, and the benchmark splits (Karpathy 5K dev/test) cut across them, so the
+    caller sets `split`; left as None it is guessed from the file name (train -> "train", val -> "dev",
+    test -> "test", otherwise ""). Images are in the order of the 'images' list; an annotation naming an
+    image id that is not in 'images' (or whose file is missing from `images_dir`) is reported and skipped.
+    """
+    path = Path(source)
+    return _coco_from_json(_load_json(path), path, images_dir=images_dir, split=split)
+
+
+def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split: str | None) -> CaptionTable:
+    split = coco_split_from_name(path) if split is None else split
+    _expect(data, dict, path, "top level", "an object with 'images' and 'annotations'")
+    assert isinstance(data, dict)
+    images, annotations = data.get("images"), data.get("annotations")
+    _expect(images, list, path, "'images'", "a list of images")
+    _expect(annotations, list, path, "'annotations'", "a list of annotations")
+    assert isinstance(images, list) and isinstance(annotations, list)
+    file_of: dict[object, str] = {}
+    for i, entry in enumerate(images):
+        loc = f"images[{i}]"
+        _expect(entry, dict, path, loc, "an object with 'id' and 'file_name'")
+        if "id" not in entry or not isinstance(entry.get("file_name"), str):
+            raise DataError(f"{loc}: needs 'id' and 'file_name'", path=path,
+                            hint="COCO images look like {\"id\": 391895, \"file_name\": \"COCO_..jpg\"}")
+        if entry["id"] in file_of:
+            raise DataError(f"{loc}: image id {entry['id']!r} is listed twice", path=path)
+        file_of[entry["id"]] = entry["file_name"]
+
+    per_image: dict[object, list[str]] = {}
+    on_disk = _ImageCheck(images_dir)
+    builder = _Builder(path)
+    for j, ann in enumerate(annotations):
+        loc = f"annotations[{j}]"
+        _expect(ann, dict, path, loc, "an object with 'image_id' and 'caption'")
+        if "image_id" not in ann or "caption" not in ann:
+            raise DataError(f"{loc}: needs 'image_id' and 'caption'", path=path)
+        caption = _caption_text(ann["caption"], path, f"{loc}.caption")
+        image = ann["image_id"]
+        if image not in file_of:
+            builder.skip(_where(path, loc), f"skipped caption of image id {image!r}: not in 'images'")
+            continue
+        if not on_disk(file_of[image]):
+            builder.skip(_where(path, loc), f"skipped caption of {file_of[image]!r}: "
+                                            f"image not found in {images_dir}")
+            continue
+        per_image.setdefault(image, []).append(caption)
+    for image, file_name in file_of.items():
+        for caption in per_image.get(image, ()):
+            builder.add(file_name, caption, split)
+    return builder.table()
+
+
+def read_csv(source: str | Path, *, images_dir: Path | None = None) -> CaptionTable:
+    """Read a plain CSV with header `image,caption` and an optional third column `split`: the simplest
+    way to bring one's own photos. Quoting follows the csv module (captions may contain commas).
+
+    `split` values must be train, dev, test, testall or empty; a file without the column puts every row
+    in split "". A UTF-8 byte-order mark (spreadsheet exports) is accepted.
+    """
+    path = Path(source)
+    if not path.is_file():
+        raise DataError("CSV file not found", path=path)
+    on_disk = _ImageCheck(images_dir)
+    builder = _Builder(path)
+    with open(path, encoding="utf-8-sig", newline="") as fh:
+        reader = csv.reader(fh)
+        try:
+            header = next(reader, None)
+            if header is None:
+                raise DataError("empty CSV file", path=path, line=1,
+                                hint=f"the first line must be {CSV_HEADER}")
+            names = [h.strip().lower() for h in header]
+            if names not in (["image", "caption"], ["image", "caption", "split"]):
+                raise DataError(f"unexpected header {','.join(header)!r}", path=path, line=1,
+                                hint=f"the first line must be exactly {CSV_HEADER}, "
+                                     f"e.g. 'image,caption,split'")
+            ncols = len(names)
+            prev_end = reader.line_num
+            for row in reader:
+                lineno, prev_end = prev_end + 1, reader.line_num
+                if not row or (len(row) == 1 and not row[0].strip()):
+                    continue
+                if len(row) != ncols:
+                    raise DataError(f"expected {ncols} columns ({','.join(names)}), found {len(row)}",
+                                    path=path, line=lineno,
+                                    hint="quote captions that contain commas: \"a dog, running\"")
+                image = row[0].strip()
+                if not image:
+                    raise DataError("empty image name", path=path, line=lineno)
+                caption = row[1].strip()
+                if not caption:
+                    raise DataError(f"empty caption for {image}", path=path, line=lineno,
+                                    hint="remove the row or write the caption")
+                split = row[2].strip() if ncols == 3 else ""
+                if split not in CSV_SPLITS:
+                    raise DataError(f"unknown split {split!r}", path=path, line=lineno,
+                                    hint="use train, dev, test, testall or leave it empty "
+                                         "(dev is the validation split)")
+                if not on_disk(image):
+                    builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: "
+                                                     f"image not found in {images_dir}")
+                    continue
+                builder.add(image, caption, split)
+        except csv.Error as exc:
+            raise DataError(f"malformed CSV: {exc}", path=path, line=reader.line_num) from None
+        except UnicodeDecodeError as exc:
+            raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+    return builder.table()

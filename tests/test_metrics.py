@@ -1,0 +1,87 @@
+"""Metrics against a brute-force reference (with ties), and the COCO 5-fold protocol."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from itmatch.engine.metrics import average_folds, retrieval_metrics
+
+
+def brute_ranks(scores: np.ndarray, per_image: int = 5):
+    """Loop version of the documented rule: ties with a negative count against the ground truth."""
+    n_img, n_txt = scores.shape
+    i2t, t2i = [], []
+    for i in range(n_img):
+        positives = range(per_image * i, per_image * i + per_image)
+        best = max(scores[i, j] for j in positives)
+        i2t.append(sum(1 for j in range(n_txt) if j not in positives and scores[i, j] >= best))
+    for j in range(n_txt):
+        own = j // per_image
+        t2i.append(sum(1 for i in range(n_img) if i != own and scores[i, j] >= scores[own, j]))
+    return i2t, t2i
+
+
+def brute_metrics(ranks):
+    r = sorted(ranks)
+    n = len(r)
+    median = (r[(n - 1) // 2] + r[n // 2]) / 2
+    return {"r1": 100 * sum(x < 1 for x in r) / n, "r5": 100 * sum(x < 5 for x in r) / n,
+            "r10": 100 * sum(x < 10 for x in r) / n, "medr": math.floor(median) + 1, "meanr": sum(r) / n + 1}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_metrics_match_brute_force_with_ties(seed):
+    rng = np.random.default_rng(seed)
+    n = 23
+    scores = rng.integers(0, 6, size=(n, 5 * n)).astype(np.float32)  # coarse values: many ties
+    for i in range(n):  # make some items clearly right
+        if i % 3 == 0:
+            scores[i, 5 * i + 2] = 9
+    result = retrieval_metrics(torch.from_numpy(scores))
+    i2t, t2i = brute_ranks(scores)
+    for direction, ranks in (("image_to_text", i2t), ("text_to_image", t2i)):
+        expected = brute_metrics(ranks)
+        for key, value in expected.items():
+            assert result[direction][key] == pytest.approx(value), (direction, key)
+    assert result["rsum"] == pytest.approx(sum(result[d][f"r{k}"] for d in ("image_to_text", "text_to_image")
+                                               for k in (1, 5, 10)))
+    assert result["mR"] == pytest.approx(result["rsum"] / 6)
+
+
+def test_constant_scores_are_not_rewarded():
+    result = retrieval_metrics(torch.zeros(10, 50))
+    assert result["image_to_text"]["r1"] == 0 and result["text_to_image"]["r1"] == 0
+
+
+def test_perfect_scores():
+    scores = torch.full((4, 20), -1.0)
+    for i in range(4):
+        scores[i, 5 * i:5 * i + 5] = 1.0
+    result = retrieval_metrics(scores)
+    assert result["rsum"] == 600 and result["image_to_text"]["medr"] == 1
+
+
+def test_coco_five_fold_average_recomputes_rsum():
+    from itmatch.data.precomp import PrecompSplit
+    from itmatch.engine.evaluate import protocol_folds
+
+    rng = np.random.default_rng(0)
+    split = PrecompSplit(root=None, split="testall", images=np.zeros((5000, 1, 1), np.float32),
+                         captions=[f"c{j}" for j in range(25000)], ids=[str(i) for i in range(5000)])
+    folds = protocol_folds(split, "coco1k")
+    assert [f.n_images for f in folds] == [1000] * 5
+    assert folds[2].captions[0] == "c10000" and folds[4].ids[-1] == "4999"
+    results = [retrieval_metrics(torch.from_numpy(rng.standard_normal((30, 150)).astype(np.float32)))
+               for _ in range(5)]
+    avg = average_folds(results)
+    for d in ("image_to_text", "text_to_image"):
+        for key in ("r1", "r5", "r10", "medr", "meanr"):
+            assert avg[d][key] == pytest.approx(np.mean([r[d][key] for r in results]))
+    assert avg["rsum"] == pytest.approx(sum(avg[d][f"r{k}"] for d in ("image_to_text", "text_to_image")
+                                            for k in (1, 5, 10)))
+    with pytest.raises(Exception, match="5000"):
+        protocol_folds(split.head(1000), "coco5k")

@@ -1,0 +1,66 @@
+"""Precomp layout round trip and its bad-input errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from itmatch.data.precomp import read_precomp, write_captions, write_features
+from itmatch.errors import DataError
+
+
+def test_round_trip_is_memory_mapped(tmp_path):
+    feats = np.random.default_rng(0).standard_normal((3, 4, 5)).astype(np.float32)
+    write_features(tmp_path, "test", feats)
+    write_captions(tmp_path, "test", ["a", "b", "c"], [f"cap {j}" for j in range(15)])
+    split = read_precomp(tmp_path, "test")
+    assert isinstance(split.images, np.memmap) and np.array_equal(split.images, feats)
+    assert split.captions[7] == "cap 7" and split.ids == ["a", "b", "c"]
+    head = split.head(2)
+    assert head.n_images == 2 and len(head.captions) == 10
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_caption_count_mismatch_names_file(tmp_path):
+    write_features(tmp_path, "dev", np.zeros((2, 1, 3), np.float32))
+    (tmp_path / "dev_caps.txt").write_text("\n".join(["x"] * 9) + "\n")
+    with pytest.raises(DataError, match=r"dev_caps.txt: 9 caption lines for 2 images"):
+        read_precomp(tmp_path, "dev")
+
+
+def test_empty_caption_names_line(tmp_path):
+    write_features(tmp_path, "dev", np.zeros((1, 1, 3), np.float32))
+    (tmp_path / "dev_caps.txt").write_text("a\nb\n  \nd\ne\n")
+    with pytest.raises(DataError, match=r"dev_caps.txt:3: empty caption"):
+        read_precomp(tmp_path, "dev")
+
+
+def test_non_finite_features_name_image(tmp_path):
+    feats = np.zeros((4, 2, 3), np.float32)
+    feats[2, 1, 0] = np.nan
+    write_features(tmp_path, "dev", feats)
+    write_captions(tmp_path, "dev", list("abcd"), ["x"] * 20)
+    with pytest.raises(DataError, match="non-finite.*image 2"):
+        read_precomp(tmp_path, "dev")
+
+
+def test_missing_and_truncated_features(tmp_path):
+    with pytest.raises(DataError, match="itmatch extract"):
+        read_precomp(tmp_path, "test")
+    write_features(tmp_path, "test", np.zeros((10, 4, 8), np.float32))
+    path = tmp_path / "test_ims.npy"
+    path.write_bytes(path.read_bytes()[:200])
+    (tmp_path / "test_caps.txt").write_text("x\n" * 50)
+    with pytest.raises(DataError, match="test_ims.npy"):
+        read_precomp(tmp_path, "test")
+
+
+def test_f30k_caption_file_without_final_newline():
+    from conftest import SHARED
+
+    path = SHARED / "precomp-captions/f30k_precomp/test_caps.txt"
+    if not path.exists():
+        pytest.skip("../shared/data is absent")
+    from itmatch.data.precomp import read_lines
+
+    assert len(read_lines(path)) == 5000
