@@ -16,8 +16,8 @@ from itmatch.engine.train import train
 from itmatch.errors import CheckpointError, ConfigError, OverwriteError
 from itmatch.models.registry import list_models, resolve_config
 
-QUICK = {"model": {"embed_size": 32, "word_dim": 16}, "loss": {"warmup_epochs": 1}, "train": {"epochs": 2, "batch_size": 32, "lr": 2e-3,
-                                                                 "val_images": 40, "lr_update": 10}}
+QUICK = {"model": {"embed_size": 32, "word_dim": 16}, "loss": {"warmup_epochs": 1},
+         "train": {"epochs": 2, "batch_size": 32, "lr": 2e-3, "val_images": 40, "lr_update": 10}}
 
 
 def quick_config(preset, data, **train):

@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="auto", choices=["auto", "flickr8k", "karpathy", "coco", "csv"])
     s.add_argument("--backbone", default="lite0", help="lite0 (7x7, default) or lite2 (9x9)")
     s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
-    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--batch-size", type=int, default=8, help="images per forward pass (8 is fastest on CPU)")
     s.add_argument("--skip-bad-images", action="store_true", help="report and drop unreadable images")
     s.add_argument("--force", action="store_true", help="replace existing outputs")
     s.set_defaults(func=_cmd_extract)

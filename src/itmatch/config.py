@@ -49,6 +49,7 @@ class TrainConfig:
     batch_size: int = 128
     grad_clip: float = 2.0
     seed: int = 0
+    bucket_by_length: bool = False  # batches of similar caption length (less padding; see docs/training.md)
     max_batches: int = 0  # >0: cap batches per epoch (quick runs); 0: the whole split
     val_images: int = 1000  # model selection on the first N dev images (SCAN)
     log_every: int = 20
@@ -59,6 +60,7 @@ class TrainConfig:
 class DataConfig:
     path: str = ""  # precomp directory
     vocab: str = ""  # vocabulary JSON; empty: build from the training captions
+    backbone: str = ""  # the CNN the features came from (read from the data's meta.json); used by itmatch.load
     train_split: str = "train"
     val_split: str = "dev"
 

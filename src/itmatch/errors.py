@@ -43,5 +43,5 @@ def refuse_overwrite(path: str | Path, force: bool) -> None:
     """Raise unless `path` is absent or the user passed --force."""
     p = Path(path)
     if p.exists() and not force:
-        raise OverwriteError(f"{p} already exists", path=p,
+        raise OverwriteError("already exists", path=p,
                              hint="choose another output path or pass --force to replace it")

@@ -64,5 +64,29 @@ def collate_pairs(items: list[tuple[np.ndarray, list[int], int, int]]) -> PairBa
                      torch.tensor(img_idx), torch.tensor(cap_idx))
 
 
+class LengthBucketSampler(torch.utils.data.Sampler[list[int]]):
+    """Random batches of captions of similar length: shuffle, cut into pools of `pool` batches, sort each
+    pool by caption length, cut it into batches, shuffle the batches. Padding (and so the cost of every
+    region-word head, linear in the padded length) drops to near the mean length. The images of a batch
+    stay a random sample, so negatives stay random images."""
+
+    def __init__(self, lengths: list[int], batch_size: int, generator: torch.Generator, pool: int = 32) -> None:
+        self.lengths, self.batch_size, self.generator, self.pool = lengths, batch_size, generator, pool
+
+    def __len__(self) -> int:
+        return len(self.lengths) // self.batch_size
+
+    def __iter__(self):
+        order = torch.randperm(len(self.lengths), generator=self.generator).tolist()
+        span = self.batch_size * self.pool
+        batches = []
+        for start in range(0, len(order), span):
+            chunk = sorted(order[start:start + span], key=lambda j: self.lengths[j])
+            batches += [chunk[b:b + self.batch_size] for b in range(0, len(chunk), self.batch_size)]
+        batches = [b for b in batches if len(b) == self.batch_size]  # drop_last
+        for i in torch.randperm(len(batches), generator=self.generator).tolist():
+            yield batches[i]
+
+
 def encode_all_captions(captions: list[str], vocab: Vocab) -> list[list[int]]:
     return [vocab.encode(c) for c in captions]

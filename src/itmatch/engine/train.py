@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from itmatch.config import Config
-from itmatch.data.datasets import CaptionTransform, PairDataset, collate_pairs
+from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit, read_precomp
-from itmatch.data.vocab import Vocab, build_vocab
+from itmatch.data.vocab import Vocab, build_vocab, tokenize
 from itmatch.engine.checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.errors import ConfigError, OverwriteError
@@ -50,6 +50,9 @@ def prepare_data(cfg: Config, vocab: Vocab | None) -> tuple[PrecompSplit, Precom
         raise ConfigError(f"model.img_dim={cfg.model.img_dim} but the features are {train.images.shape[2]}-d",
                           hint="drop the override; img_dim is taken from the data")
     cfg.model.img_dim = int(train.images.shape[2])
+    meta = Path(cfg.data.path) / "meta.json"
+    if not cfg.data.backbone and meta.is_file():
+        cfg.data.backbone = json.loads(meta.read_text(encoding="utf-8")).get("backbone", "")
     return train, val, vocab
 
 
@@ -85,12 +88,17 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
 
     loader_gen = torch.Generator()
     dataset = PairDataset(train_split, vocab, transform)
+    lengths = [len(tokenize(c)) for c in train_split.captions] if cfg.train.bucket_by_length else []
     log = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
     best: dict[str, Any] = state.get("best_result", {})
     for epoch in range(state["epoch"], cfg.train.epochs):
         loader_gen.manual_seed(cfg.train.seed * 1000 + epoch)  # same batches on resume
-        loader = DataLoader(dataset, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True,
-                            collate_fn=collate_pairs, generator=loader_gen)
+        if cfg.train.bucket_by_length:
+            sampler = LengthBucketSampler(lengths, cfg.train.batch_size, loader_gen)
+            loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_pairs)
+        else:
+            loader = DataLoader(dataset, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True,
+                                collate_fn=collate_pairs, generator=loader_gen)
         lr = learning_rate(cfg, epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -1,0 +1,55 @@
+"""Train and evaluate every row of docs/results/flickr8k.csv on Flickr8K (224x224) features.
+
+    python bench/flickr8k.py --row scan_t2i_avg        # one row (trains if RUN/best is absent)
+    python bench/flickr8k.py                           # all rows, in order
+
+Features come from `itmatch extract` (see README); every model uses configs/flickr8k/cpu.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULE = "configs/flickr8k/cpu.yaml"
+DATA = "runs/data/flickr8k_lite0"
+RESULTS = "docs/results/flickr8k.csv"
+SINGLE = ["vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse"]
+ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"]}
+
+
+def run(cmd: list[str]) -> None:
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def run_row(row: str, threads: int) -> None:
+    members = ENSEMBLES.get(row, [row])
+    for preset in members:
+        out = f"runs/flickr8k/{preset}"
+        if not (ROOT / out / "best").exists():
+            resume = ["--resume"] if (ROOT / out / "last").exists() else []
+            run(["itmatch", "train", "--preset", preset, "--config", SCHEDULE, "--out", out, "--force",
+                 "--set", f"train.threads={threads}", *resume])
+    run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", DATA,
+         "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
+         "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
+         "--json", f"runs/flickr8k/{row}.test.json"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--row", action="append", choices=SINGLE + list(ENSEMBLES), help="rows to produce")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per training (0: all)")
+    args = parser.parse_args()
+    for row in args.row or SINGLE + list(ENSEMBLES):
+        run_row(row, args.threads)
+    run([sys.executable, "scripts/render_results.py"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Python API in the spirit of open_clip: itmatch.list_models(), itmatch.load(checkpoint)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
+from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
+from itmatch.errors import DataError
+from itmatch.models.base import ImageEmb, TextEmb
+
+ImageInput = str | Path | Image.Image
+
+
+class ImageTextMatcher:
+    """A trained model with its vocabulary and (lazily) the CNN its features came from."""
+
+    def __init__(self, checkpoint: Checkpoint, backbone: str | None = None) -> None:
+        self.checkpoint = checkpoint
+        self.model, self.vocab = checkpoint.model.eval(), checkpoint.vocab
+        self.backbone_name = backbone or checkpoint.config.data.backbone or "lite0"
+        self._backbone = None
+
+    @property
+    def backbone(self):
+        if self._backbone is None:
+            from itmatch.features.backbones import load_backbone
+
+            self._backbone = load_backbone(self.backbone_name)
+        return self._backbone
+
+    @torch.inference_mode()
+    def image_features(self, images: Sequence[ImageInput], batch_size: int = 8) -> torch.Tensor:
+        """Region features [N, k, D] of image files or PIL images, as `itmatch extract` computes them."""
+        parts = []
+        for start in range(0, len(images), batch_size):
+            batch = []
+            for item in images[start:start + batch_size]:
+                if isinstance(item, Image.Image):
+                    batch.append(self.backbone.preprocess(item))
+                    continue
+                try:
+                    with Image.open(item) as im:
+                        batch.append(self.backbone.preprocess(im))
+                except OSError as exc:
+                    raise DataError(f"cannot read image ({exc})", path=item,
+                                    hint="pass a readable JPEG/PNG file") from None
+            parts.append(self.backbone(torch.stack(batch)))
+        return torch.cat(parts)
+
+    def encode_images(self, images: Sequence[ImageInput] | torch.Tensor | np.ndarray) -> ImageEmb:
+        """Paths or PIL images (run through the backbone), or precomputed [N, k, D] features."""
+        if isinstance(images, np.ndarray | torch.Tensor):
+            feats = torch.as_tensor(np.asarray(images, dtype=np.float32))
+        else:
+            feats = self.image_features(list(images))
+        return encode_images(self.model, feats.numpy())
+
+    def encode_texts(self, texts: Sequence[str]) -> TextEmb:
+        if isinstance(texts, str):
+            texts = [texts]
+        return encode_captions(self.model, list(texts), self.vocab)
+
+    def score(self, images: ImageEmb | Sequence[ImageInput] | torch.Tensor,
+              texts: TextEmb | Sequence[str]) -> torch.Tensor:
+        """Scores [n_images, n_texts] (embeddings from encode_* or raw inputs)."""
+        img = images if isinstance(images, ImageEmb) else self.encode_images(images)
+        txt = texts if isinstance(texts, TextEmb) else self.encode_texts(texts)
+        return score_matrix(self.model, img, txt)
+
+    def rank(self, query: str | ImageInput, candidates: ImageEmb | TextEmb | Sequence, top_k: int = 10
+             ) -> list[tuple[int, float]]:
+        """Text query -> best candidate images, or image query -> best candidate texts: (index, score)."""
+        if isinstance(query, str) and Path(query).suffix.lower() not in (".jpg", ".jpeg", ".png"):
+            scores = self.score(candidates, [query])[:, 0]
+        else:
+            scores = self.score([query], candidates)[0]
+        top = torch.topk(scores, min(top_k, scores.numel()))
+        return [(int(i), float(s)) for s, i in zip(top.values, top.indices, strict=True)]
+
+
+def load(checkpoint: str | Path, backbone: str | None = None) -> ImageTextMatcher:
+    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best)."""
+    return ImageTextMatcher(load_checkpoint(checkpoint), backbone)
