@@ -52,7 +52,7 @@ def test_train_learns_and_checkpoints(tiny_precomp, tmp_path, preset):
     ckpt = load_checkpoint(tmp_path / "run" / "best")
     split = read_precomp(tiny_precomp, "test")
     metrics = evaluate_models([(ckpt.model, ckpt.vocab)], split, "full")
-    assert metrics["text_to_image"]["r1"] > 100 / 40 * 3  # well above chance
+    assert metrics["rsum"] > 120  # held-out images, well above chance (80)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["epoch"] for x in lines if "val_rsum" in x] == [1, 2]
 
