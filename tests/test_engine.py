@@ -118,3 +118,9 @@ def test_cli_reports_errors_without_traceback(tmp_path, capsys):
     assert "unknown model 'nope'" in err and "Traceback" not in err
     assert main(["train", "--preset", "vsepp", "--data", str(tmp_path), "--out", str(tmp_path / "r")]) == 2
     assert "train_ims.npy" in capsys.readouterr().err
+
+
+def test_training_with_same_image_pairs_masked(tiny_precomp, tmp_path):
+    cfg = quick_config("summax_t2i", tiny_precomp)
+    cfg.loss.mask_same_image = True
+    assert train(cfg, tmp_path / "run", progress=False)["best_rsum"] > 150

@@ -39,6 +39,9 @@ class LossConfig:
     margin: float = 0.2
     hardest: bool = True  # hardest negatives (Eq. 12) rather than the sum over negatives (Eq. 11)
     warmup_epochs: int = 0  # epochs with the sum over negatives before switching to the hardest
+    # Two captions of one image in a batch are each other's "negatives" in the public code (about one
+    # such pair per batch of 128 on Flickr); True excludes them from the negatives.
+    mask_same_image: bool = False
 
 
 @dataclass

@@ -112,7 +112,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 break
             img = model.encode_images(batch.images)
             txt = model.encode_texts(batch.text.tokens, batch.text.lengths)
-            loss = triplet_loss(model.score(img, txt), cfg.loss.margin, hardest)
+            positives = None
+            if cfg.loss.mask_same_image:
+                positives = batch.image_index[:, None] == batch.image_index[None, :]
+            loss = triplet_loss(model.score(img, txt), cfg.loss.margin, hardest, positives)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.train.grad_clip > 0:
