@@ -11,8 +11,10 @@ EPS = 1e-8  # the public SCAN code's epsilon in l2norm and cosine similarity
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
-    """x / (||x|| + eps), exactly as the public SCAN code (not F.normalize, which clamps instead)."""
-    return x / (x.pow(2).sum(dim=dim, keepdim=True).sqrt() + eps)
+    """x / (||x|| + eps), as the public SCAN code (not F.normalize, which clamps instead). The norm is
+    torch.linalg.vector_norm, whose gradient at a zero vector is 0; sqrt(sum x^2) gives 0 * inf = NaN there
+    (an all-zero grid cell, a padded word)."""
+    return x / (torch.linalg.vector_norm(x, dim=dim, keepdim=True) + eps)
 
 
 def length_mask(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tensor:

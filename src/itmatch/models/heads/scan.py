@@ -31,7 +31,8 @@ def normalise_over(s: torch.Tensor, mask: torch.Tensor, dim: int, how: str,
         s = F.leaky_relu(s, clip_slope)
     if how in ("clipped_l2norm", "l2norm"):
         s = s.masked_fill(~mask, 0.0)
-        s = s / (s.pow(2).sum(dim=dim, keepdim=True).sqrt() + EPS)
+        # vector_norm: zero gradient where a whole column is zero (padded words in i-t), not NaN
+        s = s / (torch.linalg.vector_norm(s, dim=dim, keepdim=True) + EPS)
     elif how not in ("clipped", "no_norm"):
         raise ValueError(f"unknown normalisation {how!r}; choose one of {NORMS}")
     return s
