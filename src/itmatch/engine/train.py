@@ -23,7 +23,6 @@ from itmatch.engine.checkpoint import load_checkpoint, load_optimizer_state, sav
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
-from itmatch.models.losses import triplet_loss
 from itmatch.models.registry import build_model
 
 
@@ -115,7 +114,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             positives = None
             if cfg.loss.mask_same_image:
                 positives = batch.image_index[:, None] == batch.image_index[None, :]
-            loss = triplet_loss(model.score(img, txt), cfg.loss.margin, hardest, positives)
+            loss = model.training_loss(img, txt, cfg.loss, hardest, positives)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.train.grad_clip > 0:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch import nn
 
+from itmatch.config import LossConfig
+from itmatch.models.losses import triplet_loss
+
 EPS = 1e-8  # the public SCAN code's epsilon in l2norm and cosine similarity
 
 
@@ -95,6 +98,13 @@ class SimilarityHead(nn.Module):
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
+                      positives: torch.Tensor | None = None) -> torch.Tensor:
+        """The batch loss; img[i] and txt[i] are the matched pairs. The default is the triplet ranking
+        loss over the batch's score matrix (SCAN Eq. 11/12); a head whose paper adds terms (MMCA's
+        three-term loss, OAN's intra-modal negatives, SMAN's intra-pair constraint) overrides this."""
+        return triplet_loss(self(img, txt), loss.margin, hardest, positives)
+
 
 class Matcher(nn.Module):
     """An image encoder, a text encoder and a similarity head."""
@@ -113,6 +123,10 @@ class Matcher(nn.Module):
 
     def score(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         return self.head(img, txt)
+
+    def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
+                      positives: torch.Tensor | None = None) -> torch.Tensor:
+        return self.head.training_loss(img, txt, loss, hardest, positives)
 
     @property
     def has_global_embedding(self) -> bool:

@@ -4,16 +4,15 @@ applied over the defaults (paper hyper-parameters; the CPU schedule of docs/ is 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from itmatch.config import Config, ModelConfig, config_from_dict, update
 from itmatch.errors import ConfigError
-from itmatch.models.base import Matcher
+from itmatch.models.base import Matcher, SimilarityHead
 from itmatch.models.heads import GlobalCosineHead, ScanHead, SumMaxHead
 from itmatch.models.image import RegionEncoder
 from itmatch.models.text import RNNTextEncoder
-
-ARCHS = ("vsepp", "summax", "scan")
 
 # SCAN supplementary: Flickr30K lr 2e-4 for 15 epochs then 2e-5 for 15; COCO 5e-4 for 10 then 5e-5 for 10.
 F30K_SCHEDULE = {"epochs": 30, "lr": 2e-4, "lr_update": 15}
@@ -73,24 +72,42 @@ def resolve_config(preset: str | None, *layers: dict[str, Any]) -> Config:
     return cfg
 
 
-def build_model(mc: ModelConfig) -> Matcher:
-    if mc.vocab_size <= 0 or mc.img_dim <= 0:
-        raise ConfigError("model.vocab_size and model.img_dim must be set (the trainer fills them from data)")
-    if mc.arch not in ARCHS:
-        raise ConfigError(f"unknown model.arch {mc.arch!r}", hint=f"choose one of {', '.join(ARCHS)}")
-    is_global = mc.arch == "vsepp"
+def _region_rnn_matcher(mc: ModelConfig, head: SimilarityHead, is_global: bool = False) -> Matcher:
+    """Region FC image side + (Bi)GRU text side, the encoders SCAN and its baselines share."""
     image = RegionEncoder(mc.img_dim, mc.embed_size, norm=mc.img_norm, pool=is_global)
     text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
                           bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm,
                           pool="last" if is_global else "none")
-    try:
-        if is_global:
-            head = GlobalCosineHead()
-        elif mc.arch == "summax":
-            head = SumMaxHead(mc.direction)
-        else:
-            head = ScanHead(mc.direction, mc.pool, mc.lambda_softmax, mc.lambda_lse, mc.raw_feature_norm,
-                            mc.clip_slope)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
     return Matcher(image, text, head)
+
+
+def _build_vsepp(mc: ModelConfig) -> Matcher:
+    return _region_rnn_matcher(mc, GlobalCosineHead(), is_global=True)
+
+
+def _build_summax(mc: ModelConfig) -> Matcher:
+    return _region_rnn_matcher(mc, SumMaxHead(mc.direction))
+
+
+def _build_scan(mc: ModelConfig) -> Matcher:
+    return _region_rnn_matcher(mc, ScanHead(mc.direction, mc.pool, mc.lambda_softmax, mc.lambda_lse,
+                                            mc.raw_feature_norm, mc.clip_slope))
+
+
+#: model.arch -> builder. A new model adds its builder here and its presets to PRESETS.
+BUILDERS: dict[str, Callable[[ModelConfig], Matcher]] = {
+    "vsepp": _build_vsepp,
+    "summax": _build_summax,
+    "scan": _build_scan,
+}
+
+
+def build_model(mc: ModelConfig) -> Matcher:
+    if mc.vocab_size <= 0 or mc.img_dim <= 0:
+        raise ConfigError("model.vocab_size and model.img_dim must be set (the trainer fills them from data)")
+    if mc.arch not in BUILDERS:
+        raise ConfigError(f"unknown model.arch {mc.arch!r}", hint=f"choose one of {', '.join(BUILDERS)}")
+    try:
+        return BUILDERS[mc.arch](mc)
+    except ValueError as exc:  # an invalid option value the module rejected
+        raise ConfigError(str(exc)) from None
