@@ -47,7 +47,9 @@ class LossConfig:
 @dataclass
 class TrainConfig:
     epochs: int = 30
+    optimizer: str = "adam"  # adam | adadelta (SMAN)
     lr: float = 2e-4
+    weight_decay: float = 0.0  # L2 penalty of the optimizer (OAN 1e-6, SMAN 5e-4)
     lr_update: int = 15  # lr = lr0 * 0.1 ** (epoch // lr_update)
     batch_size: int = 128
     grad_clip: float = 2.0

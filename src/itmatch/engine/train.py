@@ -31,6 +31,19 @@ def learning_rate(cfg: Config, epoch: int) -> float:
     return cfg.train.lr * 0.1 ** (epoch // max(1, cfg.train.lr_update))
 
 
+OPTIMIZERS = {"adam": torch.optim.Adam, "adadelta": torch.optim.Adadelta}
+
+
+def make_optimizer(cfg: Config, model: torch.nn.Module, epoch: int) -> torch.optim.Optimizer:
+    """The configured optimizer over the trainable parameters (frozen ones, e.g. a pretrained text
+    encoder, are left out)."""
+    if cfg.train.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"unknown train.optimizer {cfg.train.optimizer!r}",
+                          hint=f"choose one of {', '.join(OPTIMIZERS)}")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return OPTIMIZERS[cfg.train.optimizer](params, lr=learning_rate(cfg, epoch), weight_decay=cfg.train.weight_decay)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -81,7 +94,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "metrics.jsonl").write_text("", encoding="utf-8")
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
-    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate(cfg, state["epoch"]))
+    optimizer = make_optimizer(cfg, model, state["epoch"])
     if resume:
         load_optimizer_state(last, optimizer)
 
