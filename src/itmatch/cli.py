@@ -1,4 +1,4 @@
-"""`itmatch <verb>`: models, synth, extract, train, evaluate, demo."""
+"""`itmatch <verb>`: models, synth, extract, train, evaluate, demo, index, search, serve."""
 
 from __future__ import annotations
 
@@ -108,6 +108,50 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_index(args: argparse.Namespace) -> int:
+    from itmatch.retrieval.index import build_index
+
+    summary = build_index(Path(args.images), Path(args.model), Path(args.out), force=args.force,
+                          batch_size=args.batch_size, progress=not args.quiet)
+    for item in summary["skipped"]:
+        print(f"skipped: {item['id']}: {item['reason']}", file=sys.stderr)
+    print(f"{summary['images']} images in {summary['index']}: {summary['encoded']} encoded, "
+          f"{summary['reused']} reused; {len(summary['added'])} added, {len(summary['changed'])} changed, "
+          f"{len(summary['removed'])} removed since the last run ({summary['seconds']} s)")
+    return 0
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    from itmatch.retrieval.search import Searcher, read_captions_file
+
+    if (args.query is None) == (args.image is None):
+        from itmatch.errors import ConfigError
+
+        raise ConfigError("give either a text QUERY or --image PHOTO", hint="itmatch search INDEX 'a dog' -k 10")
+    captions = read_captions_file(args.captions) if args.captions else None
+    searcher = Searcher(Path(args.index), args.model, captions=captions)
+    if args.image is not None:
+        results = searcher.search_image(Path(args.image), args.k)
+    else:
+        results = [h.as_dict() for h in searcher.search(args.query, args.k)]
+        for r in results:
+            r["path"] = str(searcher.images_root / r["id"])
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        for r in results:
+            print(f"{r['rank']:>3}  {r['score']:.4f}  {r.get('path', r.get('caption'))}")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from itmatch.retrieval.service import serve
+
+    serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
+          images_dir=args.images)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="itmatch", description="Image-text matching: train, evaluate, search.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -168,6 +212,34 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--epochs", type=int, default=6)
     s.add_argument("--force", action="store_true", help="start over in an existing --out")
     s.set_defaults(func=_cmd_demo)
+
+    s = sub.add_parser("index", help="index a photo folder for search (incremental, resumable)")
+    s.add_argument("images", help="folder of photos (searched recursively)")
+    s.add_argument("--model", required=True, help="checkpoint directory written by `itmatch train` (e.g. RUN/best)")
+    s.add_argument("--out", required=True, help="index directory (created; updated in place on later runs)")
+    s.add_argument("--batch-size", type=int, default=8, help="images per backbone forward pass")
+    s.add_argument("--force", action="store_true", help="replace an index built with another model")
+    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    s.set_defaults(func=_cmd_index)
+
+    s = sub.add_parser("search", help="query an index: text -> photos, or --image PHOTO -> captions")
+    s.add_argument("index", help="index directory written by `itmatch index`")
+    s.add_argument("query", nargs="?", help="text query, e.g. 'a dog jumping over a fence'")
+    s.add_argument("-k", type=int, default=10, help="number of results (default 10)")
+    s.add_argument("--image", help="photo to find captions for (image-to-text; needs --captions)")
+    s.add_argument("--captions", help="caption collection for --image: a text file, one caption a line")
+    s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
+    s.add_argument("--json", action="store_true", help="print the results as JSON")
+    s.set_defaults(func=_cmd_search)
+
+    s = sub.add_parser("serve", help="HTTP API and web page over an index (needs the `serve` extra)")
+    s.add_argument("index", help="index directory written by `itmatch index`")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
+    s.add_argument("--captions", help="caption collection for image-to-text search, one caption a line")
+    s.add_argument("--images", help="photo folder, if it moved since indexing (default: the indexed one)")
+    s.set_defaults(func=_cmd_serve)
     return p
 
 

@@ -66,24 +66,38 @@ class ScanHead(SimilarityHead):
             txt.extras["gram"] = txt.words @ txt.words.transpose(1, 2)  # [M, L, L]
         return txt
 
-    def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
-        s = region_word_dots(img, txt)  # [n, k, m, l]
+    def _alpha(self, s: torch.Tensor, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        """Attention weights [n, k, m, l] from the raw region-word dots s: the query axis is normalised,
+        then lambda_1-scaled softmax over the attended axis (Eq. 3 for i-t; its t-i analogue alpha')."""
         rmask = img.mask[:, :, None, None]
         wmask = txt.mask[None, None, :, :]
+        if self.direction == "t2i":  # normalise over words (the query axis), attend over regions
+            sn = normalise_over(s, wmask, 3, self.norm, self.clip_slope)
+            return torch.softmax((self.lambda_softmax * sn).masked_fill(~rmask, float("-inf")), dim=1)
+        # i2t: normalise over regions (the query axis), attend over words
+        sn = normalise_over(s, rmask, 1, self.norm, self.clip_slope)
+        return torch.softmax((self.lambda_softmax * sn).masked_fill(~wmask, float("-inf")), dim=3)
+
+    def attention(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        """The attention weights the score uses, [n_img, k, n_txt, L] (region axis 1, word axis 3).
+
+        t2i: alpha'_{kl} of Sec. 3.2 (Text-Image), each word's softmax over the image's regions, so
+        every real word's weights sum to 1 over the real regions (what SCAN Fig. 4 draws per word).
+        i2t: alpha_{kl} of Eq. 3, each region's softmax over the caption's words (sums to 1 over words).
+        Entries of padded words are NaN-free but meaningless; use txt.lengths to cut them."""
+        return self._alpha(region_word_dots(img, txt), img, txt)
+
+    def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        s = region_word_dots(img, txt)  # [n, k, m, l]
+        alpha = self._alpha(s, img, txt)
         n, k, m, length = s.shape
         if self.direction == "t2i":
-            # normalise over words (the query axis), attend over regions
-            sn = normalise_over(s, wmask, 3, self.norm, self.clip_slope)
-            alpha = torch.softmax((self.lambda_softmax * sn).masked_fill(~rmask, float("-inf")), dim=1)
             dot = (alpha * s).sum(1)  # [n, m, l] = e_l . a_l
             g_alpha = torch.bmm(img.extras["gram"], alpha.reshape(n, k, m * length)).view(n, k, m, length)
             sq_norm = (alpha * g_alpha).sum(1)  # ||a_l||^2
             query_norm = txt.words.norm(dim=-1)[None]  # [1, m, l]
             relevance = dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
             return masked_pool(relevance, txt.mask[None], 2, self.pool, self.lambda_lse)
-        # i2t: normalise over regions (the query axis), attend over words
-        sn = normalise_over(s, rmask, 1, self.norm, self.clip_slope)
-        alpha = torch.softmax((self.lambda_softmax * sn).masked_fill(~wmask, float("-inf")), dim=3)
         dot = (alpha * s).sum(3)  # [n, k, m] = v_k . a_k
         per_caption = alpha.permute(2, 0, 1, 3).reshape(m, n * k, length)
         h_alpha = torch.bmm(per_caption, txt.extras["gram"]).view(m, n, k, length).permute(1, 2, 0, 3)

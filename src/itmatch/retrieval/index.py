@@ -1,0 +1,448 @@
+"""An on-disk index of a photo collection for text-to-image search with a trained matcher.
+
+Layout of INDEX_DIR (everything but `parts/` is replaced atomically; `manifest.json` is written last):
+
+    manifest.json               format, the model's identity, backbone, one record per image (relative
+                                path, bytes, pixel size, sha256 of the file), the array files with
+                                their shapes and sha256
+    features-<gen>.npy          float32 [N, k, D] backbone grid features (what `itmatch extract` computes)
+    regions-<gen>.npy           float32 [N, k, d] the model's per-region encodings (ImageEmb.regions)
+    vectors-<gen>.npy           float32 [N, d] the global vector, for models that have one (VSE++)
+    parts/part-*.npz            encodings of a run that has not finished yet (deleted when it does)
+
+Incremental by content: an image's encodings are looked up by the sha256 of its file, so re-running
+after adding photos encodes only the new ones, a changed file (new hash) is re-encoded, a deleted one is
+dropped and a moved or renamed one keeps its encodings. Resumable: new images are encoded in chunks,
+each chunk saved to `parts/` atomically, so an interrupted run continues where it stopped; the arrays
+of a finished run get a new generation name and the manifest that names them is written last, so a
+crash at any point leaves either the old index or the new one, never a mix.
+
+The model's identity is the sha256 of the checkpoint's model config (plus the backbone) and of its
+weights file; an index is only ever used with the model that built it (`check_model`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.lib.format import open_memmap
+from PIL import Image
+from tqdm import tqdm
+
+from itmatch.errors import CheckpointError, DataError, OverwriteError
+from itmatch.io import atomic_path, write_json_atomic, write_with
+from itmatch.models.base import ImageEmb
+
+log = logging.getLogger("itmatch.retrieval")
+
+MANIFEST = "manifest.json"
+PARTS = "parts"
+FORMAT = "itmatch-index"
+FORMAT_VERSION = 1
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+ARRAYS = ("features", "regions", "vectors")
+
+
+def rebuild_hint(index_dir: Path | str, manifest: dict | None = None) -> str:
+    images = (manifest or {}).get("images_root", "IMAGES_DIR")
+    ckpt = ((manifest or {}).get("model") or {}).get("checkpoint", "CKPT")
+    return f"rebuild it: itmatch index {images} --model {ckpt} --out {index_dir} --force"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_identity(checkpoint: Path | str, backbone: str) -> dict[str, Any]:
+    """What an index's encodings depend on: the model config, the backbone and the weights."""
+    checkpoint = Path(checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    canonical = json.dumps({"model": config["model"], "backbone": backbone}, sort_keys=True)
+    return {"checkpoint": str(checkpoint.resolve()), "arch": config["model"]["arch"],
+            "preset": config.get("preset", ""), "backbone": backbone,
+            "config_hash": hashlib.sha256(canonical.encode()).hexdigest(),
+            "weights_hash": sha256_file(checkpoint / "model.safetensors")}
+
+
+def same_model(a: dict, b: dict) -> bool:
+    return a.get("config_hash") == b.get("config_hash") and a.get("weights_hash") == b.get("weights_hash")
+
+
+def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
+    """Relative POSIX paths of the image files under `root` (recursive, sorted; hidden files and
+    folders and the folder `exclude`, e.g. an index kept inside the photo folder, are left out)."""
+    found = []
+    exclude = exclude.resolve() if exclude is not None else None
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
+                             and (exclude is None or (here / d).resolve() != exclude))
+        for name in filenames:
+            if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_SUFFIXES:
+                found.append((here / name).relative_to(root).as_posix())
+    return sorted(found)
+
+
+# -- reading -------------------------------------------------------------------------------------------
+
+def read_manifest(index_dir: Path) -> dict[str, Any]:
+    path = index_dir / MANIFEST
+    if not path.is_file():
+        raise DataError("not an index: manifest.json is missing", path=index_dir, hint=rebuild_hint(index_dir))
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"corrupt index manifest ({exc})", path=path, hint=rebuild_hint(index_dir)) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise DataError("not an itmatch index manifest", path=path, hint=rebuild_hint(index_dir))
+    if manifest.get("version") != FORMAT_VERSION:
+        raise DataError(f"index format version {manifest.get('version')} is not {FORMAT_VERSION}", path=path,
+                        hint=rebuild_hint(index_dir, manifest))
+    return manifest
+
+
+def _open_array(index_dir: Path, manifest: dict, name: str, verify: bool) -> np.ndarray:
+    spec = manifest["arrays"][name]
+    path = index_dir / spec["file"]
+    hint = rebuild_hint(index_dir, manifest)
+    if not path.is_file():
+        raise DataError(f"index file {spec['file']} is missing", path=path, hint=hint)
+    if verify and sha256_file(path) != spec["sha256"]:
+        raise DataError(f"index file {spec['file']} is corrupt (its sha256 differs from the manifest's)",
+                        path=path, hint=hint)
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise DataError(f"unreadable index file ({exc})", path=path, hint=hint) from None
+    if list(arr.shape) != spec["shape"] or arr.dtype != np.float32:
+        raise DataError(f"index file has shape {list(arr.shape)} {arr.dtype}, the manifest says "
+                        f"{spec['shape']} float32", path=path, hint=hint)
+    return arr
+
+
+@dataclass
+class ImageIndex:
+    """A loaded index: the manifest, the image records in row order and the model's encodings."""
+
+    root: Path
+    manifest: dict[str, Any]
+    regions: np.ndarray  # [N, k, d]
+    vectors: np.ndarray | None  # [N, d]
+
+    @property
+    def images(self) -> list[dict[str, Any]]:
+        return self.manifest["images"]
+
+    @property
+    def ids(self) -> list[str]:
+        return [e["id"] for e in self.images]
+
+    @property
+    def images_root(self) -> Path:
+        return Path(self.manifest["images_root"])
+
+    @property
+    def grid(self) -> int:
+        return int(self.manifest["backbone"]["grid"])
+
+    def image_emb(self) -> ImageEmb:
+        """The stored encodings as an ImageEmb (grid backbones: every region is real); the head's
+        per-item parts (e.g. SCAN's region Gram matrices) are added by the caller's `prepare_images`."""
+        regions = torch.from_numpy(np.array(self.regions, dtype=np.float32))
+        vector = torch.from_numpy(np.array(self.vectors, dtype=np.float32)) if self.vectors is not None else None
+        return ImageEmb(regions=regions, mask=torch.ones(regions.shape[:2], dtype=torch.bool), vector=vector)
+
+    def features(self, verify: bool = True) -> np.ndarray:
+        return _open_array(self.root, self.manifest, "features", verify)
+
+    def check_model(self, identity: dict[str, Any]) -> None:
+        """Refuse a model other than the one the index was built with."""
+        built = self.manifest["model"]
+        if not same_model(built, identity):
+            raise CheckpointError(
+                f"the index was built with another model ({built.get('preset') or built.get('arch')} from "
+                f"{built.get('checkpoint')}, weights {built.get('weights_hash', '')[:12]}); this checkpoint "
+                f"is {identity.get('preset') or identity.get('arch')} from {identity.get('checkpoint')}, "
+                f"weights {identity.get('weights_hash', '')[:12]}",
+                path=self.root / MANIFEST,
+                hint=f"use the index's own checkpoint {built.get('checkpoint')}, or rebuild the index for this "
+                     f"model: itmatch index {self.manifest.get('images_root')} --model {identity.get('checkpoint')} "
+                     f"--out {self.root} --force")
+
+
+def load_index(index_dir: Path | str, verify: bool = True) -> ImageIndex:
+    """Open an index; `verify` checks the sha256 of every array it loads against the manifest."""
+    index_dir = Path(index_dir)
+    manifest = read_manifest(index_dir)
+    try:
+        regions = _open_array(index_dir, manifest, "regions", verify)
+        vectors = _open_array(index_dir, manifest, "vectors", verify) if "vectors" in manifest["arrays"] else None
+        n = len(manifest["images"])
+    except (KeyError, TypeError) as exc:
+        raise DataError(f"index manifest lacks {exc}", path=index_dir / MANIFEST,
+                        hint=rebuild_hint(index_dir, manifest)) from None
+    if regions.shape[0] != n or (vectors is not None and vectors.shape[0] != n):
+        raise DataError(f"index arrays hold {regions.shape[0]} rows for {n} images", path=index_dir,
+                        hint=rebuild_hint(index_dir, manifest))
+    return ImageIndex(index_dir, manifest, regions, vectors)
+
+
+# -- building ------------------------------------------------------------------------------------------
+
+def _load_image(path: Path, backbone) -> tuple[torch.Tensor, tuple[int, int]]:
+    with Image.open(path) as im:
+        im.load()
+        return backbone.preprocess(im), im.size
+
+
+def _read_parts(parts_dir: Path, identity: dict) -> dict[str, dict[str, Any]]:
+    """sha256 -> row of a finished chunk of an interrupted run (same model only)."""
+    rows: dict[str, dict[str, Any]] = {}
+    if not parts_dir.is_dir():
+        return rows
+    for part in sorted(parts_dir.glob("part-*.npz")):
+        try:
+            with np.load(part) as z:
+                if str(z["weights_hash"]) != identity["weights_hash"] or str(z["config_hash"]) != identity[
+                        "config_hash"]:
+                    continue
+                data = {k: z[k] for k in z.files}
+        except (OSError, ValueError, KeyError):
+            log.warning("ignoring unreadable chunk %s", part)
+            continue
+        rows.update(_part_rows(data))
+    return rows
+
+
+def _part_rows(data: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    return {str(sha): {"features": data["features"][i], "regions": data["regions"][i],
+                       "vectors": data["vectors"][i] if data["vectors"].size else None,
+                       "width": int(data["sizes"][i][0]), "height": int(data["sizes"][i][1])}
+            for i, sha in enumerate(data["sha256"])}
+
+
+def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as fh:  # a file object: np.savez would append ".npz" to a path
+            np.savez(fh, **data)
+
+    write_with(path, write)
+
+
+def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | str, *, force: bool = False,
+                batch_size: int = 8, chunk: int = 64, progress: bool = True, on_chunk=None) -> dict[str, Any]:
+    """Index (or update the index of) every image under `images_dir` with the model of `checkpoint`.
+
+    Returns a summary: counts of images total / added (newly encoded) / reused / removed, skipped
+    unreadable files, seconds. An index built with another model is replaced only with `force` (its
+    backbone features are reused when the backbone is the same). `on_chunk(done, total)` is called after
+    each saved chunk (it may raise to stop the run, which then resumes from the saved chunks).
+    """
+    from itmatch.api import load
+    from itmatch.features.extract import _backbone_meta, _strict_pil, _version
+
+    started = time.perf_counter()
+    images_dir, out_dir = Path(images_dir).resolve(), Path(out_dir)
+    if not images_dir.is_dir():
+        raise DataError("images folder not found", path=images_dir, hint="pass the folder that holds your photos")
+    matcher = load(checkpoint)
+    model, backbone_name = matcher.model, matcher.backbone_name
+    identity = model_identity(checkpoint, backbone_name)
+    k, dim = matcher.backbone.grid ** 2, matcher.backbone.out_dim
+    with torch.inference_mode():
+        probe = model.encode_images(torch.zeros(1, k, dim))
+    row_shapes = {"features": (k, dim), "regions": tuple(probe.regions.shape[1:])}
+    if probe.vector is not None:
+        row_shapes["vectors"] = tuple(probe.vector.shape[1:])
+
+    old: dict[str, Any] | None = None
+    if (out_dir / MANIFEST).exists():
+        try:
+            old = read_manifest(out_dir)
+        except DataError:
+            if not force:
+                raise
+        if old is not None and not same_model(old["model"], identity) and not force:
+            raise OverwriteError(
+                f"{out_dir} is an index built with another model ({old['model'].get('checkpoint')})",
+                path=out_dir, hint="write to another --out, or pass --force to re-encode it with this model")
+    elif out_dir.exists() and any(p.name != PARTS for p in out_dir.iterdir()) and not force:
+        raise OverwriteError("exists and is not an index", path=out_dir,
+                             hint="choose an empty or new --out, or pass --force")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    parts_dir = out_dir / PARTS
+
+    # Where each sha256's encodings (or at least features) can come from without running the CNN.
+    old_rows: dict[str, int] = {}
+    old_arrays: dict[str, np.ndarray] = {}
+    old_sizes: dict[str, tuple[int, int]] = {}
+    if old is not None:
+        same_backbone = old["model"].get("backbone") == backbone_name
+        keep = ARRAYS if same_model(old["model"], identity) else (("features",) if same_backbone else ())
+        try:
+            for name in keep:
+                if name in old["arrays"]:
+                    old_arrays[name] = _open_array(out_dir, old, name, verify=False)
+            for row, e in enumerate(old["images"]):
+                old_rows.setdefault(e["sha256"], row)
+                old_sizes[e["sha256"]] = (e["width"], e["height"])
+        except DataError:
+            if not force:
+                raise
+            old_rows, old_arrays = {}, {}
+    parts = _read_parts(parts_dir, identity)
+
+    paths = scan_images(images_dir, exclude=out_dir)
+    records = []
+    for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
+        p = images_dir / rel
+        records.append({"id": rel, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
+
+    has_regions = "regions" in old_arrays
+    todo = []  # unique contents with no encodings yet
+    seen = set()
+    for r in records:
+        sha = r["sha256"]
+        if sha in seen or sha in parts or (has_regions and sha in old_rows):
+            continue
+        seen.add(sha)
+        todo.append(r)
+
+    skipped: list[dict[str, str]] = []
+    bar = tqdm(total=len(todo), desc="encode images", unit="img", disable=not progress)
+    with _strict_pil(), torch.inference_mode():
+        for c0 in range(0, len(todo), chunk):
+            batch_records = todo[c0:c0 + chunk]
+            feats, sizes, good = [], [], []
+            for r in batch_records:
+                sha = r["sha256"]
+                if "features" in old_arrays and sha in old_rows:
+                    feats.append(torch.from_numpy(np.array(old_arrays["features"][old_rows[sha]])))
+                    sizes.append(old_sizes[sha])
+                    good.append(r)
+                    continue
+                try:
+                    pix, size = _load_image(images_dir / r["id"], matcher.backbone)
+                except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+                    log.warning("skipping %s: cannot read image (%s)", r["id"], exc)
+                    skipped.append({"id": r["id"], "reason": f"cannot read image: {exc}"})
+                    continue
+                feats.append(pix)
+                sizes.append(size)
+                good.append(r)
+            # backbone on the images that need it, in batches
+            need = [i for i, f in enumerate(feats) if f.dim() == 3]  # pixels [3, S, S], not features [k, D]
+            for b0 in range(0, len(need), batch_size):
+                idx = need[b0:b0 + batch_size]
+                out = matcher.backbone(torch.stack([feats[i] for i in idx]))
+                for j, i in enumerate(idx):
+                    feats[i] = out[j]
+            if good:
+                f = torch.stack(feats).float()
+                emb = model.encode_images(f)
+                vec = emb.vector.numpy() if emb.vector is not None else np.zeros((0,), np.float32)
+                chunk_data = {"sha256": np.array([r["sha256"] for r in good]), "features": f.numpy(),
+                              "regions": emb.regions.numpy(), "vectors": vec,
+                              "sizes": np.array(sizes, dtype=np.int64),
+                              "weights_hash": np.array(identity["weights_hash"]),
+                              "config_hash": np.array(identity["config_hash"])}
+                name = parts_dir / f"part-{identity['weights_hash'][:12]}-{secrets.token_hex(6)}.npz"
+                parts_dir.mkdir(exist_ok=True)
+                _save_npz(name, chunk_data)
+                parts.update(_part_rows(chunk_data))
+            bar.update(len(batch_records))
+            if on_chunk is not None:
+                on_chunk(min(c0 + chunk, len(todo)), len(todo))
+    bar.close()
+
+    bad = {s["id"] for s in skipped}
+    records = [r for r in records if r["id"] not in bad]
+    old_ids = {e["id"]: e["sha256"] for e in old["images"]} if old is not None else {}
+    now_ids = {r["id"]: r["sha256"] for r in records}
+    encoded = {t["sha256"] for t in todo}
+    summary = {"index": str(out_dir), "images": len(records), "encoded": len(encoded) - len(skipped),
+               "reused": sum(1 for r in records if r["sha256"] not in encoded),
+               "added": sorted(set(now_ids) - set(old_ids)), "removed": sorted(set(old_ids) - set(now_ids)),
+               "changed": sorted(i for i in set(now_ids) & set(old_ids) if now_ids[i] != old_ids[i]),
+               "skipped": skipped}
+    unchanged = (old is not None and has_regions and not encoded and not skipped and not parts
+                 and old.get("images_root") == str(images_dir)
+                 and [(e["id"], e["sha256"]) for e in old["images"]] == [(r["id"], r["sha256"]) for r in records])
+    if unchanged:  # nothing to rewrite (an up-to-date index of a large collection costs only the hashing)
+        return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+    manifest = _consolidate(out_dir, old, old_arrays if has_regions else {}, old_rows, parts, records,
+                            identity, row_shapes, images_dir)
+    manifest["skipped"] = skipped
+    manifest["itmatch_version"] = _version()
+    manifest["backbone"] = _backbone_meta(matcher.backbone)
+    write_json_atomic(out_dir / MANIFEST, manifest)  # the commit point
+    _cleanup(out_dir, manifest)
+    return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+
+
+def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarray], old_rows: dict[str, int],
+                 parts: dict[str, dict], records: list[dict], identity: dict,
+                 row_shapes: dict[str, tuple[int, ...]], images_dir: Path) -> dict[str, Any]:
+    """Write the arrays of the new generation (rows in `records` order) and return its manifest."""
+    gen = f"{time.strftime('%Y%m%d%H%M%S')}-{secrets.token_hex(3)}"
+    n = len(records)
+
+    def row(name: str, sha: str) -> np.ndarray:
+        if sha in parts:
+            return parts[sha][name]
+        return old_arrays[name][old_rows[sha]]
+
+    arrays: dict[str, dict[str, Any]] = {}
+    for name, per_row in row_shapes.items():
+        shape = (n, *per_row)
+        file = out_dir / f"{name}-{gen}.npy"
+        with atomic_path(file) as tmp:
+            arr = open_memmap(tmp, mode="w+", dtype=np.float32, shape=shape)
+            for i, r in enumerate(records):
+                arr[i] = row(name, r["sha256"])
+            arr.flush()
+            del arr
+        arrays[name] = {"file": file.name, "shape": list(shape), "sha256": sha256_file(file)}
+    images = []
+    for r in records:
+        sha = r["sha256"]
+        if sha in parts:
+            w, h = parts[sha]["width"], parts[sha]["height"]
+        else:
+            e = old["images"][old_rows[sha]] if old else {}
+            w, h = e.get("width"), e.get("height")
+        images.append({**r, "width": w, "height": h})
+    return {"format": FORMAT, "version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "images_root": str(images_dir), "model": identity, "count": n, "arrays": arrays, "images": images}
+
+
+def _cleanup(out_dir: Path, manifest: dict) -> None:
+    """Delete the arrays of older generations and the chunks the new manifest has absorbed."""
+    current = {spec["file"] for spec in manifest["arrays"].values()}
+    for name in ARRAYS:
+        for f in out_dir.glob(f"{name}-*.npy"):
+            if f.name not in current:
+                f.unlink(missing_ok=True)
+    parts_dir = out_dir / PARTS
+    if parts_dir.is_dir():
+        for f in parts_dir.glob("part-*.npz"):
+            f.unlink(missing_ok=True)
+        for f in parts_dir.glob(".*.partial"):
+            f.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # something not ours left in it
+            parts_dir.rmdir()
