@@ -145,7 +145,13 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from itmatch.retrieval.service import serve
+    try:
+        from itmatch.retrieval.service import serve
+    except ImportError as exc:
+        from itmatch.errors import ConfigError
+
+        raise ConfigError(f"`itmatch serve` needs FastAPI and uvicorn ({exc})",
+                          hint='pip install "itmatch[serve]"') from None
 
     serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
           images_dir=args.images)

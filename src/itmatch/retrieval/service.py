@@ -1,0 +1,185 @@
+"""HTTP service over an index (FastAPI): search API, photo files, attention maps, health, metrics, web page.
+
+    GET  /api/search?q=&k=        text -> ranked photos            {"query", "k", "results": [{rank, id, score, url}]}
+    POST /api/search              the same with a JSON body        {"q": "...", "k": 10}
+    POST /api/search/image?k=     photo bytes (body) -> captions   (needs a caption collection: --captions)
+    GET  /api/images/{id}         an indexed photo (ids are relative paths; nothing else is served)
+    GET  /api/explain?q=&id=      per-word attention over the photo's grid (see Searcher.explain)
+    GET  /health, GET /metrics    liveness; request counts and latency per route
+    GET  /                        the single-page web UI (static files in itmatch/retrieval/web/)
+
+Every bad input is answered with a 4xx and a JSON body {"error": {"status", "message", "hint"}}, and
+logged; the process keeps serving. A bad index or a model mismatch stops start-up instead (`Searcher`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict, deque
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from itmatch.retrieval.search import MAX_UPLOAD_BYTES, QueryError, Searcher, open_upload, read_captions_file
+
+log = logging.getLogger("itmatch.retrieval.service")
+WEB_DIR = Path(__file__).parent / "web"
+LATENCY_WINDOW = 2048  # latencies kept per route for the percentiles
+
+
+class Metrics:
+    """Request counts per (route, status) and latency percentiles over a sliding window per route."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.counts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.latency: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=LATENCY_WINDOW))
+        self.total_seconds: dict[str, float] = defaultdict(float)
+
+    def record(self, route: str, status: int, seconds: float) -> None:
+        with self._lock:
+            self.counts[route][status] += 1
+            self.latency[route].append(seconds)
+            self.total_seconds[route] += seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            routes = {}
+            for route, by_status in self.counts.items():
+                lat = sorted(self.latency[route])
+                n = sum(by_status.values())
+
+                def pct(p: float, lat: list[float] = lat) -> float:
+                    return round(1000 * lat[min(len(lat) - 1, int(p * len(lat)))], 3) if lat else 0.0
+
+                routes[route] = {"requests": n, "by_status": {str(s): c for s, c in sorted(by_status.items())},
+                                 "latency_ms": {"mean": round(1000 * self.total_seconds[route] / n, 3),
+                                                "p50": pct(0.50), "p99": pct(0.99), "max": pct(1.0),
+                                                "window": len(lat)}}
+            return {"uptime_s": round(time.time() - self.started, 1),
+                    "requests": sum(r["requests"] for r in routes.values()), "routes": routes}
+
+
+def _error(status: int, message: str, hint: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"status": status, "message": message, "hint": hint}}, status_code=status)
+
+
+def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> FastAPI:
+    """The FastAPI app over a loaded `Searcher` (tests use it with TestClient, `serve` with uvicorn)."""
+    app = FastAPI(title="itmatch search", docs_url="/api/docs", openapi_url="/api/openapi.json")
+    metrics = Metrics()
+    app.state.searcher, app.state.metrics = searcher, metrics
+
+    @app.middleware("http")
+    async def measure(request: Request, call_next):
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = request.scope.get("route")
+        name = getattr(route, "path", None) or ("/static" if request.url.path.startswith("/static/") else "other")
+        metrics.record(f"{request.method} {name}", response.status_code, time.perf_counter() - start)
+        return response
+
+    @app.exception_handler(QueryError)
+    async def on_query_error(request: Request, exc: QueryError):
+        log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message)
+        return _error(exc.status, exc.message, exc.hint)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors())
+        log.warning("%s %s -> 422: %s", request.method, request.url.path, problems)
+        return _error(422, f"invalid request: {problems}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException):
+        log.warning("%s %s -> %d: %s", request.method, request.url.path, exc.status_code, exc.detail)
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_crash(request: Request, exc: Exception):  # a bug, not bad input: say so, keep serving
+        log.exception("%s %s -> 500", request.method, request.url.path)
+        return _error(500, f"internal error ({type(exc).__name__})")
+
+    def hits(query: str, k: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        results = [{**h.as_dict(), "url": f"/api/images/{h.id}"} for h in searcher.search(query, k)]
+        return {"query": query, "k": k, "results": results, "took_ms": round(1000 * (time.perf_counter() - start), 2)}
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        m = searcher.index.manifest
+        return {"status": "ok", "images": len(searcher.ids), "captions": len(searcher.captions),
+                "model": {k: m["model"].get(k) for k in ("arch", "preset", "backbone")}}
+
+    @app.get("/metrics")
+    def get_metrics() -> dict[str, Any]:
+        return metrics.snapshot()
+
+    @app.get("/api/search")
+    def search(q: str = Query("", description="text query"), k: int = Query(10, description="results")):
+        return hits(q, k)
+
+    @app.post("/api/search")
+    async def search_json(request: Request):
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise QueryError(f"malformed JSON body ({exc})", status=400,
+                             hint='send {"q": "a dog jumping", "k": 10}') from None
+        if not isinstance(data, dict) or not isinstance(data.get("q"), str) or not isinstance(data.get("k", 10), int):
+            raise QueryError('the body must be a JSON object {"q": string, "k": integer}', status=422)
+        return hits(data["q"], data.get("k", 10))
+
+    @app.post("/api/search/image")
+    async def search_image(request: Request, k: int = Query(10, description="results")):
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > max_upload_bytes:
+            raise QueryError(f"upload of {declared} bytes exceeds the limit of {max_upload_bytes}", status=413)
+        data = bytearray()
+        async for part in request.stream():  # bounded even when the length is not declared
+            data += part
+            if len(data) > max_upload_bytes:
+                raise QueryError(f"upload exceeds the limit of {max_upload_bytes} bytes", status=413)
+        image = open_upload(bytes(data), max_upload_bytes)
+        return {"k": k, "results": searcher.search_image(image, k)}
+
+    @app.get("/api/images/{image_id:path}")
+    def image(image_id: str):
+        return FileResponse(searcher.image_path(image_id))
+
+    @app.get("/api/explain")
+    def explain(q: str = Query("", description="text query"), id: str = Query("", description="image id")):
+        return searcher.explain(q, id)
+
+    @app.get("/", include_in_schema=False)
+    def page():
+        return FileResponse(WEB_DIR / "index.html")
+
+    @app.get("/index.html", include_in_schema=False)
+    def page_alias():
+        return RedirectResponse("/")
+
+    app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
+    return app
+
+
+def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpoint: str | Path | None = None,
+          captions: str | Path | None = None, images_dir: str | Path | None = None,
+          log_level: str = "info") -> None:
+    """Load the index (refusing a corrupt one or another model's), then serve until interrupted."""
+    import uvicorn
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    searcher = Searcher(index_dir, checkpoint, images_dir=images_dir,
+                        captions=read_captions_file(captions) if captions else None)
+    log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
+    uvicorn.run(create_app(searcher), host=host, port=port, log_level=log_level)

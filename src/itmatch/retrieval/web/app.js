@@ -1,0 +1,160 @@
+// itmatch search page: query -> result grid; click a result -> per-word attention heatmaps drawn on
+// canvases from /api/explain's numbers (SCAN Fig. 4 style). No dependencies.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+let lastQuery = "";
+
+function setStatus(text) { $("#status").textContent = text || ""; }
+
+async function getJSON(url, options) {
+  const response = await fetch(url, options);
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    const err = body.error || {};
+    throw new Error((err.message || response.statusText) + (err.hint ? " (" + err.hint + ")" : ""));
+  }
+  return body;
+}
+
+async function search(query, k) {
+  lastQuery = query;
+  $("#explain").hidden = true;
+  $("#captions").hidden = true;
+  setStatus("searching…");
+  try {
+    const data = await getJSON("/api/search?q=" + encodeURIComponent(query) + "&k=" + k);
+    renderResults(data.results);
+    setStatus(data.results.length + " results in " + data.took_ms + " ms");
+  } catch (e) {
+    $("#results").replaceChildren();
+    setStatus(e.message);
+  }
+}
+
+function renderResults(results) {
+  const grid = $("#results");
+  grid.replaceChildren();
+  for (const hit of results) {
+    const card = document.createElement("div");
+    card.className = "result";
+    card.dataset.id = hit.id;
+    card.tabIndex = 0;
+    const img = document.createElement("img");
+    img.src = hit.url;
+    img.alt = hit.id;
+    img.loading = "lazy";
+    const meta = document.createElement("div");
+    meta.className = "meta";
+    meta.innerHTML = '<span class="rank"></span><span class="id"></span><span class="score"></span>';
+    meta.querySelector(".rank").textContent = "#" + hit.rank;
+    meta.querySelector(".id").textContent = hit.id;
+    meta.querySelector(".score").textContent = hit.score.toFixed(3);
+    card.append(img, meta);
+    card.addEventListener("click", () => explain(hit, card));
+    card.addEventListener("keydown", (ev) => { if (ev.key === "Enter") explain(hit, card); });
+    grid.append(card);
+  }
+}
+
+// A perceptual-ish blue -> cyan -> yellow -> red ramp for weights scaled to 0..1.
+function colour(t) {
+  const stops = [[0, 0, 80], [0, 150, 255], [255, 230, 0], [230, 20, 20]];
+  const x = Math.min(0.9999, Math.max(0, t)) * (stops.length - 1);
+  const i = Math.floor(x), f = x - i;
+  return stops[i].map((c, j) => Math.round(c + f * (stops[i + 1][j] - c)));
+}
+
+function drawHeatmap(canvas, photo, weights) {
+  const rows = weights.length, cols = weights[0].length;
+  const size = 300;
+  canvas.width = size; canvas.height = size;
+  const ctx = canvas.getContext("2d");
+  ctx.drawImage(photo, 0, 0, size, size);  // the model saw the photo resized to a square too
+  let max = 0;
+  for (const row of weights) for (const w of row) max = Math.max(max, w);
+  const small = document.createElement("canvas");
+  small.width = cols; small.height = rows;
+  const sctx = small.getContext("2d");
+  const pixels = sctx.createImageData(cols, rows);
+  for (let r = 0; r < rows; r++) {
+    for (let c = 0; c < cols; c++) {
+      const t = max > 0 ? weights[r][c] / max : 0;
+      const [R, G, B] = colour(t);
+      const o = 4 * (r * cols + c);
+      pixels.data[o] = R; pixels.data[o + 1] = G; pixels.data[o + 2] = B;
+      pixels.data[o + 3] = Math.round(60 + 150 * t);
+    }
+  }
+  sctx.putImageData(pixels, 0, 0);
+  ctx.imageSmoothingEnabled = true;  // bilinear upsampling of the grid, as in SCAN's figures
+  ctx.imageSmoothingQuality = "high";
+  ctx.drawImage(small, 0, 0, size, size);
+}
+
+async function explain(hit, card) {
+  document.querySelectorAll(".result.selected").forEach((el) => el.classList.remove("selected"));
+  card.classList.add("selected");
+  setStatus("computing attention…");
+  try {
+    const data = await getJSON("/api/explain?q=" + encodeURIComponent(lastQuery) + "&id=" + encodeURIComponent(hit.id));
+    const photo = new Image();
+    photo.src = hit.url;
+    await photo.decode();
+    $("#explain-photo").src = hit.url;
+    $("#explain-title").textContent = "\u201c" + data.query + "\u201d \u2014 " + hit.id + " (score " + data.score.toFixed(3) + ")";
+    const maps = $("#word-maps");
+    maps.replaceChildren();
+    for (const w of data.words) {
+      const box = document.createElement("div");
+      box.className = "word-map" + (w.known ? "" : " unknown");
+      const canvas = document.createElement("canvas");
+      drawHeatmap(canvas, photo, w.weights);
+      const label = document.createElement("div");
+      label.className = "word";
+      label.textContent = w.word + (w.known ? "" : " (unknown)");
+      box.append(canvas, label);
+      maps.append(box);
+    }
+    $("#explain").hidden = false;
+    $("#explain").dataset.id = hit.id;
+    $("#explain").scrollIntoView({ behavior: "smooth", block: "start" });
+    setStatus("");
+  } catch (e) {
+    setStatus(e.message);
+  }
+}
+
+async function searchByPhoto(file) {
+  setStatus("finding captions…");
+  try {
+    const data = await getJSON("/api/search/image?k=" + $("#k").value, {
+      method: "POST", body: file, headers: { "Content-Type": file.type || "application/octet-stream" },
+    });
+    const list = document.createElement("ol");
+    for (const r of data.results) {
+      const li = document.createElement("li");
+      li.textContent = r.caption + "  (" + r.score.toFixed(3) + ")";
+      list.append(li);
+    }
+    $("#captions").replaceChildren(list);
+    $("#captions").hidden = false;
+    setStatus("");
+  } catch (e) {
+    setStatus(e.message);
+  }
+}
+
+$("#search-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const query = $("#q").value.trim();
+  const url = new URL(location.href);
+  url.searchParams.set("q", query);
+  history.replaceState(null, "", url);
+  search(query, $("#k").value);
+});
+$("#explain-close").addEventListener("click", () => { $("#explain").hidden = true; });
+$("#photo").addEventListener("change", (ev) => { if (ev.target.files[0]) searchByPhoto(ev.target.files[0]); });
+
+const initial = new URL(location.href).searchParams.get("q");
+if (initial) { $("#q").value = initial; search(initial, $("#k").value); }
