@@ -1,0 +1,176 @@
+"""The photo index: incremental by content hash, resumable, refuses corrupt files and other models;
+search ranks exactly as the model scores; SCAN's attention weights against a per-pair reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+import itmatch
+from itmatch.cli import main
+from itmatch.errors import CheckpointError, DataError, OverwriteError
+from itmatch.retrieval.index import MANIFEST, PARTS, build_index, load_index
+from itmatch.retrieval.search import QueryError, Searcher
+
+
+@pytest.fixture()
+def photos(tiny_search_setup, tmp_path):
+    folder = tmp_path / "photos"
+    shutil.copytree(tiny_search_setup["photos"], folder)
+    return folder
+
+
+def _build(setup, photos, out, **kw):
+    return build_index(photos, setup["checkpoint"], out, progress=False, **kw)
+
+
+def test_incremental_add_change_delete_move(tiny_search_setup, photos, tmp_path):
+    out = tmp_path / "index"
+    first = _build(tiny_search_setup, photos, out)
+    assert first["images"] == 12 and first["encoded"] == 12 and first["reused"] == 0
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["model"]["weights_hash"] and manifest["model"]["config_hash"]
+    e = manifest["images"][0]
+    assert e["id"] == "test_00000.png" and e["width"] == 224 and e["bytes"] == (photos / e["id"]).stat().st_size
+    assert len(e["sha256"]) == 64 and not (out / PARTS).exists()
+
+    again = _build(tiny_search_setup, photos, out)
+    assert again["encoded"] == 0 and again["reused"] == 12 and not again["added"] and not again["removed"]
+
+    # add one photo in a sub-folder, replace the content of another, delete a third, rename a fourth
+    (photos / "new").mkdir()
+    shutil.copy(tiny_search_setup["root"] / "synth" / "images" / "train_00000.png", photos / "new" / "a.png")
+    Image.new("RGB", (224, 224), (200, 30, 30)).save(photos / "test_00001.png")
+    (photos / "test_00002.png").unlink()
+    (photos / "test_00003.png").rename(photos / "moved.png")
+    (photos / "notes.txt").write_text("not an image")
+    upd = _build(tiny_search_setup, photos, out)
+    assert upd["added"] == ["moved.png", "new/a.png"]
+    assert upd["removed"] == ["test_00002.png", "test_00003.png"] and upd["changed"] == ["test_00001.png"]
+    assert upd["encoded"] == 2 and upd["images"] == 12 and upd["reused"] == 10  # the move costs no encoding
+    index = load_index(out)
+    assert "test_00002.png" not in index.ids and "new/a.png" in index.ids
+    assert len(list(out.glob("regions-*.npy"))) == 1  # the old generation was removed
+
+    # the stored encodings equal a fresh encoding of each file (reused rows are the right rows)
+    matcher = itmatch.load(tiny_search_setup["checkpoint"])
+    for image_id in ("moved.png", "test_00001.png", "new/a.png"):
+        fresh = matcher.encode_images([photos / image_id]).regions[0]
+        stored = torch.from_numpy(np.array(index.regions[index.ids.index(image_id)]))
+        assert torch.allclose(fresh, stored, atol=1e-5), image_id
+
+
+def test_resumes_after_interruption_and_skips_unreadable(tiny_search_setup, photos, tmp_path):
+    out = tmp_path / "index"
+    (photos / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+
+    def stop(done, total):
+        if done >= 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _build(tiny_search_setup, photos, out, chunk=4, on_chunk=stop)
+    assert not (out / MANIFEST).exists() and len(list((out / PARTS).glob("part-*.npz"))) == 1
+    resumed = _build(tiny_search_setup, photos, out, chunk=4)
+    # the saved chunk held broken.jpg (sorted first, skipped) and 3 photos: only the other 9 are encoded
+    assert resumed["encoded"] == 9 and resumed["images"] == 12
+    assert [s["id"] for s in resumed["skipped"]] == ["broken.jpg"]
+    assert not (out / PARTS).exists() and len(load_index(out).ids) == 12
+
+
+def test_search_ranks_by_the_models_scores(tiny_search_setup, tmp_path):
+    out = tmp_path / "index"
+    _build(tiny_search_setup, tiny_search_setup["photos"], out)
+    searcher = Searcher(out)
+    hits = searcher.search("a large red circle in the center", k=5)
+    assert [h.rank for h in hits] == [1, 2, 3, 4, 5]
+    paths = [tiny_search_setup["photos"] / i for i in searcher.ids]
+    scores = searcher.matcher.score(paths, ["a large red circle in the center"])[:, 0]
+    order = torch.argsort(scores, descending=True)[:5]
+    assert [h.id for h in hits] == [searcher.ids[i] for i in order]
+    assert np.allclose([h.score for h in hits], scores[order].numpy(), atol=1e-5)
+    assert searcher.candidates(searcher.encode_query("red")) == list(range(12))  # the first-stage seam
+    for bad in ("", "   ", "x" * 400, "qwzx vbnm", " ".join(["red"] * 50)):
+        with pytest.raises(QueryError):
+            searcher.search(bad)
+    with pytest.raises(QueryError):
+        searcher.search("red", k=0)
+
+
+def test_refuses_corrupt_index_and_other_model(tiny_search_setup, tmp_path):
+    out = tmp_path / "index"
+    _build(tiny_search_setup, tiny_search_setup["photos"], out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    regions = out / manifest["arrays"]["regions"]["file"]
+
+    # another model: same architecture, different weights
+    other = tmp_path / "other"
+    shutil.copytree(tiny_search_setup["checkpoint"], other)
+    weights = load_file(str(other / "model.safetensors"))
+    save_file({k: v + 0.01 for k, v in weights.items()}, str(other / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="another model") as err:
+        Searcher(out, other)
+    assert "--force" in str(err.value) and "itmatch index" in str(err.value)
+    with pytest.raises(OverwriteError):
+        _build(tiny_search_setup | {"checkpoint": other}, tiny_search_setup["photos"], out)
+    # with --force it re-encodes from the stored backbone features (no CNN pass needed)
+    redo = _build(tiny_search_setup | {"checkpoint": other}, tiny_search_setup["photos"], out, force=True)
+    assert redo["encoded"] == 12 and Searcher(out, other).search("red", 1)
+    manifest = json.loads((out / MANIFEST).read_text())
+    regions = out / manifest["arrays"]["regions"]["file"]
+
+    data = bytearray(regions.read_bytes())
+    data[-1] ^= 0xFF
+    regions.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="corrupt") as err:
+        Searcher(out, other)
+    assert "rebuild it: itmatch index" in str(err.value)
+    (out / MANIFEST).write_text("{ not json")
+    with pytest.raises(DataError, match="corrupt index manifest"):
+        load_index(out)
+    assert main(["serve", str(out)]) == 2  # refused at start-up, before listening
+
+
+def test_cli_index_and_search(tiny_search_setup, tmp_path, capsys):
+    out = tmp_path / "index"
+    assert main(["index", str(tiny_search_setup["photos"]), "--model", str(tiny_search_setup["checkpoint"]),
+                 "--out", str(out), "--quiet"]) == 0
+    assert "12 images" in capsys.readouterr().out
+    assert main(["search", str(out), "a red circle", "-k", "3", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in results] == [1, 2, 3] and results[0]["score"] >= results[2]["score"]
+    photo = tiny_search_setup["photos"] / "test_00004.png"
+    assert main(["search", str(out), "--image", str(photo), "--captions", str(tiny_search_setup["captions"]),
+                 "-k", "2", "--json"]) == 0
+    captions = json.loads(capsys.readouterr().out)
+    assert len(captions) == 2 and all(isinstance(c["caption"], str) for c in captions)
+    assert main(["search", str(out), "qwzx"]) == 2
+    assert "vocabulary" in capsys.readouterr().err
+
+
+def test_scan_attention_matches_per_pair_reference():
+    """ScanHead.attention (t2i) against Sec. 3.2 written out for one image and one caption at a time:
+    s_kl = v_k . e_l, clipped l2 norm over words, alpha'_kl = softmax_k(lambda_1 * s_bar_kl)."""
+    from itmatch.models.base import ImageEmb, TextEmb, l2norm
+    from itmatch.models.heads.scan import ScanHead
+
+    g = torch.Generator().manual_seed(0)
+    img = ImageEmb(regions=l2norm(torch.randn(3, 5, 8, generator=g)), mask=torch.ones(3, 5, dtype=torch.bool))
+    txt = TextEmb(words=l2norm(torch.randn(2, 4, 8, generator=g)), lengths=torch.tensor([4, 2]))
+    head = ScanHead("t2i", lambda_softmax=9.0)
+    alpha = head.attention(head.prepare_images(img), head.prepare_texts(txt))
+    for n in range(3):
+        for m in range(2):
+            length = int(txt.lengths[m])
+            s = img.regions[n] @ txt.words[m, :length].T  # [k, l]
+            clipped = torch.nn.functional.leaky_relu(s, 0.1)
+            s_bar = clipped / (clipped.norm(dim=1, keepdim=True) + 1e-8)
+            ref = torch.softmax(9.0 * s_bar, dim=0)
+            assert (alpha[n, :, m, :length] - ref).abs().max() <= 1e-5
+            assert torch.allclose(alpha[n, :, m, :length].sum(0), torch.ones(length), atol=1e-6)
