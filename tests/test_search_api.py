@@ -1,0 +1,137 @@
+"""The HTTP service through the real app (FastAPI TestClient over create_app, a real index and model)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image
+
+fastapi = pytest.importorskip("fastapi", reason="the `serve` extra (fastapi) is not installed")
+pytest.importorskip("httpx", reason="fastapi's TestClient needs httpx (dev extra)")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from itmatch.retrieval.index import build_index  # noqa: E402
+from itmatch.retrieval.search import MAX_QUERY_CHARS, Searcher, read_captions_file  # noqa: E402
+from itmatch.retrieval.service import create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def searcher(tiny_search_setup, tmp_path_factory):
+    out = tmp_path_factory.mktemp("api") / "index"
+    build_index(tiny_search_setup["photos"], tiny_search_setup["checkpoint"], out, progress=False)
+    return Searcher(out, captions=read_captions_file(tiny_search_setup["captions"]))
+
+
+@pytest.fixture(scope="module")
+def client(searcher):
+    return TestClient(create_app(searcher, max_upload_bytes=200_000))
+
+
+def _error(resp, status):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert body["error"]["status"] == status and body["error"]["message"]
+    return body["error"]
+
+
+def test_search_ranked_and_images_served(client, tiny_search_setup):
+    resp = client.get("/api/search", params={"q": "a small blue square on the left", "k": 5})
+    assert resp.status_code == 200
+    results = resp.json()["results"]
+    assert [r["rank"] for r in results] == [1, 2, 3, 4, 5]
+    assert all(a["score"] >= b["score"] for a, b in zip(results, results[1:], strict=False))
+    img = client.get(results[0]["url"])
+    assert img.status_code == 200 and img.headers["content-type"] == "image/png"
+    assert img.content == (tiny_search_setup["photos"] / results[0]["id"]).read_bytes()
+    post = client.post("/api/search", json={"q": "a small blue square on the left", "k": 5})
+    assert [r["id"] for r in post.json()["results"]] == [r["id"] for r in results]
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["images"] == 12 and health["model"]["arch"] == "scan"
+
+
+def test_explain_shapes_and_normalisation(client, searcher):
+    image_id = searcher.ids[3]
+    resp = client.get("/api/explain", params={"q": "A red circle above two stars", "id": image_id})
+    assert resp.status_code == 200
+    data = resp.json()
+    assert data["grid"] == [7, 7] and data["normalised_over"] == "regions"
+    assert [w["word"] for w in data["words"]] == ["<start>", "a", "red", "circle", "above", "two", "stars", "<end>"]
+    for w in data["words"]:
+        grid = w["weights"]
+        assert len(grid) == 7 and all(len(row) == 7 for row in grid)
+        flat = [x for row in grid for x in row]
+        assert min(flat) >= 0 and abs(sum(flat) - 1.0) <= 1e-5  # alpha' is a softmax over the 49 regions
+    # the explained pair's score is the score the search ranks by
+    hit = {h.id: h.score for h in searcher.search("A red circle above two stars", k=12)}
+    assert abs(hit[image_id] - data["score"]) <= 1e-5
+    unknown = client.get("/api/explain", params={"q": "a red qwzx", "id": image_id}).json()
+    assert [w["known"] for w in unknown["words"]] == [True, True, True, False, True]
+
+
+def test_image_to_text(client, tiny_search_setup):
+    photo = (tiny_search_setup["photos"] / "test_00005.png").read_bytes()
+    resp = client.post("/api/search/image", params={"k": 3}, content=photo, headers={"content-type": "image/png"})
+    assert resp.status_code == 200
+    results = resp.json()["results"]
+    assert len(results) == 3 and results[0]["score"] >= results[2]["score"]
+
+
+def _png(size, colour=0) -> bytes:
+    buf = io.BytesIO()
+    Image.new("L", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("method", "url", "kwargs", "status"), [
+    ("get", "/api/search", {"params": {"q": ""}}, 422),
+    ("get", "/api/search", {"params": {"q": "   "}}, 422),
+    ("get", "/api/search", {"params": {"q": "red " * (MAX_QUERY_CHARS // 4 + 1)}}, 422),
+    ("get", "/api/search", {"params": {"q": "qwzx plokm"}}, 422),
+    ("get", "/api/search", {"params": {"q": "red", "k": "many"}}, 422),
+    ("get", "/api/search", {"params": {"q": "red", "k": 100000}}, 422),
+    ("post", "/api/search", {"content": b'{"q": "red", '}, 400),
+    ("post", "/api/search", {"content": b'["red"]'}, 422),
+    ("post", "/api/search/image", {"content": b"GIF89a but not really"}, 415),
+    ("post", "/api/search/image", {"content": b"%PDF-1.4 hello"}, 415),
+    ("post", "/api/search/image", {"content": b""}, 400),
+    ("post", "/api/search/image", {"content": b"\x00" * 300_000}, 413),  # over this app's 200 kB limit
+    ("post", "/api/search/image", {"content": _png((9000, 9000))}, 413),  # 81 Mpx in ~80 kB: a bomb
+    ("get", "/api/images/not-indexed.png", {}, 404),
+    ("get", "/api/images/..%2F..%2F..%2Fetc%2Fpasswd", {}, 400),
+    ("get", "/api/images/%2Fetc%2Fpasswd", {}, 400),
+    ("get", "/api/images/sub%2F..%2Ftest_00000.png", {}, 400),
+    ("get", "/api/explain", {"params": {"q": "red", "id": "nope.png"}}, 404),
+    ("get", "/api/explain", {"params": {"q": "", "id": "test_00000.png"}}, 422),
+    ("get", "/api/nothing-here", {}, 404),
+])
+def test_bad_input_is_a_4xx_json_error_and_the_server_keeps_serving(client, caplog, method, url, kwargs, status):
+    with caplog.at_level("WARNING", logger="itmatch.retrieval.service"):
+        _error(getattr(client, method)(url, **kwargs), status)
+    assert any(str(status) in r.getMessage() for r in caplog.records)  # logged
+    assert client.get("/api/search", params={"q": "a red circle", "k": 1}).status_code == 200
+
+
+def test_bomb_under_the_byte_limit_is_refused_before_decoding(searcher):
+    big = TestClient(create_app(searcher))  # default 10 MB upload limit
+    _error(big.post("/api/search/image", content=_png((12000, 12000))), 413)
+
+
+def test_metrics_count_requests_and_latency(searcher):
+    c = TestClient(create_app(searcher))
+    for _ in range(3):
+        c.get("/api/search", params={"q": "a red circle"})
+    c.get("/api/search", params={"q": ""})
+    m = c.get("/metrics").json()
+    route = m["routes"]["GET /api/search"]
+    assert route["requests"] == 4 and route["by_status"] == {"200": 3, "422": 1}
+    assert 0 < route["latency_ms"]["p50"] <= route["latency_ms"]["p99"]
+
+
+def test_web_page_and_static_files_are_served(client):
+    page = client.get("/")
+    assert page.status_code == 200 and 'id="search-form"' in page.text and "/static/app.js" in page.text
+    for name, kind in (("app.js", "javascript"), ("style.css", "css")):
+        resp = client.get(f"/static/{name}")
+        assert resp.status_code == 200 and kind in resp.headers["content-type"]
