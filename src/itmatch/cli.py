@@ -154,7 +154,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           hint='pip install "itmatch[serve]"') from None
 
     serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
-          images_dir=args.images)
+          images_dir=args.images, log_level=args.log_level)
     return 0
 
 
@@ -245,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
     s.add_argument("--captions", help="caption collection for image-to-text search, one caption a line")
     s.add_argument("--images", help="photo folder, if it moved since indexing (default: the indexed one)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server log level (info logs every request)")
     s.set_defaults(func=_cmd_serve)
     return p
 

@@ -182,4 +182,6 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
     searcher = Searcher(index_dir, checkpoint, images_dir=images_dir,
                         captions=read_captions_file(captions) if captions else None)
     log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
-    uvicorn.run(create_app(searcher), host=host, port=port, log_level=log_level)
+    # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
+    # and a server-side close racing the client's next request shows up as a connection error
+    uvicorn.run(create_app(searcher), host=host, port=port, log_level=log_level, timeout_keep_alive=30)

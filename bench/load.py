@@ -1,0 +1,153 @@
+"""Bounded loopback load test of `itmatch serve`: N requests from C concurrent clients, then stop.
+
+    python bench/load.py INDEX_DIR [--requests 2000] [--concurrency 32] [--max-seconds 300] [--json OUT]
+
+Starts the server as a subprocess on 127.0.0.1 (a free port), waits for /health, sends a warm-up, reads
+the server's RSS, then sends exactly --requests requests (a mix: 80% text search, 10% attention maps,
+10% photo files) from --concurrency clients, reads the RSS again, prints throughput, p50/p99 latency
+per kind and overall, the error count and both RSS figures, and stops the server. Traffic goes to the
+loopback address only; the run ends after --requests requests or --max-seconds, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+QUERIES = [
+    "a red circle", "two blue squares", "a large yellow star in the center", "a small green triangle on the left",
+    "a white diamond above a black square", "three orange shapes", "a purple circle in the top left corner",
+    "a dog jumping over a fence", "a man riding a bike", "two children playing in the water",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(p * len(ordered)))], 2) if ordered else float("nan")
+
+
+async def _run(base: str, ids: list[str], n: int, concurrency: int, deadline: float, seed: int) -> dict:
+    rng = random.Random(seed)
+    plan = []
+    for _ in range(n):
+        r = rng.random()
+        q = rng.choice(QUERIES)
+        if r < 0.8:
+            plan.append(("search", "/api/search", {"q": q, "k": 10}))
+        elif r < 0.9:
+            plan.append(("explain", "/api/explain", {"q": q, "id": rng.choice(ids)}))
+        else:
+            plan.append(("image", f"/api/images/{rng.choice(ids)}", None))
+    latencies: dict[str, list[float]] = {"search": [], "explain": [], "image": []}
+    errors: list[str] = []
+    position = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=60) as client:
+
+        async def worker() -> None:
+            nonlocal position
+            while position < len(plan) and time.monotonic() < deadline:
+                kind, path, params = plan[position]
+                position += 1
+                t = time.perf_counter()
+                try:
+                    resp = await client.get(path, params=params)
+                    if resp.status_code != 200:
+                        errors.append(f"{kind} {resp.status_code} {resp.text[:120]}")
+                except httpx.HTTPError as exc:
+                    errors.append(f"{kind} {type(exc).__name__}")
+                latencies[kind].append(time.perf_counter() - t)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    done = sum(len(v) for v in latencies.values())
+    every = [x for v in latencies.values() for x in v]
+    return {"requests": done, "planned": n, "concurrency": concurrency, "seconds": round(wall, 2),
+            "throughput_rps": round(done / wall, 1), "errors": len(errors), "error_examples": errors[:5],
+            "latency_ms": {"all": {"p50": _pct(every, 0.5), "p99": _pct(every, 0.99),
+                                   "mean": round(1000 * statistics.fmean(every), 2) if every else None},
+                           **{k: {"n": len(v), "p50": _pct(v, 0.5), "p99": _pct(v, 0.99)}
+                              for k, v in latencies.items()}}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("index", help="index directory written by `itmatch index`")
+    p.add_argument("--requests", type=int, default=2000, help="requests to send (default 2000)")
+    p.add_argument("--concurrency", type=int, default=32, help="concurrent clients (default 32)")
+    p.add_argument("--max-seconds", type=float, default=300, help="stop sending after this long (default 300)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    p.add_argument("--json", help="also write the figures to this JSON file")
+    args = p.parse_args(argv)
+    if not 1 <= args.requests <= 100_000 or not 1 <= args.concurrency <= 256:
+        p.error("--requests must be in 1..100000 and --concurrency in 1..256")
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "itmatch.cli", "serve", args.index, "--host", "127.0.0.1",
+                               "--port", str(port), "--log-level", "warning"], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if server.poll() is not None:
+                print(f"the server exited with code {server.returncode}", file=sys.stderr)
+                return 1
+            try:
+                health = httpx.get(base + "/health", timeout=2).json()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    print("the server did not answer /health within 120 s", file=sys.stderr)
+                    return 1
+                time.sleep(0.5)
+        manifest = json.loads((Path(args.index) / "manifest.json").read_text())
+        ids = [e["id"] for e in manifest["images"]]
+        asyncio.run(_run(base, ids, min(100, args.requests), min(8, args.concurrency), time.monotonic() + 60, 1))
+        rss_before = _rss_mb(server.pid)
+        result = asyncio.run(_run(base, ids, args.requests, args.concurrency,
+                                  time.monotonic() + args.max_seconds, args.seed))
+        result.update(rss_mb_before=round(rss_before, 1), rss_mb_after=round(_rss_mb(server.pid), 1),
+                      images=health["images"], model=health["model"], cpus=os.cpu_count())
+        metrics = httpx.get(base + "/metrics", timeout=10).json()
+        result["server_p50_ms_search"] = metrics["routes"].get("GET /api/search", {}).get("latency_ms", {}).get("p50")
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    print(json.dumps(result, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["errors"] == 0 and result["requests"] == args.requests else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
