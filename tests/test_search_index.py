@@ -174,3 +174,26 @@ def test_scan_attention_matches_per_pair_reference():
             ref = torch.softmax(9.0 * s_bar, dim=0)
             assert (alpha[n, :, m, :length] - ref).abs().max() <= 1e-5
             assert torch.allclose(alpha[n, :, m, :length].sum(0), torch.ones(length), atol=1e-6)
+
+
+def test_global_vector_model_stores_vectors(tiny_search_setup, tmp_path):
+    """VSE++ has a pair-independent vector: the index stores it (for a future first stage), search
+    works, and explain says the model has no attention to show."""
+    from itmatch.engine.train import train
+    from itmatch.models.registry import resolve_config
+
+    cfg = resolve_config("vsepp", {"model": {"embed_size": 16, "word_dim": 16},
+                                   "data": {"path": str(tiny_search_setup["root"] / "precomp")},
+                                   "train": {"epochs": 1, "batch_size": 16, "max_batches": 2, "val_images": 8}})
+    train(cfg, tmp_path / "run", progress=False)
+    out = tmp_path / "index"
+    build_index(tiny_search_setup["photos"], tmp_path / "run" / "best", out, progress=False)
+    index = load_index(out)
+    assert index.vectors is not None and index.vectors.shape == (12, 16)
+    searcher = Searcher(out)
+    expected = searcher.matcher.encode_images([tiny_search_setup["photos"] / searcher.ids[0]]).vector[0]
+    assert torch.allclose(torch.from_numpy(np.array(index.vectors[0])), expected, atol=1e-5)
+    assert len(searcher.search("a red circle", k=3)) == 3
+    with pytest.raises(QueryError, match="no attention") as err:
+        searcher.explain("a red circle", searcher.ids[0])
+    assert err.value.status == 409
