@@ -46,6 +46,12 @@ def _rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (fields 14 and 15 of /proc/PID/stat, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return round(1000 * ordered[min(len(ordered) - 1, int(p * len(ordered)))], 2) if ordered else float("nan")
@@ -130,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
         manifest = json.loads((Path(args.index) / "manifest.json").read_text())
         ids = [e["id"] for e in manifest["images"]]
         asyncio.run(_run(base, ids, min(100, args.requests), min(8, args.concurrency), time.monotonic() + 60, 1))
-        rss_before = _rss_mb(server.pid)
+        rss_before, cpu_before = _rss_mb(server.pid), _cpu_seconds(server.pid)
         result = asyncio.run(_run(base, ids, args.requests, args.concurrency,
                                   time.monotonic() + args.max_seconds, args.seed))
+        # CPU time per request: what the load costs the server, whatever else shares the machine
+        cpu = _cpu_seconds(server.pid) - cpu_before
         result.update(rss_mb_before=round(rss_before, 1), rss_mb_after=round(_rss_mb(server.pid), 1),
-                      images=health["images"], model=health["model"], cpus=os.cpu_count())
+                      server_cpu_ms_per_request=round(1000 * cpu / max(1, result["requests"]), 2),
+                      load_average_1min=os.getloadavg()[0], images=health["images"], model=health["model"],
+                      cpus=os.cpu_count())
         metrics = httpx.get(base + "/metrics", timeout=10).json()
         result["server_p50_ms_search"] = metrics["routes"].get("GET /api/search", {}).get("latency_ms", {}).get("p50")
     finally:

@@ -30,6 +30,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -245,7 +246,8 @@ def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
 
 
 def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | str, *, force: bool = False,
-                batch_size: int = 8, chunk: int = 64, progress: bool = True, on_chunk=None) -> dict[str, Any]:
+                batch_size: int = 8, chunk: int = 64, progress: bool = True,
+                on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Index (or update the index of) every image under `images_dir` with the model of `checkpoint`.
 
     Returns a summary: counts of images total / added (newly encoded) / reused / removed, skipped
@@ -297,7 +299,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
         try:
             for name in keep:
                 if name in old["arrays"]:
-                    old_arrays[name] = _open_array(out_dir, old, name, verify=False)
+                    # verified: rows copied into the new generation must not carry corruption forward
+                    old_arrays[name] = _open_array(out_dir, old, name, verify=True)
             for row, e in enumerate(old["images"]):
                 old_rows.setdefault(e["sha256"], row)
                 old_sizes[e["sha256"]] = (e["width"], e["height"])
