@@ -13,6 +13,7 @@ the HTTP status the service answers with.
 from __future__ import annotations
 
 import io
+import re
 import threading
 import warnings
 from collections.abc import Sequence
@@ -184,7 +185,8 @@ class Searcher:
 
     def row_of(self, image_id: str) -> int:
         """Index row of an image id (its path relative to the photo folder); QueryError 400/404."""
-        if not image_id or image_id.startswith(("/", "\\")) or ".." in Path(image_id).parts or ":" in image_id:
+        if (not image_id or image_id.startswith(("/", "\\")) or ".." in Path(image_id).parts
+                or re.match(r"^[A-Za-z]:", image_id)):  # absolute, parent, or a Windows drive
             raise QueryError(f"invalid image id {image_id!r}", status=400,
                              hint="ids are relative paths as returned by the search")
         if image_id not in self.position:

@@ -21,6 +21,7 @@ import time
 from collections import defaultdict, deque
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -111,7 +112,7 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
 
     def hits(query: str, k: int) -> dict[str, Any]:
         start = time.perf_counter()
-        results = [{**h.as_dict(), "url": f"/api/images/{h.id}"} for h in searcher.search(query, k)]
+        results = [{**h.as_dict(), "url": "/api/images/" + quote(h.id)} for h in searcher.search(query, k)]
         return {"query": query, "k": k, "results": results, "took_ms": round(1000 * (time.perf_counter() - start), 2)}
 
     @app.get("/health")
