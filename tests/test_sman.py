@@ -277,6 +277,7 @@ def test_training_loss_is_ranking_plus_lambda_intra_pair():
         triplet_loss(inter.score(img, txt), 0.2, False).item(), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_training_reduces_loss_and_checkpoint_round_trips(tmp_path):
     data = make_precomp(tmp_path / "grid", sizes=(("train", 96), ("dev", 24)), k=M, dim=16)
     # Adadelta as the preset (lr 1.0: a 9-step run); the sum over negatives, as the CPU schedule's warm-up
