@@ -13,7 +13,8 @@ from itmatch.models.registry import build_model, list_models, resolve_config
 @pytest.mark.parametrize("preset", [p for p in list_models() if not p.endswith("_coco")])
 def test_gradients_finite_with_padding_and_zero_regions(preset):
     torch.manual_seed(0)
-    cfg = resolve_config(preset, {"model": {"img_dim": 16, "vocab_size": 50, "embed_size": 8, "word_dim": 8}})
+    cfg = resolve_config(preset, {"model": {"img_dim": 16, "vocab_size": 50, "embed_size": 8, "word_dim": 8,
+                                            "sman": {"regions": 5}}})  # SMAN checks the grid size
     model = build_model(cfg.model)
     feats = torch.rand(6, 5, 16)
     feats[0, 2] = 0  # an all-zero grid cell

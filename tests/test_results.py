@@ -24,7 +24,7 @@ def test_header_is_exactly_the_design(tmp_path):
     rows = read_rows(path)
     assert len(rows) == 1 and rows[0]["command"] == "c2" and rows[0]["rsum"] == "123.5"
     md = render_markdown(path)
-    assert "| scan_t2i_avg | 1k | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 123.5 | 1.2 |" in md
+    assert "| scan_t2i_avg | 1k | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 123.5 | 20.6 | 1.2 |" in md  # mR = rsum / 6
 
 
 def test_foreign_csv_is_rejected(tmp_path):

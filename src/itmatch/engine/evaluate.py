@@ -23,6 +23,8 @@ DEFAULT_BUDGET = 4 * 1024**3
 
 
 def _pad_to(t: torch.Tensor, length: int, dims: Sequence[int]) -> torch.Tensor:
+    if not dims:
+        return t
     pad: list[int] = []
     for d in range(t.dim() - 1, 0, -1):
         pad += [0, length - t.shape[d] if d in dims else 0]
@@ -30,12 +32,16 @@ def _pad_to(t: torch.Tensor, length: int, dims: Sequence[int]) -> torch.Tensor:
 
 
 def concat_texts(parts: list[TextEmb]) -> TextEmb:
-    """Concatenate caption embeddings of different padded lengths (pads words and word Grams)."""
+    """Concatenate caption embeddings of different padded lengths (pads words and the word axes of
+    extras, e.g. word Grams)."""
     longest = max(p.words.shape[1] for p in parts)
+    axes = parts[0].word_axes
     words = torch.cat([_pad_to(p.words, longest, (1,)) for p in parts])
-    extras = {k: torch.cat([_pad_to(p.extras[k], longest, (1, 2)) for p in parts]) for k in parts[0].extras}
+    extras = {k: torch.cat([_pad_to(p.extras[k], longest, axes.get(k, ())) for p in parts])
+              for k in parts[0].extras}
     vector = torch.cat([p.vector for p in parts]) if parts[0].vector is not None else None
-    return TextEmb(words=words, lengths=torch.cat([p.lengths for p in parts]), vector=vector, extras=extras)
+    return TextEmb(words=words, lengths=torch.cat([p.lengths for p in parts]), vector=vector, extras=extras,
+                   word_axes=axes)
 
 
 def concat_images(parts: list[ImageEmb]) -> ImageEmb:
@@ -74,7 +80,8 @@ def encode_captions(model: Matcher, captions: Sequence[str], vocab: Vocab, batch
 
 def images_per_block(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: float) -> int:
     """Images per block so that the head's temporaries for (these images x `txt`) fit the budget."""
-    per_pair = model.head.bytes_per_cell * img.regions.shape[1] * txt.words.shape[1]
+    head = model.head
+    per_pair = head.bytes_per_cell * img.regions.shape[1] * txt.words.shape[1] + head.bytes_per_pair
     return max(1, min(len(img), int(budget_bytes // max(1.0, per_pair * len(txt)))))
 
 
@@ -85,7 +92,7 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: floa
     padded only to its own longest caption; every block is one batched call of the model's head, and
     the number of images per block follows from the memory budget."""
     n, m = len(img), len(txt)
-    if model.head.bytes_per_cell <= 0:  # pair-independent head: one matrix product
+    if model.head.bytes_per_cell <= 0 and model.head.bytes_per_pair <= 0:  # pair-independent: one product
         return model.score(img, txt).float()
     order = torch.argsort(txt.lengths, stable=True)
     sorted_txt = txt.take(order)

@@ -4,6 +4,7 @@ rsum, best and last checkpoints, resume, a run directory with the resolved confi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 import time
@@ -18,12 +19,14 @@ from tqdm.auto import tqdm
 from itmatch.config import Config
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit, read_precomp
-from itmatch.data.vocab import Vocab, build_vocab, tokenize
+from itmatch.data.vocab import SPECIALS, Vocab, build_vocab, tokenize
 from itmatch.engine.checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
 from itmatch.models.registry import build_model
+
+log = logging.getLogger("itmatch.train")
 
 
 def learning_rate(cfg: Config, epoch: int) -> float:
@@ -42,6 +45,31 @@ def make_optimizer(cfg: Config, model: torch.nn.Module, epoch: int) -> torch.opt
                           hint=f"choose one of {', '.join(OPTIMIZERS)}")
     params = [p for p in model.parameters() if p.requires_grad]
     return OPTIMIZERS[cfg.train.optimizer](params, lr=learning_rate(cfg, epoch), weight_decay=cfg.train.weight_decay)
+
+
+def apply_word_vectors(model: torch.nn.Module, vocab: Vocab, source: str) -> dict[str, int]:
+    """Copy pretrained vectors (`model.word_vectors`) into the text encoder's word embedding. Words
+    without a vector keep the random initialisation; their count is logged (the four special tokens
+    are not counted). Returns {"found": ..., "missing": ...}."""
+    from itmatch.data.word_vectors import load_word_vectors
+
+    embed = getattr(model.text_encoder, "embed", None)
+    if not isinstance(embed, torch.nn.Embedding):
+        raise ConfigError("model.word_vectors is set but this model's text encoder has no word embedding",
+                          hint="unset model.word_vectors")
+    table, found = load_word_vectors(source, vocab.idx2word)
+    if table.shape[1] != embed.embedding_dim:
+        raise ConfigError(f"model.word_vectors {source!r} are {table.shape[1]}-d but model.word_dim is "
+                          f"{embed.embedding_dim}", hint=f"set model.word_dim={table.shape[1]}")
+    with torch.no_grad():
+        rows = torch.from_numpy(np.flatnonzero(found))
+        embed.weight[rows] = torch.from_numpy(table[found]).to(embed.weight.dtype)
+    real = np.array([w not in SPECIALS for w in vocab.idx2word])
+    counts = {"found": int((found & real).sum()), "missing": int((~found & real).sum())}
+    log.log(logging.WARNING if counts["missing"] else logging.INFO,
+            "word vectors %s: %d of %d vocabulary words found, %d missing (kept their random init)",
+            source, counts["found"], int(real.sum()), counts["missing"])
+    return counts
 
 
 def seed_everything(seed: int) -> None:
@@ -91,8 +119,12 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         seed_everything(cfg.train.seed)
         train_split, val_split, vocab = prepare_data(cfg, None)
         model = build_model(cfg.model)
+        header = ""
+        if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
+            counts = apply_word_vectors(model, vocab, cfg.model.word_vectors)
+            header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").write_text("", encoding="utf-8")
+        (run_dir / "metrics.jsonl").write_text(header, encoding="utf-8")
     write_json_atomic(run_dir / "config.json", cfg.to_dict())
     optimizer = make_optimizer(cfg, model, state["epoch"])
     if resume:

@@ -66,6 +66,9 @@ class TextEmb(Embeddings):
     words: torch.Tensor  # [M, L, D]
     lengths: torch.Tensor  # [M]
     vector: torch.Tensor | None = None
+    #: extras key -> its word axes (e.g. a word Gram matrix: (1, 2); per-word keys: (1,)); the evaluator
+    #: pads these when it concatenates captions of different lengths, trimmed() cuts them. Others: per item.
+    word_axes: dict[str, tuple[int, ...]] = field(default_factory=dict, kw_only=True)
 
     def __len__(self) -> int:
         return int(self.words.shape[0])
@@ -79,15 +82,21 @@ class TextEmb(Embeddings):
         longest = int(self.lengths.max())
         if longest == self.words.shape[1]:
             return self
-        extras = {k: v[:, :longest, :longest] if k == "gram" else v for k, v in self.extras.items()}
+        extras = {}
+        for key, value in self.extras.items():
+            for axis in self.word_axes.get(key, ()):
+                value = value.narrow(axis, 0, longest)
+            extras[key] = value
         return replace(self, words=self.words[:, :longest], extras=extras)
 
 
 class SimilarityHead(nn.Module):
     """score(img, txt) -> [n_img, n_txt]. `prepare_*` add per-item parts once per item."""
 
-    #: bytes of temporaries per (image, caption, region, word) cell; the evaluator sizes blocks from it.
+    #: bytes of temporaries per (image, caption, region, word) cell and per (image, caption) pair; the
+    #: evaluator sizes blocks from them. Both 0: a pair-independent head (one matrix product).
     bytes_per_cell: float = 0.0
+    bytes_per_pair: float = 0.0
 
     def prepare_images(self, img: ImageEmb) -> ImageEmb:
         return img

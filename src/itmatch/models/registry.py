@@ -10,9 +10,9 @@ from typing import Any
 from itmatch.config import Config, ModelConfig, config_from_dict, update
 from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher, SimilarityHead
-from itmatch.models.heads import GlobalCosineHead, ScanHead, SumMaxHead
-from itmatch.models.image import RegionEncoder
-from itmatch.models.text import RNNTextEncoder
+from itmatch.models.heads import GlobalCosineHead, ScanHead, SMANHead, SumMaxHead
+from itmatch.models.image import RegionEncoder, SMANImageEncoder
+from itmatch.models.text import RNNTextEncoder, SMANTextEncoder
 
 # SCAN supplementary: Flickr30K lr 2e-4 for 15 epochs then 2e-5 for 15; COCO 5e-4 for 10 then 5e-5 for 10.
 F30K_SCHEDULE = {"epochs": 30, "lr": 2e-4, "lr_update": 15}
@@ -23,6 +23,22 @@ SCAN_LAMBDAS = {
     ("f30k", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 5.0},
     ("coco", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
     ("coco", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 20.0},
+}
+
+# SMAN section IV-A3: Adadelta lr 0.05 -> 0.005 after 50 of 60 epochs, weight decay 5e-4, clipping 0.1,
+# batch 128, m1 = 0.2; every hidden size (word embedding, GRU, BiLSTM, attention, common space) 512.
+SMAN_SCHEDULE = {"epochs": 60, "optimizer": "adadelta", "lr": 0.05, "lr_update": 50, "weight_decay": 5e-4,
+                 "grad_clip": 0.1, "batch_size": 128}
+SMAN_MODEL = {"arch": "sman", "embed_size": 512, "word_dim": 512, "text_rnn": "lstm"}
+# name -> (model.sman switches, other model fields): SMAN (random words), the pretrained-vector variant
+# (spaCy en_core_web_md 300-d in place of GloVe) and the ablations of section IV-A4 / Table III-V.
+SMAN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "sman": ({}, {}),
+    "sman_w2v_spacy": ({}, {"word_vectors": "spacy_md", "word_dim": 300}),
+    "sman_im": ({"steps": 1, "spatial": False}, {}),  # intra-modal attention, no v(loc)
+    "sman_im_loc": ({"steps": 1}, {}),  # intra-modal attention with v(loc)
+    "sman_sim": ({"alpha": 1.0}, {}),  # stacked intra-modal attention (gate at alpha = 1)
+    "sman_inter": ({"intra_pair_weight": 0.0}, {}),  # ranking loss only (no Eq. 22 term)
 }
 
 
@@ -39,6 +55,9 @@ def _presets() -> dict[str, dict[str, Any]]:
                     "model": {"arch": "scan", "direction": direction, "pool": pool,
                               **SCAN_LAMBDAS[(dataset, direction)]},
                     "train": schedule}
+    for name, (switches, fields) in SMAN_VARIANTS.items():
+        presets[name] = {"model": {**SMAN_MODEL, **fields, "sman": switches}, "loss": {"margin": 0.2},
+                         "train": SMAN_SCHEDULE}
     return presets
 
 
@@ -94,11 +113,24 @@ def _build_scan(mc: ModelConfig) -> Matcher:
                                             mc.raw_feature_norm, mc.clip_slope))
 
 
+def _build_sman(mc: ModelConfig) -> Matcher:
+    s = mc.sman
+    image = SMANImageEncoder(mc.img_dim, mc.embed_size, s.att_hidden, regions=s.regions, spatial=s.spatial,
+                             divide_by_m=s.divide_by_m, dropout=s.dropout)
+    text = SMANTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, s.att_hidden, rnn=mc.text_rnn,
+                           dropout=s.dropout)
+    head = SMANHead(mc.img_dim, mc.embed_size, s.att_hidden, regions=s.regions, steps=s.steps, alpha=s.alpha,
+                    divide_by_m=s.divide_by_m, intra_pair_weight=s.intra_pair_weight,
+                    intra_pair_margin=s.intra_pair_margin, intra_pair_form=s.intra_pair_form)
+    return Matcher(image, text, head)
+
+
 #: model.arch -> builder. A new model adds its builder here and its presets to PRESETS.
 BUILDERS: dict[str, Callable[[ModelConfig], Matcher]] = {
     "vsepp": _build_vsepp,
     "summax": _build_summax,
     "scan": _build_scan,
+    "sman": _build_sman,
 }
 
 

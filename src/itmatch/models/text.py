@@ -6,6 +6,7 @@ import torch
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from itmatch.models.attention import GuidedAttention
 from itmatch.models.base import TextEmb, l2norm
 
 
@@ -14,11 +15,11 @@ class RNNTextEncoder(nn.Module):
 
     Bidirectional outputs are combined per step by averaging the two halves (SCAN) or concatenating
     them; words are then optionally l2-normalised. With `pool="last"` the caption also gets one
-    vector: the last real step's state (the VSE++ baseline)."""
+    vector: the last real step's state (the VSE++ baseline) or the mean of the steps (SMAN's t(0))."""
 
     def __init__(self, vocab_size: int, word_dim: int, embed_size: int, *, num_layers: int = 1,
                  bidirectional: bool = True, rnn: str = "gru", combine: str = "mean", norm: bool = True,
-                 pool: str = "none") -> None:
+                 pool: str = "none", dropout: float = 0.0) -> None:
         super().__init__()
         if rnn not in ("gru", "lstm"):
             raise ValueError(f"rnn must be 'gru' or 'lstm', not {rnn!r}")
@@ -32,9 +33,10 @@ class RNNTextEncoder(nn.Module):
         cell = nn.GRU if rnn == "gru" else nn.LSTM
         self.rnn = cell(word_dim, hidden, num_layers, batch_first=True, bidirectional=bidirectional)
         self.bidirectional, self.combine, self.norm, self.pool = bidirectional, combine, norm, pool
+        self.drop = nn.Dropout(dropout)  # on the word embeddings (SMAN's 0.3); identity at 0
 
     def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextEmb:
-        x = self.embed(tokens)
+        x = self.drop(self.embed(tokens))
         packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, _ = self.rnn(packed)
         words, _ = pad_packed_sequence(out, batch_first=True, total_length=tokens.shape[1])
@@ -51,3 +53,34 @@ class RNNTextEncoder(nn.Module):
             words = l2norm(words)
             vector = l2norm(vector) if vector is not None else None
         return TextEmb(words=words, lengths=lengths, vector=vector)
+
+
+class SMANTextEncoder(nn.Module):
+    """SMAN's text side up to the intra-modal context (Ji et al., section III-A2 and III-B1).
+
+    S_l = the two directions of a BiLSTM averaged per step (Eq. 1; `rnn` may be "gru"), t(0) = mean of
+    S_l (Eq. 8), textual attention guided by t(0) (Eq. 9-10), t(1) = sum_l a_l S_l (Eq. 11, no
+    projection: S is already in the common space). Output: TextEmb with words = S, extras t0, t1 and
+    att1 (the weights of Eq. 10), vector = [t0/|t0|, t1/|t1|]. Word embeddings start Xavier-uniform
+    (the paper's random init); pretrained vectors are copied in by the trainer (model.word_vectors)."""
+
+    def __init__(self, vocab_size: int, word_dim: int, embed_size: int, att_hidden: int, *,
+                 rnn: str = "lstm", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.rnn = RNNTextEncoder(vocab_size, word_dim, embed_size, bidirectional=True, rnn=rnn, combine="mean",
+                                  norm=False, pool="mean", dropout=dropout)
+        nn.init.xavier_uniform_(self.rnn.embed.weight)
+        self.att = GuidedAttention(embed_size, embed_size, att_hidden)
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.rnn.embed
+
+    def forward(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextEmb:
+        enc = self.rnn(tokens, lengths)
+        words, t0 = enc.words, enc.vector  # Eq. 1, Eq. 8
+        assert t0 is not None
+        att1 = self.att(words, t0, enc.mask)  # Eq. 9-10
+        t1 = torch.bmm(att1.unsqueeze(1), words).squeeze(1)  # Eq. 11
+        return TextEmb(words=words, lengths=lengths, vector=torch.cat([l2norm(t0), l2norm(t1)], -1),
+                       extras={"t0": t0, "t1": t1, "att1": att1}, word_axes={"att1": (1,)})

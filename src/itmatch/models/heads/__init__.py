@@ -2,6 +2,7 @@
 
 from itmatch.models.heads.global_cosine import GlobalCosineHead
 from itmatch.models.heads.scan import ScanHead
+from itmatch.models.heads.sman import SMANHead
 from itmatch.models.heads.summax import SumMaxHead
 
-__all__ = ["GlobalCosineHead", "ScanHead", "SumMaxHead"]
+__all__ = ["GlobalCosineHead", "SMANHead", "ScanHead", "SumMaxHead"]

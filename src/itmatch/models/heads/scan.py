@@ -64,6 +64,7 @@ class ScanHead(SimilarityHead):
     def prepare_texts(self, txt: TextEmb) -> TextEmb:
         if self.direction == "i2t":
             txt.extras["gram"] = txt.words @ txt.words.transpose(1, 2)  # [M, L, L]
+            txt.word_axes["gram"] = (1, 2)
         return txt
 
     def _alpha(self, s: torch.Tensor, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
