@@ -28,7 +28,7 @@ from torch import nn
 from itmatch.config import LossConfig
 from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, l2norm
 from itmatch.models.heads.common import masked_pool, region_word_dots
-from itmatch.models.heads.scan import attended_cosine, normalise_over
+from itmatch.models.heads.scan import attended_cosine, attention_weights, normalise_over
 from itmatch.models.losses import oan_triplet_loss
 
 INTRA = ("attention", "mean", "none")
@@ -128,22 +128,28 @@ class OANHead(SimilarityHead):
         return txt
 
     # ---- pair scores ----------------------------------------------------------------------------------
+    def inter_attention(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw dots e_i.v_j and the inter-modal attention weights of a block, each [n, k, m, l]:
+        T-V weights sum to 1 over regions k (Eq. 4 with s-bar), V-T weights over words l (Eq. 4 with s-hat)."""
+        dots = region_word_dots(img, txt)
+        norms = img.regions.norm(dim=-1)[:, :, None, None] * txt.words.norm(dim=-1)[None, None]
+        cos = dots / norms.clamp(min=EPS)
+        rmask, wmask = img.mask[:, :, None, None], txt.mask[None, None]
+        # s_ij = [cos]_+, then l2 over the query axis = SCAN's clipped_l2norm with a plain ReLU
+        s_bar = normalise_over(cos, wmask, 3, "clipped_l2norm", 0.0)  # s_ij / ||s_:j|| (over words)
+        s_hat = normalise_over(cos, rmask, 1, "clipped_l2norm", 0.0)  # s_ij / ||s_i:|| (over regions)
+        alpha_tv = attention_weights(s_bar, self.lambda_tv, rmask, 1)  # word i attends to regions
+        alpha_vt = attention_weights(s_hat, self.lambda_vt, wmask, 3)  # region j attends to words
+        return dots, alpha_tv, alpha_vt
+
     def components(self, img: ImageEmb, txt: TextEmb) -> dict[str, torch.Tensor]:
         """The set-wise similarities of every pair, [n_img, n_txt] each: "vt" = S(v_VT, e_VT),
         "tv" = S(v_TV, e_TV), "intra" = S(v_VV, e_TT); only the enabled ones."""
         out: dict[str, torch.Tensor] = {}
         if self.inter:
-            dots = region_word_dots(img, txt)  # [n, k, m, l]
-            norms = img.regions.norm(dim=-1)[:, :, None, None] * txt.words.norm(dim=-1)[None, None]
-            cos = dots / norms.clamp(min=EPS)
-            rmask, wmask = img.mask[:, :, None, None], txt.mask[None, None]
-            # hinge then l2 over the query axis = SCAN's clipped_l2norm with a plain ReLU
-            s_bar = normalise_over(cos, wmask, 3, "clipped_l2norm", 0.0)  # s_ij / ||s_:j||, T-V
-            out["tv"] = masked_pool(attended_cosine(dots, s_bar, self.lambda_tv, img, txt, "t2i"),
-                                    txt.mask[None], 2, "avg")
-            s_hat = normalise_over(cos, rmask, 1, "clipped_l2norm", 0.0)  # s_ij / ||s_i:||, V-T
-            out["vt"] = masked_pool(attended_cosine(dots, s_hat, self.lambda_vt, img, txt, "i2t"),
-                                    img.mask[:, :, None], 1, "avg")
+            dots, alpha_tv, alpha_vt = self.inter_attention(img, txt)
+            out["tv"] = masked_pool(attended_cosine(dots, alpha_tv, img, txt, "t2i"), txt.mask[None], 2, "avg")
+            out["vt"] = masked_pool(attended_cosine(dots, alpha_vt, img, txt, "i2t"), img.mask[:, :, None], 1, "avg")
         if self.intra != "none":
             out["intra"] = img.vector @ txt.vector.T
         return out

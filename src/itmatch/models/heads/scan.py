@@ -38,24 +38,27 @@ def normalise_over(s: torch.Tensor, mask: torch.Tensor, dim: int, how: str,
     return s
 
 
-def attended_cosine(s: torch.Tensor, sn: torch.Tensor, lam: float, img: ImageEmb, txt: TextEmb,
-                    direction: str) -> torch.Tensor:
-    """cos(query, attended vector) for every query of every pair of a block (SCAN Eq. 1-3, 8).
+def attention_weights(sn: torch.Tensor, lam: float, mask: torch.Tensor, dim: int) -> torch.Tensor:
+    """softmax over the attended axis `dim` of lam * sn, padding excluded (SCAN Eq. 2, OAN Eq. 4)."""
+    return torch.softmax((lam * sn).masked_fill(~mask, float("-inf")), dim=dim)
 
-    s: raw region-word dots [n, k, m, l]; sn: the normalised similarities the attention weights come from.
-    t2i: word l attends to regions, alpha = softmax_k(lam * sn), a_l = sum_k alpha_kl v_k -> [n, m, l].
-    i2t: region k attends to words, alpha = softmax_l(lam * sn), a_k = sum_l alpha_kl e_l -> [n, k, m].
+
+def attended_cosine(s: torch.Tensor, alpha: torch.Tensor, img: ImageEmb, txt: TextEmb, direction: str
+                    ) -> torch.Tensor:
+    """cos(query, attended vector) for every query of every pair of a block (SCAN Eq. 3, 8).
+
+    s: raw region-word dots [n, k, m, l]; alpha: attention weights of the same shape.
+    t2i: word l attends to regions (alpha sums to 1 over k), a_l = sum_k alpha_kl v_k -> [n, m, l].
+    i2t: region k attends to words (alpha sums to 1 over l), a_k = sum_l alpha_kl e_l -> [n, k, m].
     a is never built: q.a = sum alpha s and ||a||^2 = alpha^T G alpha with the attended item's Gram matrix
     (extras["gram"] of the images for t2i, of the captions for i2t). Queries are not assumed unit-norm."""
     n, k, m, length = s.shape
     if direction == "t2i":
-        alpha = torch.softmax((lam * sn).masked_fill(~img.mask[:, :, None, None], float("-inf")), dim=1)
         dot = (alpha * s).sum(1)  # [n, m, l] = e_l . a_l
         g_alpha = torch.bmm(img.extras["gram"], alpha.reshape(n, k, m * length)).view(n, k, m, length)
         sq_norm = (alpha * g_alpha).sum(1)  # ||a_l||^2
         query_norm = txt.words.norm(dim=-1)[None]  # [1, m, l]
     else:
-        alpha = torch.softmax((lam * sn).masked_fill(~txt.mask[None, None], float("-inf")), dim=3)
         dot = (alpha * s).sum(3)  # [n, k, m] = v_k . a_k
         per_caption = alpha.permute(2, 0, 1, 3).reshape(m, n * k, length)
         h_alpha = torch.bmm(per_caption, txt.extras["gram"]).view(m, n, k, length).permute(1, 2, 0, 3)
@@ -96,9 +99,11 @@ class ScanHead(SimilarityHead):
         s = region_word_dots(img, txt)  # [n, k, m, l]
         if self.direction == "t2i":  # normalise over words (the query axis), attend over regions
             sn = normalise_over(s, txt.mask[None, None], 3, self.norm, self.clip_slope)
-            relevance = attended_cosine(s, sn, self.lambda_softmax, img, txt, "t2i")
+            alpha = attention_weights(sn, self.lambda_softmax, img.mask[:, :, None, None], 1)
+            relevance = attended_cosine(s, alpha, img, txt, "t2i")
             return masked_pool(relevance, txt.mask[None], 2, self.pool, self.lambda_lse)
         # i2t: normalise over regions (the query axis), attend over words
         sn = normalise_over(s, img.mask[:, :, None, None], 1, self.norm, self.clip_slope)
-        relevance = attended_cosine(s, sn, self.lambda_softmax, img, txt, "i2t")
+        alpha = attention_weights(sn, self.lambda_softmax, txt.mask[None, None], 3)
+        relevance = attended_cosine(s, alpha, img, txt, "i2t")
         return masked_pool(relevance, img.mask[:, :, None], 1, self.pool, self.lambda_lse)
