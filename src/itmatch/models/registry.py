@@ -35,7 +35,7 @@ OAN_SCHEDULE = {"epochs": 24, "optimizer": "adam", "lr": 5e-4, "lr_update": 15, 
                 "grad_clip": 2.0, "batch_size": 128}
 # Table 2 of OAN (ablations): preset suffix -> model.oan switches. `oan` is the paper's chosen full model (Eq. 10 + 12).
 OAN_VARIANTS: dict[str, dict[str, Any]] = {
-    "": {},  # full model, Eq. 10 with the Eq. 12 intra-modal negatives
+    "": {"negatives": "eq12"},  # full model, Eq. 10 with the Eq. 12 intra-modal negatives (the paper's choice)
     "_eq11": {"negatives": "eq11"},  # full model, Eq. 10 with the Eq. 11 intra-modal negatives
     "_no_intra_neg": {"negatives": "none"},  # no intra-modal hard negatives (Eq. 9)
     "_no_inter_attn": {"inter": False},  # no inter-modal attention
