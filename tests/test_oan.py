@@ -202,7 +202,8 @@ def test_components_match_reference_with_paper_temperatures():
     for lam_tv, lam_vt in ((0.9, 0.5), (9.0, 4.0)):
         head = OANHead(k_heads=2, embed_size=6, lambda_tv=lam_tv, lambda_vt=lam_vt)
         img, txt = random_block(seed=3)
-        parts = head.components(head.prepare_images(img), head.prepare_texts(txt))
+        with torch.no_grad():
+            parts = head.components(head.prepare_images(img), head.prepare_texts(txt))
         for i in range(len(img)):
             for j in range(len(txt)):
                 regions, words = real_objects(img, txt, i, j)

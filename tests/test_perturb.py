@@ -119,10 +119,12 @@ def test_analyze_perturb_end_to_end(tiny_precomp, tmp_path, capsys):
         assert len(list(csv.DictReader(fh))) == 3
     assert (out / "perturb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Random shuffling" in (out / "perturb.md").read_text()
-    # a second call reuses the finished runs instead of retraining them
-    stamp = (out / "shuffle" / "best" / "model.safetensors").stat().st_mtime_ns
+    # a second call reuses the finished runs and their test metrics instead of recomputing them
+    stamps = [(out / "shuffle" / name).stat().st_mtime_ns for name in ("best/model.safetensors", "eval_test_full.json")]
     assert main(args) == 0
-    assert (out / "shuffle" / "best" / "model.safetensors").stat().st_mtime_ns == stamp
+    assert [(out / "shuffle" / name).stat().st_mtime_ns
+            for name in ("best/model.safetensors", "eval_test_full.json")] == stamps
+    assert json.loads((out / "perturb.json").read_text()) == report
     assert main(["analyze", "perturb", "--preset", "vsepp", "--data", str(tiny_precomp), "--out", str(out),
                  "--perturbations", "articles"]) == 2
     assert "unknown perturbation" in capsys.readouterr().err

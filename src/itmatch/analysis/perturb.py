@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import csv
 import io
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from itmatch.config import Config
 from itmatch.data.perturb import PERTURBATIONS, POS_CLASSES, CaptionPerturbation, prior_probabilities, tag_captions
-from itmatch.data.precomp import read_precomp
+from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.train import train
@@ -61,10 +62,9 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
             if progress:
                 print(f"[perturb] {kind}: training into {run_dir}" + (" (resuming)" if resume else ""), flush=True)
             train(run_cfg, run_dir, resume=resume, force=force, transform=transform, progress=progress)
-        ckpt = load_checkpoint(run_dir / "best")
-        result = evaluate_models([(ckpt.model, ckpt.vocab)], test_split, protocol, progress=progress)
+        result, best_epoch = _evaluate(run_dir, test_split, protocol, progress)
         rows.append({"perturbation": kind, "label": LABELS[kind], "empty_captions": len(transform.empty),
-                     "prior": priors.get(kind), "best_epoch": ckpt.state.get("best_epoch"),
+                     "prior": priors.get(kind), "best_epoch": best_epoch,
                      **{d: {k: result[d][k] for k in KS} for d in DIRECTIONS}})
     base = rows[0]
     for row in rows:
@@ -80,6 +80,22 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     write_text_atomic(out / "perturb.md", to_markdown(report))
     write_with(out / "perturb.png", lambda tmp: plot(report, tmp))
     return report
+
+
+def _evaluate(run_dir: Path, split: PrecompSplit, protocol: str, progress: bool) -> tuple[dict[str, Any], Any]:
+    """Test metrics of run_dir/best on the unperturbed split, cached in run_dir (recomputed when the
+    checkpoint is newer than the cache), so re-running the study only evaluates new runs."""
+    cache = run_dir / f"eval_{split.split}_{protocol}.json"
+    weights = run_dir / "best" / "model.safetensors"
+    if cache.is_file() and cache.stat().st_mtime_ns >= weights.stat().st_mtime_ns:
+        cached = json.loads(cache.read_text(encoding="utf-8"))
+        if cached.get("n_captions") == len(split.captions):
+            return cached["result"], cached["best_epoch"]
+    ckpt = load_checkpoint(run_dir / "best")
+    result = evaluate_models([(ckpt.model, ckpt.vocab)], split, protocol, progress=progress)
+    best_epoch = ckpt.state.get("best_epoch")
+    write_json_atomic(cache, {"n_captions": len(split.captions), "best_epoch": best_epoch, "result": result})
+    return result, best_epoch
 
 
 def to_csv(report: dict[str, Any]) -> str:
