@@ -51,7 +51,8 @@ def run_perturb(preset: str, threads: int) -> None:
     """All seven trainings of the study (resumable), then the table and chart copied to docs/results/."""
     out = f"runs/flickr8k/perturb/{preset}"
     run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", SCHEDULE, "--out", out,
-         "--split", "test", "--protocol", "1k", "--set", f"train.threads={threads}", "--quiet"])
+         "--split", "test", "--protocol", "1k", "--tag-cache", "runs/flickr8k/perturb/cache",
+         "--set", f"train.threads={threads}", "--quiet"])
     for ext in ("md", "csv", "png"):
         shutil.copyfile(ROOT / out / f"perturb.{ext}", ROOT / f"docs/results/flickr8k_perturb_{preset}.{ext}")
 

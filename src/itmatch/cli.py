@@ -108,7 +108,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     cfg = _resolve_train_config(args)
     report = run_perturbation_study(cfg, Path(args.out), args.perturbations, split=args.split,
                                     protocol=args.protocol, seed=args.seed, force=args.force,
-                                    progress=not args.quiet)
+                                    tag_cache=args.tag_cache, progress=not args.quiet)
     print((Path(args.out) / "perturb.md").read_text(encoding="utf-8"))
     empty = {r["perturbation"]: r["empty_captions"] for r in report["rows"] if r["empty_captions"]}
     if empty:
@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--protocol", default="1k", choices=["1k", "full", "coco1k", "coco5k"],
                    help="evaluation protocol (default 1k)")
     a.add_argument("--seed", type=int, default=0, help="seed of the word shuffling")
+    a.add_argument("--tag-cache", help="directory caching the POS tags of the training captions (default OUT/cache)")
     a.add_argument("--force", action="store_true",
                    help="retrain runs that exist (default: reuse finished runs, resume interrupted ones)")
     a.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -35,10 +35,11 @@ KS = ("r1", "r5", "r10")
 
 def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence[str] = PERTURBATIONS, *,
                            split: str = "test", protocol: str = "1k", seed: int = 0, force: bool = False,
-                           progress: bool = True) -> dict[str, Any]:
+                           tag_cache: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Train `cfg` on each perturbation of its training captions, evaluate on the unperturbed `split`,
     write OUT/perturb.{json,csv,md,png}; returns the JSON report. `original` is always included (the
-    reference of the deltas). force: retrain runs that exist."""
+    reference of the deltas). force: retrain runs that exist. tag_cache: where the POS tags of the training
+    captions are cached (default OUT/cache; share one between studies of the same data)."""
     unknown = [p for p in perturbations if p not in PERTURBATIONS]
     if unknown:
         raise ConfigError(f"unknown perturbation(s) {', '.join(unknown)}",
@@ -49,7 +50,7 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     out = Path(out)
     train_split = read_precomp(cfg.data.path, cfg.data.train_split)
     test_split = read_precomp(cfg.data.path, split)
-    tagged = tag_captions(train_split.captions, cache_dir=out / "cache", progress=progress)
+    tagged = tag_captions(train_split.captions, cache_dir=tag_cache or out / "cache", progress=progress)
     priors = prior_probabilities(tagged)
     rows = []
     for kind in kinds:
