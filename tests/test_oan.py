@@ -342,9 +342,9 @@ def test_eq13_training_loss_weights_the_three_terms():
     img, txt = head.prepare_images(img), head.prepare_texts(txt)
     from itmatch.config import LossConfig
 
-    loss = head.training_loss(img, txt, LossConfig(margin=0.2), hardest=True)
-    parts = head.components(img, txt)
-    img_sim, txt_sim = img.vector @ img.vector.T, txt.vector @ txt.vector.T
+    loss = head.training_loss(img, txt, LossConfig(margin=0.2), hardest=True).detach()
+    parts = {name: value.detach() for name, value in head.components(img, txt).items()}
+    img_sim, txt_sim = (img.vector @ img.vector.T).detach(), (txt.vector @ txt.vector.T).detach()
     same = torch.eye(4, dtype=torch.bool).tolist()
     ref = sum(w * eq10_ref(parts[name].tolist(), img_sim.tolist(), txt_sim.tolist(), 0.2, 0.1, 0.5, "eq12", same)
               for name, w in (("vt", 0.7), ("tv", 0.7), ("intra", 0.3)))
