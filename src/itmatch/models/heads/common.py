@@ -33,3 +33,17 @@ def masked_pool(values: torch.Tensor, mask: torch.Tensor, dim: int, how: str, ls
     if how == "lse":
         return torch.logsumexp((values * lse_lambda).masked_fill(~mask, float("-inf")), dim) / lse_lambda
     raise ValueError(f"unknown pooling {how!r}; choose avg, lse, max or sum")
+
+
+def add_region_gram(img: ImageEmb) -> ImageEmb:
+    """extras["gram"] = V V^T [N, k, k], once per image: ||sum_k alpha_k v_k||^2 = alpha^T G alpha."""
+    img.extras["gram"] = img.regions @ img.regions.transpose(1, 2)
+    return img
+
+
+def add_word_gram(txt: TextEmb) -> TextEmb:
+    """extras["gram"] = E E^T [M, L, L], once per caption; both of its axes are word axes (padded and
+    trimmed with the words)."""
+    txt.extras["gram"] = txt.words @ txt.words.transpose(1, 2)
+    txt.word_axes["gram"] = (1, 2)
+    return txt

@@ -27,7 +27,7 @@ from torch import nn
 
 from itmatch.config import LossConfig
 from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, l2norm
-from itmatch.models.heads.common import masked_pool, region_word_dots
+from itmatch.models.heads.common import add_region_gram, add_word_gram, masked_pool, region_word_dots
 from itmatch.models.heads.scan import attended_cosine, attention_weights, normalise_over
 from itmatch.models.losses import oan_triplet_loss
 
@@ -116,14 +116,14 @@ class OANHead(SimilarityHead):
 
     def prepare_images(self, img: ImageEmb) -> ImageEmb:
         if self.inter:
-            img.extras["gram"] = img.regions @ img.regions.transpose(1, 2)  # [N, k, k]
+            add_region_gram(img)
         # also used with intra="none": the intra-modal negatives of Eq. 10 compare images through it
         img.vector = set_vector(self.intra_sets(img.regions, img.mask, image=True))
         return img
 
     def prepare_texts(self, txt: TextEmb) -> TextEmb:
         if self.inter:
-            txt.extras["gram"] = txt.words @ txt.words.transpose(1, 2)  # [M, L, L]
+            add_word_gram(txt)
         txt.vector = set_vector(self.intra_sets(txt.words, txt.mask, image=False))
         return txt
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb
-from itmatch.models.heads.common import masked_pool, region_word_dots
+from itmatch.models.heads.common import add_region_gram, add_word_gram, masked_pool, region_word_dots
 
 NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 POOLS = ("avg", "lse", "max", "sum")
@@ -87,13 +87,12 @@ class ScanHead(SimilarityHead):
 
     def prepare_images(self, img: ImageEmb) -> ImageEmb:
         if self.direction == "t2i":
-            img.extras["gram"] = img.regions @ img.regions.transpose(1, 2)  # [N, k, k]
+            add_region_gram(img)
         return img
 
     def prepare_texts(self, txt: TextEmb) -> TextEmb:
         if self.direction == "i2t":
-            txt.extras["gram"] = txt.words @ txt.words.transpose(1, 2)  # [M, L, L]
-            txt.word_axes["gram"] = (1, 2)
+            add_word_gram(txt)
         return txt
 
     def _alpha(self, s: torch.Tensor, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
