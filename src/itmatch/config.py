@@ -15,8 +15,23 @@ from itmatch.errors import ConfigError
 
 
 @dataclass
+class MMCAConfig:
+    """MMCA (Wei et al. 2020) hyper-parameters; paper values (section 4.2, Table 6) as defaults."""
+
+    text_model: str = "all-MiniLM-L6-v2"  # frozen BERT-like encoder: the packaged MiniLM or a local HF directory
+    max_tokens: int = 0  # WordPiece tokens per caption incl. [CLS]/[SEP]; 0: the encoder's position limit
+    heads: int = 16  # both Transformer units
+    ffn_dim: int = 0  # hidden size of the position-wise FFN; 0: embed_size (Eq. 4: W1, W2 are d x d)
+    filters: int = 256  # 1-D CNN filters per window size (windows 1, 2, 3; Eq. 6)
+    alpha: float = 0.2  # S = i0.c0 + alpha * i1.c1 (Table 6); 0: self-attention module only
+    dropout: float = 0.1  # dropout inside the two trainable Transformer units (paper silent; Vaswani et al.)
+    text_layernorm: bool = False  # Eq. 7's LayerNorm before the l2 norm of c0 and c1 (the text says l2 only)
+    three_term: bool = True  # Eq. 15 (with hardest negatives); False: the usual two-term triplet loss
+
+
+@dataclass
 class ModelConfig:
-    arch: str = "scan"  # vsepp | summax | scan
+    arch: str = "scan"  # vsepp | summax | scan | mmca
     img_dim: int = 0  # 0: taken from the data's feature dimension
     vocab_size: int = 0  # 0: taken from the vocabulary
     embed_size: int = 1024
@@ -32,6 +47,7 @@ class ModelConfig:
     lambda_lse: float = 6.0  # lambda_2
     raw_feature_norm: str = "clipped_l2norm"  # clipped_l2norm | l2norm | clipped | softmax | no_norm
     clip_slope: float = 0.1  # LeakyReLU slope of the "clipped" norms; 0 gives the paper's ReLU
+    mmca: MMCAConfig = field(default_factory=MMCAConfig)
 
 
 @dataclass
@@ -57,6 +73,7 @@ class TrainConfig:
     bucket_by_length: bool = False  # batches of similar caption length (less padding; see docs/training.md)
     max_batches: int = 0  # >0: cap batches per epoch (quick runs); 0: the whole split
     val_images: int = 1000  # model selection on the first N dev images (SCAN)
+    val_rerank: int = 0  # >0: validate by re-ranking the top-K of the global stage (pair heads, e.g. MMCA)
     log_every: int = 20
     threads: int = 0  # 0: all cores
 
@@ -65,6 +82,7 @@ class TrainConfig:
 class DataConfig:
     path: str = ""  # precomp directory
     vocab: str = ""  # vocabulary JSON; empty: build from the training captions
+    tokenizer: str = "word"  # word (Treebank words, vocab from training captions) | wordpiece (the text model's)
     backbone: str = ""  # the CNN the features came from (read from the data's meta.json); used by itmatch.load
     train_split: str = "train"
     val_split: str = "dev"
