@@ -26,6 +26,15 @@ def length_mask(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tens
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
 
+def word_axes(key: str, value: torch.Tensor) -> tuple[int, ...]:
+    """The axes of a caption's `extras` tensor that run over its words, which padding and trimming follow:
+    the word Gram matrix "gram" [M, L, L]; any other tensor of 3+ dims is per word [M, L, ...] (e.g.
+    MMCA's projected Q/K/V); tensors of 1-2 dims are per caption."""
+    if key == "gram":
+        return (1, 2)
+    return (1,) if value.dim() >= 3 else ()
+
+
 @dataclass
 class Embeddings:
     """Per-item tensors, first dimension = item. `extras` holds per-item parts a head precomputes
@@ -79,7 +88,12 @@ class TextEmb(Embeddings):
         longest = int(self.lengths.max())
         if longest == self.words.shape[1]:
             return self
-        extras = {k: v[:, :longest, :longest] if k == "gram" else v for k, v in self.extras.items()}
+        extras = {}
+        for k, v in self.extras.items():
+            index = [slice(None)] * v.dim()
+            for axis in word_axes(k, v):
+                index[axis] = slice(0, longest)
+            extras[k] = v[tuple(index)]
         return replace(self, words=self.words[:, :longest], extras=extras)
 
 
