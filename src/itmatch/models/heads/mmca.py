@@ -1,0 +1,104 @@
+"""Multi-Modality Cross Attention (MMCA, Wei et al. CVPR 2020, section 3.4-3.5), all pairs of a block at once.
+
+S(I, T) = i0 . c0 + alpha * i1 . c1. The self-attention module's i0 / c0 are per item (the encoders' `vector`s);
+the cross-attention module runs one Transformer unit over the stacked regions and words Y = [R; E] of
+*every pair* (Eq. 8-14), splits it back into R_c / E_c and pools them into i1 (average, Eq. 5) and c1 (1-D
+CNN + max + FC, Eq. 6-7).
+
+What is computed once per item, not per pair: the query/key/value projections are row-wise linear maps,
+so Q_Y = [R W^Q; E W^Q] (Eq. 8-10) is the stack of each item's own projections; `prepare_*` compute
+[Q K V] of every image's regions and every caption's words once, and a pair only gathers them. Everything
+after the attention (output projection, FFN, both LayerNorms, the CNN) acts on pair-dependent features and
+runs per pair; the attention itself is one batched scaled-dot-product call over all pairs of the block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from itmatch.config import LossConfig
+from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb, l2norm
+from itmatch.models.heads.common import masked_pool
+from itmatch.models.image import transformer_unit
+from itmatch.models.losses import mmca_loss, triplet_loss
+from itmatch.models.text import PhraseCNN
+
+
+class MMCAHead(SimilarityHead):
+    """The cross-attention module and the score of Eq. 15's S. alpha = 0 skips the cross module."""
+
+    def __init__(self, embed_size: int, heads: int = 16, ffn_dim: int = 0, filters: int = 256,
+                 dropout: float = 0.1, alpha: float = 0.2, layernorm: bool = False, three_term: bool = True
+                 ) -> None:
+        super().__init__()
+        self.alpha, self.heads, self.three_term = alpha, heads, three_term
+        self.unit = transformer_unit(embed_size, heads, ffn_dim, dropout)
+        self.cnn = PhraseCNN(embed_size, filters)
+        self.fc = nn.Linear(self.cnn.out_dim, embed_size)
+        self.norm = nn.LayerNorm(embed_size) if layernorm else nn.Identity()
+        # Temporaries per pair, float32, at evaluation: ~10 [T, d]-sized activations (Y, Q, K, V, attention
+        # output, its projection, LayerNorm 1, FFN hidden and output, LayerNorm 2) plus the CNN maps; T = k + L
+        # tokens. Expressed per (region, word) cell with (k + L) / (k L) <= 0.2 (k = 36..49 regions, L >= 6).
+        d, f = embed_size, self.cnn.out_dim
+        per_token = 4.0 * (10 * d + 2 * (ffn_dim or d) + 2 * f)
+        self.bytes_per_cell = 0.0 if alpha == 0 else 0.2 * per_token
+
+    # -- per-item parts ---------------------------------------------------------------------------
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        attn = self.unit.self_attn
+        return F.linear(x, attn.in_proj_weight, attn.in_proj_bias)  # [.., 3d] = [Q K V]
+
+    def prepare_images(self, img: ImageEmb) -> ImageEmb:
+        if self.alpha != 0:
+            img.extras["qkv"] = self._project(img.regions)  # [N, k, 3d]
+        return img
+
+    def prepare_texts(self, txt: TextEmb) -> TextEmb:
+        if self.alpha != 0:
+            txt.extras["qkv"] = self._project(txt.words)  # [M, L, 3d]
+        return txt
+
+    # -- pair part --------------------------------------------------------------------------------
+    def cross_embeddings(self, img: ImageEmb, txt: TextEmb, img_idx: torch.Tensor, txt_idx: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(i1, c1), each [P, d], of the pairs (img[img_idx[p]], txt[txt_idx[p]])."""
+        k = img.regions.shape[1]
+        y = torch.cat([img.regions[img_idx], txt.words[txt_idx]], dim=1)  # [P, T, d] = [R; E]
+        qkv = torch.cat([img.extras["qkv"][img_idx], txt.extras["qkv"][txt_idx]], dim=1)  # [P, T, 3d]
+        lengths = txt.lengths[txt_idx]
+        keep = torch.cat([img.mask[img_idx], txt.mask[txt_idx]], dim=1)  # [P, T] real tokens
+        p, t, d = y.shape
+        q, kk, v = (z.view(p, t, self.heads, d // self.heads).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
+        unit = self.unit
+        attended = F.scaled_dot_product_attention(  # softmax(Q K^T / sqrt(d_h)) V per head (Eq. 11)
+            q, kk, v, attn_mask=keep[:, None, None, :], dropout_p=unit.self_attn.dropout if self.training else 0.0)
+        attended = unit.self_attn.out_proj(attended.transpose(1, 2).reshape(p, t, d))  # concat heads W^O (Eq. 3)
+        x = unit.norm1(y + unit.dropout1(attended))  # residual + LayerNorm after each sub-layer (post-LN)
+        x = unit.norm2(x + unit.dropout2(unit.linear2(unit.dropout(unit.activation(unit.linear1(x))))))  # Eq. 4
+        regions_c, words_c = x[:, :k], x[:, k:]
+        i1 = l2norm(masked_pool(regions_c, img.mask[img_idx][:, :, None], 1, "avg"))
+        c1 = l2norm(self.norm(self.fc(self.cnn(words_c, lengths))))
+        return i1, c1
+
+    def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        if img.vector is None or txt.vector is None:
+            raise ValueError("MMCA needs the self-attention module's i0 and c0 (ImageEmb/TextEmb.vector)")
+        scores = img.vector @ txt.vector.T  # i0 . c0
+        if self.alpha == 0:
+            return scores
+        n, m = len(img), len(txt)
+        img_idx = torch.arange(n, device=scores.device).repeat_interleave(m)
+        txt_idx = torch.arange(m, device=scores.device).repeat(n)
+        i1, c1 = self.cross_embeddings(img, txt, img_idx, txt_idx)
+        return scores + self.alpha * (i1 * c1).sum(-1).view(n, m)
+
+    def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
+                      positives: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. 15 (three hardest-negative hinge terms) when training on hardest negatives; during a warm-up
+        on the sum over negatives the usual two-term sum (Eq. 15's joint term has no sum form)."""
+        scores = self(img, txt)
+        if hardest and self.three_term:
+            return mmca_loss(scores, loss.margin, positives)
+        return triplet_loss(scores, loss.margin, hardest, positives)
