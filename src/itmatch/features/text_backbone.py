@@ -9,6 +9,7 @@ only. Nothing is ever downloaded.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -97,8 +98,10 @@ def load_pretrained_tokenizer(name: str | Path) -> tuple[str, int]:
     return json.dumps(data), int(config.get("max_position_embeddings", 512))
 
 
+@functools.lru_cache(maxsize=4)
 def load_pretrained_encoder(name: str | Path):
-    """The Hugging Face encoder module (frozen, eval mode) of `name`."""
+    """The Hugging Face encoder module (frozen, eval mode) of `name`. Cached: models built from the same
+    encoder (an ensemble, a checkpoint reloaded) share one read-only copy instead of re-reading ~90 MB."""
     location = resolve_text_model(str(name))
     _check_bert_like(str(name), location)
     transformers = _transformers()

@@ -71,8 +71,10 @@ class PhraseCNN(nn.Module):
         return sum(c.out_channels for c in self.convs)
 
     def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        xt = x.transpose(1, 2)  # [B, in, L]
         length = x.shape[1]
+        # padded positions hold arbitrary values (e.g. Transformer outputs of padding queries); a short
+        # caption's single window must see zeros there
+        xt = x.masked_fill(~length_mask(lengths, length)[:, :, None], 0.0).transpose(1, 2)  # [B, in, L]
         pooled = []
         for w, conv in zip(self.windows, self.convs, strict=True):
             p = torch.relu(conv(nn.functional.pad(xt, (0, w - 1))))  # [B, F, L]: window k covers k..k+w-1
