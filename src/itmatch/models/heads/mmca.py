@@ -61,26 +61,33 @@ class MMCAHead(SimilarityHead):
         return txt
 
     # -- pair part --------------------------------------------------------------------------------
-    def cross_embeddings(self, img: ImageEmb, txt: TextEmb, img_idx: torch.Tensor, txt_idx: torch.Tensor
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(i1, c1), each [P, d], of the pairs (img[img_idx[p]], txt[txt_idx[p]])."""
-        k = img.regions.shape[1]
-        y = torch.cat([img.regions[img_idx], txt.words[txt_idx]], dim=1)  # [P, T, d] = [R; E]
-        qkv = torch.cat([img.extras["qkv"][img_idx], txt.extras["qkv"][txt_idx]], dim=1)  # [P, T, 3d]
-        lengths = txt.lengths[txt_idx]
-        keep = torch.cat([img.mask[img_idx], txt.mask[txt_idx]], dim=1)  # [P, T] real tokens
-        p, t, d = y.shape
+    def cross_embeddings(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, torch.Tensor]:
+        """(i1, c1), each [n, m, d], of every pair (image a, caption b) of the block."""
+        n, k, d = img.regions.shape
+        m, length, _ = txt.words.shape
+        p, t = n * m, k + length
+
+        def stack(per_image: torch.Tensor, per_caption: torch.Tensor) -> torch.Tensor:
+            # [n, k, X] and [m, L, X] -> [n * m, k + L, X]: one copy, pairs in row-major (image, caption) order
+            x = per_image.shape[-1]
+            return torch.cat([per_image[:, None].expand(n, m, k, x), per_caption[None].expand(n, m, length, x)],
+                             dim=2).view(p, t, x)
+
+        y = stack(img.regions, txt.words)  # Y = [R; E] (Eq. 8-10)
+        qkv = stack(img.extras["qkv"], txt.extras["qkv"])
+        keep = torch.cat([img.mask[:, None].expand(n, m, k), txt.mask[None].expand(n, m, length)], dim=2).view(p, t)
         q, kk, v = (z.view(p, t, self.heads, d // self.heads).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
         unit = self.unit
         attended = F.scaled_dot_product_attention(  # softmax(Q K^T / sqrt(d_h)) V per head (Eq. 11)
-            q, kk, v, attn_mask=keep[:, None, None, :], dropout_p=unit.self_attn.dropout if self.training else 0.0)
+            q, kk, v, attn_mask=None if bool(keep.all()) else keep[:, None, None, :],
+            dropout_p=unit.self_attn.dropout if self.training else 0.0)
         attended = unit.self_attn.out_proj(attended.transpose(1, 2).reshape(p, t, d))  # concat heads W^O (Eq. 3)
         x = unit.norm1(y + unit.dropout1(attended))  # residual + LayerNorm after each sub-layer (post-LN)
         x = unit.norm2(x + unit.dropout2(unit.linear2(unit.dropout(unit.activation(unit.linear1(x))))))  # Eq. 4
         regions_c, words_c = x[:, :k], x[:, k:]
-        i1 = l2norm(masked_pool(regions_c, img.mask[img_idx][:, :, None], 1, "avg"))
-        c1 = l2norm(self.norm(self.fc(self.cnn(words_c, lengths))))
-        return i1, c1
+        i1 = l2norm(masked_pool(regions_c, keep[:, :k, None], 1, "avg"))
+        c1 = l2norm(self.norm(self.fc(self.cnn(words_c, txt.lengths.repeat(n)))))
+        return i1.view(n, m, d), c1.view(n, m, d)
 
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         if img.vector is None or txt.vector is None:
@@ -88,11 +95,8 @@ class MMCAHead(SimilarityHead):
         scores = img.vector @ txt.vector.T  # i0 . c0
         if self.alpha == 0:
             return scores
-        n, m = len(img), len(txt)
-        img_idx = torch.arange(n, device=scores.device).repeat_interleave(m)
-        txt_idx = torch.arange(m, device=scores.device).repeat(n)
-        i1, c1 = self.cross_embeddings(img, txt, img_idx, txt_idx)
-        return scores + self.alpha * (i1 * c1).sum(-1).view(n, m)
+        i1, c1 = self.cross_embeddings(img, txt)
+        return scores + self.alpha * (i1 * c1).sum(-1)
 
     def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
                       positives: torch.Tensor | None = None) -> torch.Tensor:
