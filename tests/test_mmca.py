@@ -268,3 +268,26 @@ def test_train_checkpoint_and_load_end_to_end(tiny_precomp, tmp_path, vocab):
     assert isinstance(matcher.vocab, WordPieceVocab)
     scores = matcher.score(torch.randn(2, 6, 32), ["a red circle", "a blue square and a big triangle"])
     assert scores.shape == (2, 2) and torch.isfinite(scores).all()
+
+
+def test_train_negatives_scores_candidate_pairs_like_the_full_block():
+    torch.manual_seed(5)
+    b, d, h = 8, 16, 2
+    img = ImageEmb(regions=torch.randn(b, 4, d), mask=torch.ones(b, 4, dtype=torch.bool),
+                   vector=l2norm(torch.randn(b, d)))
+    txt = TextEmb(words=torch.randn(b, 5, d), lengths=torch.randint(1, 6, (b,)), vector=l2norm(torch.randn(b, d)))
+    full_head = MMCAHead(d, heads=4, filters=4).eval()
+    head = MMCAHead(d, heads=4, filters=4, train_negatives=h).eval()
+    head.load_state_dict(full_head.state_dict())
+    img, txt = head.prepare_images(img), head.prepare_texts(txt)
+    with torch.no_grad():
+        full = full_head(img, txt)
+        negatives = (img.vector @ txt.vector.T).masked_fill(torch.eye(b, dtype=torch.bool), float("-inf"))
+        chosen = torch.eye(b, dtype=torch.bool)
+        for i in range(b):  # each image's and each caption's h hardest negatives by i0.c0
+            chosen[i, negatives[i].topk(h).indices] = True
+            chosen[negatives[:, i].topk(h).indices, i] = True
+        expected = mmca_loss(full.masked_fill(~chosen, float("-inf")), 0.2, None, lambda a, t: full[a, t])
+        got = head.training_loss(img, txt, LossConfig(), hardest=True)
+        assert abs(float(got) - float(expected)) <= 1e-5
+        assert abs(float(full_head.training_loss(img, txt, LossConfig(), True)) - float(mmca_loss(full))) <= 1e-6

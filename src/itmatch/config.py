@@ -27,6 +27,9 @@ class MMCAConfig:
     dropout: float = 0.1  # dropout inside the two trainable Transformer units (paper silent; Vaswani et al.)
     text_layernorm: bool = False  # Eq. 7's LayerNorm before the l2 norm of c0 and c1 (the text says l2 only)
     three_term: bool = True  # Eq. 15 (with hardest negatives); False: the usual two-term triplet loss
+    # >0: in training the cross module scores only each item's h hardest negatives by i0.c0 (B(2h+2) pairs
+    # a batch instead of B^2, a CPU budget option); 0: every pair of the batch (paper)
+    train_negatives: int = 0
 
 
 @dataclass

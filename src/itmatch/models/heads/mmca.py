@@ -30,10 +30,10 @@ class MMCAHead(SimilarityHead):
     """The cross-attention module and the score of Eq. 15's S. alpha = 0 skips the cross module."""
 
     def __init__(self, embed_size: int, heads: int = 16, ffn_dim: int = 0, filters: int = 256,
-                 dropout: float = 0.1, alpha: float = 0.2, layernorm: bool = False, three_term: bool = True
-                 ) -> None:
+                 dropout: float = 0.1, alpha: float = 0.2, layernorm: bool = False, three_term: bool = True,
+                 train_negatives: int = 0) -> None:
         super().__init__()
-        self.alpha, self.heads, self.three_term = alpha, heads, three_term
+        self.alpha, self.heads, self.three_term, self.train_negatives = alpha, heads, three_term, train_negatives
         self.unit = transformer_unit(embed_size, heads, ffn_dim, dropout)
         self.cnn = PhraseCNN(embed_size, filters)
         self.fc = nn.Linear(self.cnn.out_dim, embed_size)
@@ -61,21 +61,26 @@ class MMCAHead(SimilarityHead):
         return txt
 
     # -- pair part --------------------------------------------------------------------------------
-    def cross_embeddings(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, torch.Tensor]:
-        """(i1, c1), each [n, m, d], of every pair (image a, caption b) of the block."""
+    def cross_embeddings(self, img: ImageEmb, txt: TextEmb,
+                         pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(i1, c1) of every pair of the block, each [n * m, d] in row-major (image, caption) order, or of
+        the listed pairs (image index, caption index), each [P, d]."""
         n, k, d = img.regions.shape
         m, length, _ = txt.words.shape
-        p, t = n * m, k + length
 
         def stack(per_image: torch.Tensor, per_caption: torch.Tensor) -> torch.Tensor:
-            # [n, k, X] and [m, L, X] -> [n * m, k + L, X]: one copy, pairs in row-major (image, caption) order
-            x = per_image.shape[-1]
-            return torch.cat([per_image[:, None].expand(n, m, k, x), per_caption[None].expand(n, m, length, x)],
-                             dim=2).view(p, t, x)
+            # [n, k, ...] and [m, L, ...] -> [P, k + L, ...]; the grid is one expand + cat copy, no gather
+            if pairs is not None:
+                return torch.cat([per_image[pairs[0]], per_caption[pairs[1]]], dim=1)
+            shape = per_image.shape[2:]
+            return torch.cat([per_image[:, None].expand(n, m, k, *shape),
+                              per_caption[None].expand(n, m, length, *shape)], dim=2).view(n * m, k + length, *shape)
 
         y = stack(img.regions, txt.words)  # Y = [R; E] (Eq. 8-10)
         qkv = stack(img.extras["qkv"], txt.extras["qkv"])
-        keep = torch.cat([img.mask[:, None].expand(n, m, k), txt.mask[None].expand(n, m, length)], dim=2).view(p, t)
+        keep = stack(img.mask, txt.mask)  # [P, T] real tokens
+        lengths = txt.lengths.repeat(n) if pairs is None else txt.lengths[pairs[1]]
+        p, t = keep.shape
         q, kk, v = (z.view(p, t, self.heads, d // self.heads).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
         unit = self.unit
         attended = F.scaled_dot_product_attention(  # softmax(Q K^T / sqrt(d_h)) V per head (Eq. 11)
@@ -86,8 +91,15 @@ class MMCAHead(SimilarityHead):
         x = unit.norm2(x + unit.dropout2(unit.linear2(unit.dropout(unit.activation(unit.linear1(x))))))  # Eq. 4
         regions_c, words_c = x[:, :k], x[:, k:]
         i1 = l2norm(masked_pool(regions_c, keep[:, :k, None], 1, "avg"))
-        c1 = l2norm(self.norm(self.fc(self.cnn(words_c, txt.lengths.repeat(n)))))
-        return i1.view(n, m, d), c1.view(n, m, d)
+        c1 = l2norm(self.norm(self.fc(self.cnn(words_c, lengths))))
+        return i1, c1
+
+    def cross_scores(self, img: ImageEmb, txt: TextEmb,
+                     pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """i1 . c1: [n, m] for the whole block, or [P] for the listed pairs."""
+        i1, c1 = self.cross_embeddings(img, txt, pairs)
+        dots = (i1 * c1).sum(-1)
+        return dots if pairs is not None else dots.view(len(img), len(txt))
 
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         if img.vector is None or txt.vector is None:
@@ -95,14 +107,37 @@ class MMCAHead(SimilarityHead):
         scores = img.vector @ txt.vector.T  # i0 . c0
         if self.alpha == 0:
             return scores
-        i1, c1 = self.cross_embeddings(img, txt)
-        return scores + self.alpha * (i1 * c1).sum(-1)
+        return scores + self.alpha * self.cross_scores(img, txt)
 
     def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
                       positives: torch.Tensor | None = None) -> torch.Tensor:
         """Eq. 15 (three hardest-negative hinge terms) when training on hardest negatives; during a warm-up
-        on the sum over negatives the usual two-term sum (Eq. 15's joint term has no sum form)."""
-        scores = self(img, txt)
-        if hardest and self.three_term:
-            return mmca_loss(scores, loss.margin, positives)
-        return triplet_loss(scores, loss.margin, hardest, positives)
+        on the sum over negatives the usual two-term sum (Eq. 15's joint term has no sum form).
+
+        With `train_negatives` = h > 0 the cross module scores only the matched pairs and each image's and
+        caption's h hardest negatives by i0 . c0 (plus the B joint pairs of Eq. 15's first term), about
+        B (2h + 2) pairs instead of B^2; the hardest negatives are then chosen among those candidates."""
+        b = len(img)
+        h = self.train_negatives
+        if self.alpha == 0 or h <= 0 or h >= b - 1:
+            scores = self(img, txt)
+            if hardest and self.three_term:
+                return mmca_loss(scores, loss.margin, positives)
+            return triplet_loss(scores, loss.margin, hardest, positives)
+        first = img.vector @ txt.vector.T
+        positives = torch.eye(b, dtype=torch.bool, device=first.device) if positives is None else positives
+        with torch.no_grad():
+            negatives = first.masked_fill(positives, float("-inf"))
+            chosen = torch.eye(b, dtype=torch.bool, device=first.device)
+            chosen.scatter_(1, negatives.topk(h, dim=1).indices, True)
+            chosen.scatter_(0, negatives.topk(h, dim=0).indices, True)
+        pairs = chosen.nonzero(as_tuple=True)
+        cross = torch.zeros_like(first).index_put(pairs, self.cross_scores(img, txt, pairs))
+        scores = torch.where(chosen, first + self.alpha * cross, torch.full_like(first, float("-inf")))
+        if not (hardest and self.three_term):
+            return triplet_loss(scores, loss.margin, hardest, positives)
+
+        def joint(i_hat: torch.Tensor, t_hat: torch.Tensor) -> torch.Tensor:  # S(I_hat, T_hat), B more pairs
+            return first[i_hat, t_hat] + self.alpha * self.cross_scores(img, txt, (i_hat, t_hat))
+
+        return mmca_loss(scores, loss.margin, positives, joint)
