@@ -38,11 +38,12 @@ class MMCAHead(SimilarityHead):
         self.cnn = PhraseCNN(embed_size, filters)
         self.fc = nn.Linear(self.cnn.out_dim, embed_size)
         self.norm = nn.LayerNorm(embed_size) if layernorm else nn.Identity()
-        # Temporaries per pair, float32, at evaluation: ~10 [T, d]-sized activations (Y, Q, K, V, attention
-        # output, its projection, LayerNorm 1, FFN hidden and output, LayerNorm 2) plus the CNN maps; T = k + L
-        # tokens. Expressed per (region, word) cell with (k + L) / (k L) <= 0.2 (k = 36..49 regions, L >= 6).
+        # Temporaries per pair at evaluation, float32: a few [T, d] activations alive at once (Y, Q/K/V, attention
+        # output, LayerNorms, FFN) plus the CNN maps, T = k + L tokens; measured peak 8 KB per token at d = 256
+        # (0.5 MB per pair, 1024 pairs of 49 regions x 14 words). Per (region, word) cell with (k + L) / (k L)
+        # <= 0.2 (k >= 36 regions, L >= 6 tokens): conservative by 2-3x for typical captions.
         d, f = embed_size, self.cnn.out_dim
-        per_token = 4.0 * (10 * d + 2 * (ffn_dim or d) + 2 * f)
+        per_token = 4.0 * (6 * d + (ffn_dim or d) + f)
         self.bytes_per_cell = 0.0 if alpha == 0 else 0.2 * per_token
 
     # -- per-item parts ---------------------------------------------------------------------------
