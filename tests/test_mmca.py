@@ -269,6 +269,24 @@ def test_train_checkpoint_and_load_end_to_end(tiny_precomp, tmp_path, vocab):
     scores = matcher.score(torch.randn(2, 6, 32), ["a red circle", "a blue square and a big triangle"])
     assert scores.shape == (2, 2) and torch.isfinite(scores).all()
 
+    from itmatch.cli import main
+
+    assert main(["evaluate", str(tmp_path / "run" / "best"), "--split", "test", "--rerank", "5", "--quiet",
+                 "--json", str(tmp_path / "test.json")]) == 0
+    assert json.loads((tmp_path / "test.json").read_text())["rerank"] == 5
+
+    # a checkpoint trained with another frozen encoder than the one installed now is refused
+    from safetensors.torch import load_file, save_file
+
+    from itmatch.engine.checkpoint import load_checkpoint
+    from itmatch.errors import CheckpointError
+
+    weights = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
+    weights["text_encoder.encoder.fingerprint"] += 1.0
+    save_file(weights, str(tmp_path / "run" / "best" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="another frozen text encoder"):
+        load_checkpoint(tmp_path / "run" / "best")
+
 
 def test_train_negatives_scores_candidate_pairs_like_the_full_block():
     torch.manual_seed(5)
