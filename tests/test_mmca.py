@@ -309,3 +309,25 @@ def test_train_negatives_scores_candidate_pairs_like_the_full_block():
         got = head.training_loss(img, txt, LossConfig(), hardest=True)
         assert abs(float(got) - float(expected)) <= 1e-5
         assert abs(float(full_head.training_loss(img, txt, LossConfig(), True)) - float(mmca_loss(full))) <= 1e-6
+
+
+def test_pair_chunks_give_the_same_loss_and_gradients():
+    torch.manual_seed(6)
+    b, d = 6, 16
+    img = ImageEmb(regions=torch.randn(b, 4, d, requires_grad=True), mask=torch.ones(b, 4, dtype=torch.bool),
+                   vector=l2norm(torch.randn(b, d)))
+    txt = TextEmb(words=torch.randn(b, 5, d), lengths=torch.randint(1, 6, (b,)), vector=l2norm(torch.randn(b, d)))
+    whole = MMCAHead(d, heads=4, filters=4, dropout=0.1)
+    chunked = MMCAHead(d, heads=4, filters=4, dropout=0.1, pair_chunk=7)
+    chunked.load_state_dict(whole.state_dict())
+    grads = []
+    for head in (whole, chunked):
+        head.eval()  # no dropout, so that the two paths compare exactly (gradients still flow)
+        loss = head.training_loss(head.prepare_images(img), head.prepare_texts(txt), LossConfig(), True)
+        loss.backward()
+        grads.append((loss.item(), [p.grad.clone() for p in head.parameters()], img.regions.grad.clone()))
+        img.regions.grad = None
+    (l0, g0, r0), (l1, g1, r1) = grads
+    assert abs(l0 - l1) <= 1e-5
+    assert max(float((a - c).abs().max()) for a, c in zip(g0, g1, strict=True)) <= 1e-5
+    assert float((r0 - r1).abs().max()) <= 1e-5

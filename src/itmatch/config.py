@@ -30,6 +30,9 @@ class MMCAConfig:
     # >0: in training the cross module scores only each item's h hardest negatives by i0.c0 (B(2h+2) pairs
     # a batch instead of B^2, a CPU budget option); 0: every pair of the batch (paper)
     train_negatives: int = 0
+    # >0: in training, run the cross module's pairs in chunks of this many with activation checkpointing
+    # (memory of one chunk instead of all B^2 pairs, ~1/3 more compute); 0: all at once
+    pair_chunk: int = 0
 
 
 @dataclass

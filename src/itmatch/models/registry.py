@@ -115,7 +115,7 @@ def _build_mmca(mc: ModelConfig) -> Matcher:
     image = MMCAImageEncoder(mc.img_dim, mc.embed_size, c.heads, c.ffn_dim, c.dropout)
     text = MMCATextEncoder(encoder, mc.embed_size, c.filters, c.text_layernorm)
     head = MMCAHead(mc.embed_size, c.heads, c.ffn_dim, c.filters, c.dropout, c.alpha, c.text_layernorm,
-                    c.three_term, c.train_negatives)
+                    c.three_term, c.train_negatives, c.pair_chunk)
     return Matcher(image, text, head)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from itmatch.config import LossConfig
 from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb, l2norm
@@ -31,9 +32,10 @@ class MMCAHead(SimilarityHead):
 
     def __init__(self, embed_size: int, heads: int = 16, ffn_dim: int = 0, filters: int = 256,
                  dropout: float = 0.1, alpha: float = 0.2, layernorm: bool = False, three_term: bool = True,
-                 train_negatives: int = 0) -> None:
+                 train_negatives: int = 0, pair_chunk: int = 0) -> None:
         super().__init__()
         self.alpha, self.heads, self.three_term, self.train_negatives = alpha, heads, three_term, train_negatives
+        self.pair_chunk = pair_chunk
         self.unit = transformer_unit(embed_size, heads, ffn_dim, dropout)
         self.cnn = PhraseCNN(embed_size, filters)
         self.fc = nn.Linear(self.cnn.out_dim, embed_size)
@@ -97,10 +99,28 @@ class MMCAHead(SimilarityHead):
 
     def cross_scores(self, img: ImageEmb, txt: TextEmb,
                      pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """i1 . c1: [n, m] for the whole block, or [P] for the listed pairs."""
+        """i1 . c1: [n, m] for the whole block, or [P] for the listed pairs.
+
+        When gradients are recorded and `pair_chunk` > 0, pairs go through in chunks whose activations are
+        recomputed in the backward pass (activation checkpointing; dropout masks are replayed): the memory
+        of one chunk instead of all pairs of the batch, for about a third more compute."""
+        n, m = len(img), len(txt)
+        chunk = self.pair_chunk
+        if chunk > 0 and torch.is_grad_enabled() and (n * m if pairs is None else len(pairs[0])) > chunk:
+            if pairs is None:
+                grid = torch.arange(n * m, device=img.regions.device)
+                dots = self.cross_scores(img, txt, (grid // m, grid % m))
+                return dots.view(n, m)
+
+            def dots_of(i_idx: torch.Tensor, t_idx: torch.Tensor) -> torch.Tensor:
+                i1, c1 = self.cross_embeddings(img, txt, (i_idx, t_idx))
+                return (i1 * c1).sum(-1)
+
+            return torch.cat([checkpoint(dots_of, pairs[0][c:c + chunk], pairs[1][c:c + chunk], use_reentrant=False)
+                              for c in range(0, len(pairs[0]), chunk)])
         i1, c1 = self.cross_embeddings(img, txt, pairs)
         dots = (i1 * c1).sum(-1)
-        return dots if pairs is not None else dots.view(len(img), len(txt))
+        return dots if pairs is not None else dots.view(n, m)
 
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         if img.vector is None or txt.vector is None:
