@@ -24,8 +24,9 @@ ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"]}
 RERANK = {f"{p}_rerank{k}": (p, k) for p in MMCA for k in (20, 50, 100)}
 # Per-preset training overrides on top of the CPU schedule. MMCA keeps its paper hidden size (cpu.yaml's
 # D = 512 is what mmca_h512 tests) and batch 64, scores only each item's 8 hardest i0.c0 negatives with
-# the cross module in training (B^2 = 4096 pair passes a batch is ~1 min on this CPU; see docs/mmca.md),
-# and selects the model on dev with the top-20 re-ranked (exhaustive dev scoring is ~5 h).
+# the cross module in training (all B^2 = 4096 pairs: ~40 CPU-s and > 12 GB a step; with 8: 11 s, ~1.5 h
+# an epoch; see docs/mmca.md), and selects the model on dev with the top-20 re-ranked (exhaustive dev
+# scoring: ~3.3 CPU-hours an epoch).
 _MMCA_CPU = ["train.batch_size=64", "model.mmca.train_negatives=8", "train.val_rerank=20"]
 OVERRIDES = {"mmca": ["model.embed_size=256", *_MMCA_CPU], "mmca_alpha0": ["model.embed_size=256", *_MMCA_CPU],
              "mmca_h512": ["model.embed_size=512", *_MMCA_CPU]}
