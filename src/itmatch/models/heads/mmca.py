@@ -2,8 +2,8 @@
 
 S(I, T) = i0 . c0 + alpha * i1 . c1. The self-attention module's i0 / c0 are per item (the encoders' `vector`s);
 the cross-attention module runs one Transformer unit over the stacked regions and words Y = [R; E] of
-*every pair* (Eq. 8-14), splits it back into R_c / E_c and pools them into i1 (average, Eq. 5) and c1 (1-D
-CNN + max + FC, Eq. 6-7).
+*every pair* (Eq. 8-14; E is the frozen encoder's output projected to d, `TextEmb.words`), splits it back
+into R_c / E_c and pools them into i1 (average, Eq. 5) and c1 (1-D CNN + max + FC, Eq. 6-7).
 
 What is computed once per item, not per pair: the query/key/value projections are row-wise linear maps,
 so Q_Y = [R W^Q; E W^Q] (Eq. 8-10) is the stack of each item's own projections; `prepare_*` compute
