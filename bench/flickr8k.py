@@ -27,9 +27,20 @@ OAN_ROWS = ["oan", "oan_eq11", "oan_no_intra_neg", "oan_no_inter_attn", "oan_no_
 # SMAN (random words), SMAN with spaCy en_core_web_md vectors (in place of GloVe) and the ablations of
 # the paper's Table III / V (the table reports mR = rsum / 6, rendered beside rsum)
 SMAN_ROWS = ["sman", "sman_w2v_spacy", "sman_im", "sman_im_loc", "sman_sim", "sman_inter"]
-SINGLE = ["vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse", *OAN_ROWS, *SMAN_ROWS]
+MMCA_ROWS = ["mmca", "mmca_alpha0", "mmca_h512"]
+SINGLE = ["vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse", *OAN_ROWS, *SMAN_ROWS, *MMCA_ROWS]
 SCHEDULES = {row: "configs/flickr8k/sman_cpu.yaml" for row in SMAN_ROWS}  # preset -> schedule override
 ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"]}
+# Two-stage rows (docs/mmca.md): the global i0.c0 stage's top-K re-ranked with the full score.
+RERANK = {f"{p}_rerank{k}": (p, k) for p in MMCA_ROWS for k in (20, 50, 100)}
+# Per-preset training overrides on top of the schedule. MMCA keeps its paper hidden size (cpu.yaml's
+# D = 512 is what mmca_h512 tests) and batch 64, scores only each item's 8 hardest i0.c0 negatives with
+# the cross module in training (all B^2 = 4096 pairs: ~40 CPU-s and > 12 GB a step; with 8: 11 s, ~1.5 h
+# an epoch; see docs/mmca.md), and selects the model on dev with the top-20 re-ranked (exhaustive dev
+# scoring: ~3.3 CPU-hours an epoch).
+_MMCA_CPU = ["train.batch_size=64", "model.mmca.train_negatives=8", "train.val_rerank=20"]
+OVERRIDES = {"mmca": ["model.embed_size=256", *_MMCA_CPU], "mmca_alpha0": ["model.embed_size=256", *_MMCA_CPU],
+             "mmca_h512": ["model.embed_size=512", *_MMCA_CPU]}
 PERTURB = ["scan_t2i_avg", "vsepp"]  # the two models of OAN's Table 1
 
 
@@ -39,18 +50,19 @@ def run(cmd: list[str]) -> None:
 
 
 def run_row(row: str, threads: int) -> None:
-    members = ENSEMBLES.get(row, [row])
-    for preset in members:
-        out = f"runs/flickr8k/{preset}"
+    preset, rerank = RERANK.get(row, (row, 0))
+    members = ENSEMBLES.get(preset, [preset])
+    for member in members:
+        out = f"runs/flickr8k/{member}"
         if not (ROOT / out / "best").exists():
             resume = ["--resume"] if (ROOT / out / "last").exists() else []
-            schedule = SCHEDULES.get(preset, SCHEDULE)
-            run(["itmatch", "train", "--preset", preset, "--config", schedule, "--out", out, "--force",
-                 "--set", f"train.threads={threads}", *resume])
+            sets = [a for s in OVERRIDES.get(member, []) for a in ("--set", s)]
+            run(["itmatch", "train", "--preset", member, "--config", SCHEDULES.get(member, SCHEDULE), "--out", out,
+                 "--force", "--set", f"train.threads={threads}", *sets, *resume])
     run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", DATA,
          "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
          "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
-         "--json", f"runs/flickr8k/{row}.test.json"])
+         "--json", f"runs/flickr8k/{row}.test.json", *(["--rerank", str(rerank)] if rerank else [])])
 
 
 def run_perturb(preset: str, threads: int) -> None:
@@ -65,7 +77,8 @@ def run_perturb(preset: str, threads: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", action="append", choices=SINGLE + list(ENSEMBLES), help="rows to produce")
+    parser.add_argument("--row", action="append", choices=SINGLE + list(ENSEMBLES) + list(RERANK),
+                        help="rows to produce")
     parser.add_argument("--perturb", action="append", choices=PERTURB, help="run the perturbation study of a model")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per training (0: all)")
     args = parser.parse_args()
@@ -73,7 +86,7 @@ def main() -> int:
         for preset in args.perturb:
             run_perturb(preset, args.threads)
         return 0
-    for row in args.row or SINGLE + list(ENSEMBLES):
+    for row in args.row or SINGLE + list(ENSEMBLES) + list(RERANK):
         run_row(row, args.threads)
     run([sys.executable, "scripts/render_results.py"])
     return 0

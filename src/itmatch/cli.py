@@ -86,8 +86,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     data = args.data or checkpoints[0].config.data.path
     split = read_precomp(data, args.split)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
-                             args.budget_gb * 1024**3, progress=not args.quiet)
+                             args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank)
     result["checkpoints"] = [str(p) for p in args.checkpoints]
+    truncated = sum(getattr(c.vocab, "truncated", 0) for c in checkpoints)
+    if truncated:
+        result["truncated_captions"] = truncated
+        print(f"note: {truncated} captions were longer than the text encoder's limit and were truncated",
+              file=sys.stderr)
     print(format_table(result))
     if args.json:
         write_json_atomic(args.json, result)
@@ -221,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split", default="test")
     s.add_argument("--protocol", default="full", choices=["1k", "full", "coco1k", "coco5k"])
     s.add_argument("--budget-gb", type=float, default=4.0, help="memory budget of a scoring block")
+    s.add_argument("--rerank", type=int, default=0, metavar="K",
+                   help="two-stage: score only each query's top-K of the global stage (i.c) with the full "
+                        "model, others count as -inf (models with global vectors, e.g. MMCA); 0: exhaustive")
     s.add_argument("--json", help="write the metrics as JSON here")
     s.add_argument("--results", help="results CSV to add a row to (docs/results/<dataset>.csv)")
     s.add_argument("--name", help="row name in --results")

@@ -52,8 +52,29 @@ class SMANConfig:
 
 
 @dataclass
+class MMCAConfig:
+    """MMCA (Wei et al. 2020) hyper-parameters; paper values (section 4.2, Table 6) as defaults."""
+
+    text_model: str = "all-MiniLM-L6-v2"  # frozen BERT-like encoder: the packaged MiniLM or a local HF directory
+    max_tokens: int = 0  # WordPiece tokens per caption incl. [CLS]/[SEP]; 0: the encoder's position limit
+    heads: int = 16  # both Transformer units
+    ffn_dim: int = 0  # hidden size of the position-wise FFN; 0: embed_size (Eq. 4: W1, W2 are d x d)
+    filters: int = 256  # 1-D CNN filters per window size (windows 1, 2, 3; Eq. 6)
+    alpha: float = 0.2  # S = i0.c0 + alpha * i1.c1 (Table 6); 0: self-attention module only
+    dropout: float = 0.1  # dropout inside the two trainable Transformer units (paper silent; Vaswani et al.)
+    text_layernorm: bool = False  # Eq. 7's LayerNorm before the l2 norm of c0 and c1 (the text says l2 only)
+    three_term: bool = True  # Eq. 15 (with hardest negatives); False: the usual two-term triplet loss
+    # >0: in training the cross module scores only each item's h hardest negatives by i0.c0 (B(2h+2) pairs
+    # a batch instead of B^2, a CPU budget option); 0: every pair of the batch (paper)
+    train_negatives: int = 0
+    # >0: in training, run the cross module's pairs in chunks of this many with activation checkpointing
+    # (memory of one chunk instead of all B^2 pairs, ~1/3 more compute); 0: all at once
+    pair_chunk: int = 0
+
+
+@dataclass
 class ModelConfig:
-    arch: str = "scan"  # vsepp | summax | scan | oan | sman
+    arch: str = "scan"  # vsepp | summax | scan | oan | sman | mmca
     img_dim: int = 0  # 0: taken from the data's feature dimension
     vocab_size: int = 0  # 0: taken from the vocabulary
     embed_size: int = 1024
@@ -74,6 +95,7 @@ class ModelConfig:
     word_vectors: str = ""
     sman: SMANConfig = field(default_factory=SMANConfig)
     oan: OANConfig = field(default_factory=OANConfig)
+    mmca: MMCAConfig = field(default_factory=MMCAConfig)
 
 
 @dataclass
@@ -99,6 +121,7 @@ class TrainConfig:
     bucket_by_length: bool = False  # batches of similar caption length (less padding; see docs/training.md)
     max_batches: int = 0  # >0: cap batches per epoch (quick runs); 0: the whole split
     val_images: int = 1000  # model selection on the first N dev images (SCAN)
+    val_rerank: int = 0  # >0: validate by re-ranking the top-K of the global stage (pair heads, e.g. MMCA)
     log_every: int = 20
     threads: int = 0  # 0: all cores
 
@@ -107,6 +130,7 @@ class TrainConfig:
 class DataConfig:
     path: str = ""  # precomp directory
     vocab: str = ""  # vocabulary JSON; empty: build from the training captions
+    tokenizer: str = "word"  # word (Treebank words, vocab from training captions) | wordpiece (the text model's)
     backbone: str = ""  # the CNN the features came from (read from the data's meta.json); used by itmatch.load
     train_split: str = "train"
     val_split: str = "dev"

@@ -1,4 +1,5 @@
-"""Word vocabulary and tokenizer, compatible with SCAN's `vocab/*_precomp_vocab.json`.
+"""Word vocabulary and tokenizer, compatible with SCAN's `vocab/*_precomp_vocab.json`, and the WordPiece
+tokenizer of a pretrained transformer (MMCA). Both offer `encode(caption) -> ids`, `len()`, `save`, `load`.
 
 Tokenization is lower-case Penn-Treebank word tokenization (SCAN used `nltk.word_tokenize`). We use
 NLTK's Treebank word tokenizer directly: it is the word step of `word_tokenize` without the Punkt
@@ -8,13 +9,14 @@ sentence splitter, whose model cannot be downloaded here; captions are single se
 from __future__ import annotations
 
 import json
+import warnings
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 from nltk.tokenize import NLTKWordTokenizer
 
-from itmatch.errors import DataError
+from itmatch.errors import ConfigError, DataError
 from itmatch.io import write_json_atomic
 
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
@@ -82,14 +84,7 @@ class Vocab:
 
     @classmethod
     def load(cls, path: str | Path) -> Vocab:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise DataError("vocabulary file not found", path=path) from None
-        except json.JSONDecodeError as exc:
-            raise DataError(f"invalid JSON: {exc.msg}", path=path, line=exc.lineno) from None
-        return cls.from_json(data, path)
+        return cls.from_json(_read_json(path), path)
 
 
 def build_vocab(train_captions: Iterable[str], min_count: int = MIN_COUNT) -> Vocab:
@@ -98,3 +93,105 @@ def build_vocab(train_captions: Iterable[str], min_count: int = MIN_COUNT) -> Vo
     for caption in train_captions:
         counts.update(tokenize(caption))
     return Vocab(w for w, c in counts.items() if c >= min_count)
+
+
+TOKENIZERS = ("word", "wordpiece")
+
+
+class WordPieceVocab:
+    """The WordPiece tokenizer of a pretrained BERT-like model: `[CLS] pieces [SEP]` ids, the ids the
+    model was trained with. The whole tokenizer (the `tokenizers` library's JSON) is stored in vocab.json,
+    so a checkpoint tokenizes exactly as at training time without the model directory.
+
+    Captions longer than `max_length` tokens are cut to `max_length - 1` tokens plus `[SEP]` (not an
+    error); `truncated` counts them (the trainer logs the count per epoch) and the first one warns."""
+
+    kind = "wordpiece"
+
+    def __init__(self, tokenizer_json: str, max_length: int, source: str = "") -> None:
+        from tokenizers import Tokenizer
+
+        self._json, self.max_length, self.source = tokenizer_json, int(max_length), source
+        self.tokenizer = Tokenizer.from_str(tokenizer_json)
+        # tokenizer.json files often carry fixed padding/truncation (e.g. 128): padding is the collate's
+        # job and truncation is ours (counted), so both are switched off.
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        if self.max_length < 3:
+            raise ConfigError(f"WordPiece max_length must be >= 3 ([CLS] word [SEP]), got {self.max_length}")
+        self.sep_id = self.tokenizer.token_to_id("[SEP]")
+        self.pad_id = self.tokenizer.token_to_id("[PAD]")
+        if self.sep_id is None or self.pad_id is None:
+            raise ConfigError("the tokenizer has no [SEP] or [PAD] token: not a BERT-style WordPiece tokenizer",
+                              path=source or None)
+        self.truncated = 0
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, max_length: int = 0) -> WordPieceVocab:
+        """The tokenizer of a Hugging Face model directory; max_length 0: the model's position limit."""
+        from itmatch.features.text_backbone import load_pretrained_tokenizer
+
+        tokenizer_json, model_max = load_pretrained_tokenizer(model_dir)
+        return cls(tokenizer_json, max_length or model_max, source=str(model_dir))
+
+    def __len__(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, caption: str) -> list[int]:
+        ids = self.tokenizer.encode(caption).ids
+        if len(ids) > self.max_length:
+            if self.truncated == 0:
+                warnings.warn(f"a caption has {len(ids)} WordPiece tokens, more than the text encoder's "
+                              f"{self.max_length}; it is truncated (further ones are counted, not shown)",
+                              stacklevel=2)
+            self.truncated += 1
+            ids = [*ids[: self.max_length - 1], self.sep_id]
+        return ids
+
+    def to_json(self) -> dict:
+        return {"type": self.kind, "max_length": self.max_length, "source": self.source,
+                "tokenizer": json.loads(self._json)}
+
+    def save(self, path: str | Path) -> None:
+        write_json_atomic(path, self.to_json())
+
+    @classmethod
+    def from_json(cls, data: dict, path: str | Path | None = None) -> WordPieceVocab:
+        if data.get("type") != cls.kind or "tokenizer" not in data:
+            raise DataError("not a WordPiece vocabulary JSON (needs 'type': 'wordpiece' and 'tokenizer')",
+                            path=path, hint="use a vocab.json written by `itmatch train` with data.tokenizer=wordpiece")
+        try:
+            return cls(json.dumps(data["tokenizer"]), int(data.get("max_length", 512)), data.get("source", ""))
+        except Exception as exc:  # the tokenizers library rejects a malformed tokenizer
+            if isinstance(exc, ConfigError | DataError):
+                raise
+            raise DataError(f"invalid WordPiece tokenizer ({exc})", path=path) from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> WordPieceVocab:
+        return cls.from_json(_read_json(path), path)
+
+
+AnyVocab = Vocab | WordPieceVocab
+
+
+def _read_json(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError("vocabulary file not found", path=path) from None
+    except json.JSONDecodeError as exc:
+        raise DataError(f"invalid JSON: {exc.msg}", path=path, line=exc.lineno) from None
+
+
+def load_vocab(path: str | Path, tokenizer: str = "word") -> AnyVocab:
+    """Read a vocab.json of the kind `tokenizer` names (data.tokenizer: word | wordpiece)."""
+    if tokenizer not in TOKENIZERS:
+        raise ConfigError(f"unknown data.tokenizer {tokenizer!r}", hint=f"choose one of {', '.join(TOKENIZERS)}")
+    data = _read_json(path)
+    kind = data.get("type", "word") if isinstance(data, dict) else "word"
+    if kind != tokenizer:
+        raise DataError(f"the vocabulary is a {kind!r} tokenizer but data.tokenizer is {tokenizer!r}", path=path,
+                        hint="pass the vocab.json written with the same data.tokenizer")
+    return WordPieceVocab.from_json(data, path) if tokenizer == "wordpiece" else Vocab.from_json(data, path)

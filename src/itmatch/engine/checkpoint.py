@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from itmatch.config import Config, config_from_dict
-from itmatch.data.vocab import Vocab
+from itmatch.data.vocab import AnyVocab, load_vocab
 from itmatch.errors import CheckpointError, ConfigError
 from itmatch.models.base import Matcher
 from itmatch.models.registry import build_model
@@ -30,11 +30,11 @@ class Checkpoint:
     path: Path
     model: Matcher
     config: Config
-    vocab: Vocab
+    vocab: AnyVocab
     state: dict[str, Any]
 
 
-def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: Vocab,
+def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: AnyVocab,
                     optimizer: torch.optim.Optimizer | None = None, state: dict[str, Any] | None = None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -76,7 +76,7 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
     if expect_arch and config.model.arch != expect_arch:
         raise CheckpointError(f"checkpoint holds a {config.model.arch!r} model, expected {expect_arch!r}",
                               path=path, hint="pass a checkpoint of the expected model")
-    vocab = Vocab.load(path / VOCAB)
+    vocab = load_vocab(path / VOCAB, config.data.tokenizer)
     model = build_model(config.model)
     try:
         weights = load_file(str(path / WEIGHTS))

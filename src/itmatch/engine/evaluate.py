@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import PrecompSplit
-from itmatch.data.vocab import Vocab
+from itmatch.data.vocab import AnyVocab
 from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.errors import DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
@@ -62,7 +62,7 @@ def encode_images(model: Matcher, features: np.ndarray, batch_size: int = 128, p
 
 
 @torch.inference_mode()
-def encode_captions(model: Matcher, captions: Sequence[str], vocab: Vocab, batch_size: int = 256,
+def encode_captions(model: Matcher, captions: Sequence[str], vocab: AnyVocab, batch_size: int = 256,
                     progress: bool = False) -> TextEmb:
     """Encode captions in length-sorted batches (little padding), returned in the original order."""
     tokens = [vocab.encode(c) for c in captions]
@@ -109,10 +109,16 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: floa
     return out
 
 
-def split_scores(model: Matcher, vocab: Vocab, split: PrecompSplit, budget_bytes: float = DEFAULT_BUDGET,
-                 progress: bool = False) -> torch.Tensor:
+def split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, budget_bytes: float = DEFAULT_BUDGET,
+                 progress: bool = False, rerank: int = 0) -> torch.Tensor:
+    """The split's score matrix: exhaustive, or with `rerank` = K > 0 the two-stage matrix of
+    `engine.rerank.rerank_scores` (full scores for the global stage's top-K, -inf elsewhere)."""
     img = encode_images(model, split.images, progress=progress)
     txt = encode_captions(model, split.captions, vocab, progress=progress)
+    if rerank > 0:
+        from itmatch.engine.rerank import rerank_scores
+
+        return rerank_scores(model, img, txt, rerank, budget_bytes, progress)
     return score_matrix(model, img, txt, budget_bytes, progress)
 
 
@@ -135,20 +141,23 @@ def protocol_folds(split: PrecompSplit, protocol: str) -> list[PrecompSplit]:
     return [split.slice(1000 * f, 1000 * (f + 1)) for f in range(5)]
 
 
-def evaluate_models(models: Sequence[tuple[Matcher, Vocab]], split: PrecompSplit, protocol: str = "full",
-                    budget_bytes: float = DEFAULT_BUDGET, progress: bool = False) -> dict:
-    """Metrics of one model, or of an ensemble (score matrices averaged before ranking)."""
+def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit, protocol: str = "full",
+                    budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0) -> dict:
+    """Metrics of one model, or of an ensemble (score matrices averaged before ranking); `rerank` = K > 0
+    scores only each query's top-K of the global stage with the full model (see engine/rerank.py)."""
     start = time.perf_counter()
     folds = []
     for fold in protocol_folds(split, protocol):
         total = None
         for model, vocab in models:
             model.eval()
-            scores = split_scores(model, vocab, fold, budget_bytes, progress)
+            scores = split_scores(model, vocab, fold, budget_bytes, progress, rerank)
             total = scores if total is None else total + scores
         assert total is not None
         folds.append(retrieval_metrics(total / len(models), fold.per_image))
     result = dict(folds[0] if len(folds) == 1 else average_folds(folds))
+    if rerank > 0:
+        result["rerank"] = rerank
     result.update(protocol=protocol, split=split.split, folds=len(folds),
                   n_images=protocol_folds(split, protocol)[0].n_images,
                   eval_seconds=round(time.perf_counter() - start, 2))

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from itmatch.config import Config
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit, read_precomp
-from itmatch.data.vocab import SPECIALS, Vocab, build_vocab, tokenize
+from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
 from itmatch.engine.checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.errors import ConfigError, OverwriteError
@@ -78,13 +78,26 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def prepare_data(cfg: Config, vocab: Vocab | None) -> tuple[PrecompSplit, PrecompSplit, Vocab]:
+def make_vocab(cfg: Config, train_captions: list[str]) -> AnyVocab:
+    """The tokenizer data.tokenizer names: a word vocabulary (data.vocab, or built from the training
+    captions) or the WordPiece tokenizer of the pretrained text encoder (model.mmca.text_model)."""
+    if cfg.data.tokenizer not in TOKENIZERS:
+        raise ConfigError(f"unknown data.tokenizer {cfg.data.tokenizer!r}",
+                          hint=f"choose one of {', '.join(TOKENIZERS)}")
+    if cfg.data.vocab:
+        return load_vocab(cfg.data.vocab, cfg.data.tokenizer)
+    if cfg.data.tokenizer == "wordpiece":
+        return WordPieceVocab.from_pretrained(cfg.model.mmca.text_model, cfg.model.mmca.max_tokens)
+    return build_vocab(train_captions)
+
+
+def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, PrecompSplit, AnyVocab]:
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
     train = read_precomp(cfg.data.path, cfg.data.train_split)
     val = read_precomp(cfg.data.path, cfg.data.val_split).head(cfg.train.val_images)
     if vocab is None:
-        vocab = Vocab.load(cfg.data.vocab) if cfg.data.vocab else build_vocab(train.captions)
+        vocab = make_vocab(cfg, train.captions)
     cfg.model.vocab_size = len(vocab)
     if cfg.model.img_dim and cfg.model.img_dim != train.images.shape[2]:
         raise ConfigError(f"model.img_dim={cfg.model.img_dim} but the features are {train.images.shape[2]}-d",
@@ -132,7 +145,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
 
     loader_gen = torch.Generator()
     dataset = PairDataset(train_split, vocab, transform)
-    lengths = [len(tokenize(c)) for c in train_split.captions] if cfg.train.bucket_by_length else []
+    lengths = [len(vocab.encode(c)) for c in train_split.captions] if cfg.train.bucket_by_length else []
     log = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
     best: dict[str, Any] = state.get("best_result", {})
     for epoch in range(state["epoch"], cfg.train.epochs):
@@ -151,6 +164,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         model.train()
         bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not progress)
         started, running = time.perf_counter(), 0.0
+        truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
         for b, batch in enumerate(loader):
             if b >= n_batches:
                 break
@@ -175,10 +189,16 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         bar.close()
         train_seconds = time.perf_counter() - started
         model.eval()
-        result = evaluate_models([(model, vocab)], val_split, "full")
+        truncated = getattr(vocab, "truncated", 0) - truncated_before
+        result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank)
         record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
                   "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
                   "batches": n_batches}
+        if truncated:
+            record["truncated_captions"] = truncated
+            if progress:
+                tqdm.write(f"epoch {epoch + 1}: {truncated} captions longer than the text encoder's "
+                           f"{vocab.max_length} tokens were truncated")
         log.write(json.dumps(record) + "\n")
         log.flush()
         if progress:

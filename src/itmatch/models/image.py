@@ -10,6 +10,7 @@ from torch import nn
 from itmatch.errors import DataError
 from itmatch.models.attention import GuidedAttention
 from itmatch.models.base import ImageEmb, l2norm
+from itmatch.models.heads.common import masked_pool
 
 ACTIVATIONS = {"none": nn.Identity, "tanh": nn.Tanh}
 
@@ -82,3 +83,33 @@ class SMANImageEncoder(nn.Module):
         v1 = torch.tanh(self.p1(pooled))  # Eq. 7
         return ImageEmb(regions=x, mask=mask, vector=torch.cat([l2norm(v0), l2norm(v1)], -1),
                         extras={"v0": v0, "v1": v1, "att1": att1})
+
+
+def transformer_unit(d: int, heads: int, ffn_dim: int, dropout: float) -> nn.TransformerEncoderLayer:
+    """One MMCA Transformer unit (Fig. 3): multi-head self-attention and a position-wise ReLU FFN, each
+    followed by residual + LayerNorm (post-LN, torch's norm_first=False, which is exactly this order)."""
+    if d % heads:
+        raise ValueError(f"embed_size {d} is not divisible by {heads} heads")
+    return nn.TransformerEncoderLayer(d, heads, dim_feedforward=ffn_dim or d, dropout=dropout,
+                                      activation="relu", batch_first=True, norm_first=False)
+
+
+class MMCAImageEncoder(nn.Module):
+    """MMCA image side (section 3.2-3.3): R = FC(regions); R_s = Transformer unit(R); i0 = l2(mean_k R_s)
+    (Eq. 5). `regions` are R (the region half of the cross-attention input Y = [R; E]), `vector` is i0."""
+
+    def __init__(self, img_dim: int, embed_size: int, heads: int = 16, ffn_dim: int = 0,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.fc = nn.Linear(img_dim, embed_size)
+        r = math.sqrt(6.0) / math.sqrt(img_dim + embed_size)  # Xavier-uniform, zero bias (as RegionEncoder)
+        nn.init.uniform_(self.fc.weight, -r, r)
+        nn.init.zeros_(self.fc.bias)
+        self.unit = transformer_unit(embed_size, heads, ffn_dim, dropout)
+        self.pools = True  # has a pair-independent vector (i0)
+
+    def forward(self, feats: torch.Tensor, mask: torch.Tensor) -> ImageEmb:
+        regions = self.fc(feats)
+        attended = self.unit(regions, src_key_padding_mask=~mask)
+        i0 = l2norm(masked_pool(attended, mask[:, :, None], 1, "avg"))
+        return ImageEmb(regions=regions, mask=mask, vector=i0)

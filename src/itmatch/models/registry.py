@@ -12,9 +12,9 @@ from torch import nn
 from itmatch.config import Config, ModelConfig, config_from_dict, update
 from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher, SimilarityHead
-from itmatch.models.heads import GlobalCosineHead, OANHead, ScanHead, SMANHead, SumMaxHead
-from itmatch.models.image import RegionEncoder, SMANImageEncoder
-from itmatch.models.text import RNNTextEncoder, SMANTextEncoder, TextCNNEncoder
+from itmatch.models.heads import GlobalCosineHead, MMCAHead, OANHead, ScanHead, SMANHead, SumMaxHead
+from itmatch.models.image import MMCAImageEncoder, RegionEncoder, SMANImageEncoder
+from itmatch.models.text import FrozenTransformer, MMCATextEncoder, RNNTextEncoder, SMANTextEncoder, TextCNNEncoder
 
 # SCAN supplementary: Flickr30K lr 2e-4 for 15 epochs then 2e-5 for 15; COCO 5e-4 for 10 then 5e-5 for 10.
 F30K_SCHEDULE = {"epochs": 30, "lr": 2e-4, "lr_update": 15}
@@ -80,6 +80,14 @@ def _presets() -> dict[str, dict[str, Any]]:
     for suffix, switches in OAN_VARIANTS.items():
         presets[f"oan{suffix}"] = {"model": {"arch": "oan", "embed_size": 512, "word_dim": 300, "oan": switches},
                                    "loss": {"margin": 0.2}, "train": OAN_SCHEDULE}
+    # MMCA section 4.2: hidden size 256 (best in Tables 4/5), Adam 2e-4 for 10 epochs then 2e-5 for 10,
+    # batch 64, margin 0.2, alpha 0.2 (Table 6); WordPiece tokens of the frozen text encoder.
+    mmca_base = {"train": {"epochs": 20, "lr": 2e-4, "lr_update": 10, "batch_size": 64},
+                 "loss": {"margin": 0.2}, "data": {"tokenizer": "wordpiece"}}
+    for name, model in (("mmca", {"embed_size": 256, "mmca": {"alpha": 0.2}}),
+                        ("mmca_alpha0", {"embed_size": 256, "mmca": {"alpha": 0.0}}),  # self-attention only
+                        ("mmca_h512", {"embed_size": 512, "mmca": {"alpha": 0.2}})):  # a larger hidden size
+        presets[name] = {"model": {"arch": "mmca", **model}, **copy.deepcopy(mmca_base)}
     return presets
 
 
@@ -178,6 +186,23 @@ def _build_oan(mc: ModelConfig) -> Matcher:
     return Matcher(image, text, head)
 
 
+def _build_mmca(mc: ModelConfig) -> Matcher:
+    from itmatch.features.text_backbone import load_pretrained_encoder
+
+    c = mc.mmca
+    encoder = FrozenTransformer(load_pretrained_encoder(c.text_model))
+    vocab_size = int(encoder.hf.config.vocab_size)
+    if mc.vocab_size != vocab_size:
+        raise ConfigError(f"model.vocab_size is {mc.vocab_size} but the text encoder {c.text_model!r} has "
+                          f"{vocab_size} WordPiece ids",
+                          hint="MMCA needs data.tokenizer=wordpiece (the presets set it)")
+    image = MMCAImageEncoder(mc.img_dim, mc.embed_size, c.heads, c.ffn_dim, c.dropout)
+    text = MMCATextEncoder(encoder, mc.embed_size, c.filters, c.text_layernorm)
+    head = MMCAHead(mc.embed_size, c.heads, c.ffn_dim, c.filters, c.dropout, c.alpha, c.text_layernorm,
+                    c.three_term, c.train_negatives, c.pair_chunk)
+    return Matcher(image, text, head)
+
+
 #: model.arch -> builder. A new model adds its builder here and its presets to PRESETS.
 BUILDERS: dict[str, Callable[[ModelConfig], Matcher]] = {
     "vsepp": _build_vsepp,
@@ -185,6 +210,7 @@ BUILDERS: dict[str, Callable[[ModelConfig], Matcher]] = {
     "scan": _build_scan,
     "sman": _build_sman,
     "oan": _build_oan,
+    "mmca": _build_mmca,
 }
 
 

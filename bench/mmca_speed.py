@@ -1,0 +1,103 @@
+"""MMCA scoring cost: exhaustive vs two-stage re-ranking on a slice of Flickr8K dev, untrained model.
+
+    python bench/mmca_speed.py --images 40 --threads 1          # docs/mmca.md's figures
+
+Prints JSON (CPU seconds of one thread): encode times, pairs scored and pairs/s of exhaustive and re-ranked
+scoring (K = 20, 50, 100), the extrapolation to the 1000 x 5000 test split, and the cost of a training step
+(every pair vs model.mmca.train_negatives) with the frozen text encoder's share of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from itmatch.data.datasets import pad_tokens
+from itmatch.data.precomp import read_precomp
+from itmatch.data.vocab import WordPieceVocab
+from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
+from itmatch.engine.rerank import candidate_mask, global_scores, rerank_scores
+from itmatch.models.registry import build_model, preset_config
+
+
+def timed(fn):
+    """(result, seconds). Process CPU time, not wall time: the machine is shared and this script runs one
+    torch thread, so CPU seconds are what one dedicated core would take."""
+    start = time.process_time()
+    out = fn()
+    return out, time.process_time() - start
+
+
+def evaluation_costs(model, vocab, split, ks: list[int]) -> dict:
+    img, t_img = timed(lambda: encode_images(model, split.images))
+    txt, t_txt = timed(lambda: encode_captions(model, split.captions, vocab))
+    n, m = len(img), len(txt)
+    out: dict = {"images": n, "captions": m,
+                 "encode_images_s": round(t_img, 2), "encode_captions_s": round(t_txt, 2)}
+    full, t_full = timed(lambda: score_matrix(model, img, txt))
+    out["exhaustive"] = {"pairs": n * m, "seconds": round(t_full, 1), "pairs_per_s": round(n * m / t_full, 1)}
+    for k in ks:
+        scores, t_k = timed(lambda k=k: rerank_scores(model, img, txt, k))
+        pairs = int(candidate_mask(global_scores(img, txt), k).sum())
+        same = bool(torch.allclose(scores[torch.isfinite(scores)], full[torch.isfinite(scores)], atol=1e-5))
+        # the test split: each image keeps its top-K captions, each caption its top-K images; at most
+        # 1000 K + 5000 K candidate pairs (fewer where the two lists overlap)
+        test_pairs = 1000 * k + 5000 * k
+        out[f"rerank_{k}"] = {"pairs": pairs, "seconds": round(t_k, 1), "pairs_per_s": round(pairs / t_k, 1),
+                              "matches_exhaustive": same,
+                              "test_1000x5000_hours_upper_bound": round(test_pairs / (pairs / t_k) / 3600, 2)}
+    out["test_1000x5000_exhaustive_hours"] = round(1000 * 5000 / (n * m / t_full) / 3600, 1)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", default="/work/main/runs/data/flickr8k_lite0", help="precomp directory")
+    parser.add_argument("--preset", default="mmca", help="mmca, mmca_h512, ...")
+    parser.add_argument("--images", type=int, default=100, help="dev images (5 captions each)")
+    parser.add_argument("--ks", type=int, nargs="*", default=[20, 50, 100], help="re-rank depths")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--batch", type=int, default=64, help="training batch for the encoder-share measurement")
+    parser.add_argument("--train-negatives", type=int, nargs="*", default=[0, 8],
+                        help="model.mmca.train_negatives values of the training-step measurement")
+    parser.add_argument("--skip-eval", action="store_true", help="only the training-step measurement")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    split = read_precomp(args.data, "dev").head(args.images)
+    cfg = preset_config(args.preset)
+    vocab = WordPieceVocab.from_pretrained(cfg.model.mmca.text_model, cfg.model.mmca.max_tokens)
+    cfg.model.vocab_size, cfg.model.img_dim = len(vocab), int(split.images.shape[2])
+    model = build_model(cfg.model).eval()
+    out: dict = {"preset": args.preset, "threads": args.threads}
+    if not args.skip_eval:
+        out.update(evaluation_costs(model, vocab, split, args.ks))
+
+    # a training step (forward + backward of a batch): cost with every pair vs train_negatives, and the
+    # frozen encoder's share (is caching its outputs per caption worth it?)
+    model.train()
+    caps = pad_tokens([vocab.encode(c) for c in split.captions[: args.batch]])
+    feats = torch.from_numpy(np.array(split.images[: args.batch // 5 + 1])).repeat_interleave(5, 0)[: args.batch]
+    _, t_bert = timed(lambda: model.text_encoder.encoder(caps.tokens, caps.lengths))
+    for h in args.train_negatives:
+        model.head.train_negatives = h
+
+        def step() -> None:
+            img, txt = model.encode_images(feats), model.encode_texts(caps.tokens, caps.lengths)
+            model.training_loss(img, txt, cfg.loss, True).backward()
+
+        _, t_step = timed(step)
+        out[f"train_step_negatives_{h}"] = {"batch": args.batch, "seconds": round(t_step, 2),
+                                            "frozen_encoder_s": round(t_bert, 3),
+                                            "encoder_share": round(t_bert / t_step, 4)}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
