@@ -59,6 +59,8 @@ class TrainConfig:
     val_images: int = 1000  # model selection on the first N dev images (SCAN)
     log_every: int = 20
     threads: int = 0  # 0: all cores
+    # >0: also save run/last every N batches (mid-epoch), so a killed run loses at most N batches of work
+    checkpoint_every: int = 0
 
 
 @dataclass
