@@ -37,7 +37,14 @@ from PIL import Image, ImageFile
 from tqdm import tqdm
 
 from itmatch.data.captions import CaptionTable
-from itmatch.data.precomp import captions_path, features_path, file_sha256, ids_path, write_captions
+from itmatch.data.precomp import (
+    captions_path,
+    features_path,
+    file_sha256,
+    ids_path,
+    split_manifest,
+    write_captions,
+)
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import Backbone, load_backbone
 from itmatch.io import write_json_atomic
@@ -202,6 +209,17 @@ def _features_renamed(state: dict[str, Any], out_dir: Path, split: str) -> bool:
         return final.exists()
     return (int(state.get("done", -1)) >= int(state.get("n_images", -2)) and final.exists()
             and not partial_path(out_dir, split).exists())
+
+
+def _complete(out_dir: Path, split: str, fingerprint: str) -> bool:
+    """meta.json records `split` as extracted from the same images and backbone, and its files are there."""
+    try:
+        info = split_manifest(out_dir, split)
+    except DataError:
+        return False
+    paths = (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split))
+    return bool(info and info.get("fingerprint") == fingerprint and all(p.is_file() for p in paths)
+                and features_path(out_dir, split).stat().st_size == info.get("features_bytes"))
 
 
 def _finishing(out_dir: Path, split: str, fingerprint: str) -> bool:
@@ -410,8 +428,14 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     bb = load_backbone(backbone)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprints = {s: _fingerprint(bb, rows[s][0]) for s in splits}
+    # Splits an earlier run of this same command completed (meta.json records them with the same image
+    # list and backbone): a run killed in a later split resumes there instead of refusing to overwrite
+    # them. When every split is complete there is nothing to resume: the usual overwrite rule applies.
+    done_before = {s for s in splits if not force and _complete(out_dir, s, fingerprints[s])}
+    if done_before == set(splits):
+        done_before = set()
     for split in splits:
-        if _finishing(out_dir, split, fingerprints[split]):
+        if split in done_before or _finishing(out_dir, split, fingerprints[split]):
             continue
         for p in (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split)):
             refuse_overwrite(p, force)
@@ -439,10 +463,13 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
 
     with _strict_pil(), _torch_threads(num_threads):
         for split in splits:
+            if split in done_before:
+                log.info("split %s is complete from an earlier run of this command; kept", split)
+                continue
             ids, caps = rows[split]
             info = _extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
                                   force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch)
-            meta["splits"][split] = info
+            meta["splits"][split] = {**info, "fingerprint": fingerprints[split]}
             write_json_atomic(meta_file, meta)
             _fsync_dir(out_dir)
             progress_path(out_dir, split).unlink(missing_ok=True)
