@@ -429,11 +429,10 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprints = {s: _fingerprint(bb, rows[s][0]) for s in splits}
     # Splits an earlier run of this same command completed (meta.json records them with the same image
-    # list and backbone): a run killed in a later split resumes there instead of refusing to overwrite
-    # them. When every split is complete there is nothing to resume: the usual overwrite rule applies.
+    # list and backbone) are kept: re-running the command is idempotent, so a run killed in a later split
+    # (or after its last write, before it exited) resumes instead of refusing to overwrite them. Outputs
+    # of other images or another backbone are still only replaced with `force`.
     done_before = {s for s in splits if not force and _complete(out_dir, s, fingerprints[s])}
-    if done_before == set(splits):
-        done_before = set()
     for split in splits:
         if split in done_before or _finishing(out_dir, split, fingerprints[split]):
             continue
