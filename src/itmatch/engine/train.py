@@ -125,14 +125,20 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             raise OverwriteError("nothing to resume: no last checkpoint", path=last,
                                  hint="start a new run without --resume")
         # Killed before its first checkpoint: start the same run again from its saved config.
-        cfg = config_from_dict(json.loads(saved.read_text(encoding="utf-8")))
+        try:
+            cfg = config_from_dict(json.loads(saved.read_text(encoding="utf-8")))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot restart the run: its config.json is not valid JSON ({exc})",
+                              path=saved) from None
         resume, force = False, True
     if resume:
         ckpt = load_checkpoint(last)
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
         train_split, val_split, vocab = prepare_data(cfg, vocab)
     else:
-        if run_dir.exists() and any(run_dir.iterdir()) and not force:
+        # (temp files of a write killed before config.json existed do not make a run)
+        in_use = run_dir.exists() and any(not p.name.endswith(".partial") for p in run_dir.iterdir())
+        if in_use and not force:
             raise OverwriteError(f"run directory {run_dir} is not empty", path=run_dir,
                                  hint="pass --resume to continue it, --force to start over, or another --out")
         seed_everything(cfg.train.seed)
