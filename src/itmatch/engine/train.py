@@ -161,7 +161,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     # (Checkpoints of older versions have no log_bytes: their log is kept as it is.)
     if not resume or "log_bytes" in ckpt.state:
         with open(metrics_path, "a+b") as fh:
-            fh.truncate(int(state["log_bytes"]) if resume else 0)
+            keep = int(state["log_bytes"]) if resume else 0
+            if fh.seek(0, os.SEEK_END) > keep:  # never extend (a log the user removed stays short)
+                fh.truncate(keep)
 
     dataset = PairDataset(train_split, vocab, transform)
     lengths = [len(tokenize(c)) for c in train_split.captions] if cfg.train.bucket_by_length else []
