@@ -426,7 +426,7 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
         loc = f"images[{i}]"
         _expect(entry, dict, path, loc, "an object with 'id' and 'file_name'")
         if not isinstance(entry.get("id"), int | str) or not isinstance(entry.get("file_name"), str):
-            raise DataError(f"{loc}: needs 'id' (a number or string) and 'file_name'", path=path,
+            raise DataError(f"{loc}: needs 'id' and 'file_name' (the id a number or a string)", path=path,
                             hint="COCO images look like {\"id\": 391895, \"file_name\": \"COCO_..jpg\"}")
         if entry["id"] in file_of:
             raise DataError(f"{loc}: image id {entry['id']!r} is listed twice", path=path)
