@@ -38,22 +38,44 @@ def _run(code: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _kill_and_resume(code: str, started: Path, rng: random.Random, window: float, budget: float) -> list[str]:
-    """Run `code` until it exits 0, killing it (SIGKILL) KILLS times: each kill lands at a random moment
-    within `window` seconds after `started` appears (the job is doing work by then), or, one time in
-    four, at a random moment from process start (imports, setup). Returns a description of each fault."""
+def _reference(code: str, started: Path) -> tuple[float, float]:
+    """Run `code` uninterrupted; return (seconds until `started` appeared, seconds of work after it)."""
+    t0 = time.monotonic()
+    proc = _run(code)
+    t_started = None
+    while proc.poll() is None:
+        if t_started is None and started.exists():
+            t_started = time.monotonic()
+        time.sleep(0.02)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    end = time.monotonic()
+    t_started = t_started or end
+    return t_started - t0, end - t_started
+
+
+def _kill_and_resume(code: str, started: Path, rng: random.Random, startup: float, work: float,
+                     budget: float = 900) -> list[str]:
+    """Run `code` until it exits 0, killing it (SIGKILL) up to KILLS times: a kill lands at a random moment
+    of the job's work (after `started` appears; the window shrinks as resumed runs have less left to do),
+    or, one time in four, at a random moment from process start (imports, setup). Returns a description
+    of each kill that landed; the caller checks at least one did."""
     faults: list[str] = []
     deadline = time.monotonic() + budget
+    attempts = 0
     while True:
         proc = _run(code)
-        if len(faults) < KILLS:
-            t0 = time.monotonic()
+        if attempts < KILLS:
+            attempts += 1
             early = rng.random() < 0.25
-            if not early:
+            t0 = time.monotonic()
+            if early:
+                delay = rng.uniform(0.0, startup + 0.5 * work)
+            else:
                 while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
                     time.sleep(0.02)
                 t0 = time.monotonic()
-            delay = rng.uniform(0.0, window)
+                delay = rng.uniform(0.0, 0.9 * work * 0.7 ** len(faults))
             while proc.poll() is None and time.monotonic() - t0 < delay:
                 time.sleep(0.01)
             if proc.poll() is None:
@@ -71,7 +93,7 @@ TRAIN_SETS = ["model.embed_size=32", "model.word_dim=16", "train.epochs=2", "tra
               "train.threads=1", "train.log_every=1"]
 
 
-def _train_code(data: Path, out: Path, resume: bool) -> str:
+def _train_code(data: Path, out: Path) -> str:
     argv = ["train", "--preset", "scan_t2i_avg", "--data", str(data), "--out", str(out)]
     for s in TRAIN_SETS:
         argv += ["--set", s]
@@ -101,13 +123,10 @@ def _run_summary(run: Path) -> dict:
 def test_training_killed_at_random_points_resumes_to_identical_metrics(tiny_precomp, tmp_path):
     rng = random.Random(SEED)
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
-    t0 = time.monotonic()
-    ref = _run(_train_code(tiny_precomp, ref_dir, False))
-    _, err = ref.communicate(timeout=600)
-    assert ref.returncode == 0, err[-3000:]
-    duration = time.monotonic() - t0
-    faults = _kill_and_resume(_train_code(tiny_precomp, run_dir, False), run_dir / "config.json", rng,
-                              window=duration * 0.8, budget=900)
+    startup, work = _reference(_train_code(tiny_precomp, ref_dir), ref_dir / "config.json")
+    faults = _kill_and_resume(_train_code(tiny_precomp, run_dir), run_dir / "config.json", rng,
+                              startup, work)
+    assert faults, "no kill landed: the job finished before every kill moment"
     a, b = _run_summary(ref_dir), _run_summary(run_dir)
     context = f"seed {SEED}, faults {faults}"
     assert a["log"] == b["log"], context  # every loss and every validation metric, bit for bit
@@ -151,13 +170,10 @@ def test_extraction_killed_at_random_points_resumes_to_identical_arrays(tmp_path
     rng = random.Random(SEED + 1)
     images, captions = _images(tmp_path, 24)
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
-    t0 = time.monotonic()
-    ref = _run(_extract_code(images, captions, ref_dir))
-    _, err = ref.communicate(timeout=600)
-    assert ref.returncode == 0, err[-3000:]
-    duration = time.monotonic() - t0
+    startup, work = _reference(_extract_code(images, captions, ref_dir), ref_dir / "train.progress.json")
     faults = _kill_and_resume(_extract_code(images, captions, run_dir), run_dir / "train.progress.json", rng,
-                              window=duration * 0.7, budget=900)
+                              startup, work)
+    assert faults, "no kill landed: the job finished before every kill moment"
     context = f"seed {SEED + 1}, faults {faults}"
     for split in ("train", "dev"):
         a, b = read_precomp(ref_dir, split), read_precomp(run_dir, split, verify_checksum=True)
