@@ -249,8 +249,15 @@ def test_refuses_to_overwrite_without_force(tmp_path):
     out = tmp_path / "out"
     extract_precomp(images, table, out, batch_size=4, progress=False)
     before = np.load(out / "train_ims.npy")
+    # the same command again is idempotent: nothing recomputed, nothing replaced (a job killed after its
+    # last write but before it exited is simply re-run)
+    calls = []
+    extract_precomp(images, table, out, batch_size=4, progress=False, on_batch=lambda *a: calls.append(a))
+    assert calls == []
+    # other images into the same directory: refused without force
+    _, other = _dataset(tmp_path, n=2)
     with pytest.raises(OverwriteError, match="train_ims.npy"):
-        extract_precomp(images, table, out, batch_size=4, progress=False)
+        extract_precomp(images, other, out, batch_size=4, progress=False)
     extract_precomp(images, table, out, batch_size=4, progress=False, force=True)
     np.testing.assert_array_equal(before, np.load(out / "train_ims.npy"))
 

@@ -1,4 +1,4 @@
-"""`itmatch <verb>`: models, synth, extract, train, evaluate, analyze, demo, index, search, serve."""
+"""`itmatch <verb>`: models, synth, extract, train, evaluate, analyze, convert, demo, index, search, serve."""
 
 from __future__ import annotations
 
@@ -120,6 +120,20 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         print("captions left without a word (kept, trained as <start> [punctuation] <end>): "
               + ", ".join(f"{k} {v}" for k, v in empty.items()))
     print(f"wrote {args.out}/perturb.json, .csv, .md, .png")
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    import warnings
+
+    from itmatch.engine.convert import convert_original
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = convert_original(args.source, args.out, vocab_path=args.vocab, force=args.force)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    print(f"converted {summary['arch']} checkpoint (epoch {summary['epoch']}, best rsum {summary['best_rsum']:.1f}) "
+          f"-> {summary['out']}")
     return 0
 
 
@@ -260,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retrain runs that exist (default: reuse finished runs, resume interrupted ones)")
     a.add_argument("--quiet", action="store_true", help="no progress bars")
     a.set_defaults(func=_cmd_analyze, resume=False)
+
+    s = sub.add_parser("convert", help="import an original SCAN/VSE++ .pth.tar checkpoint (no code is executed)")
+    s.add_argument("source", help="SCAN or VSE++ checkpoint file (e.g. model_best.pth.tar)")
+    s.add_argument("--out", required=True, help="itmatch checkpoint directory to write")
+    s.add_argument("--vocab", help="the SCAN vocabulary JSON the model was trained with "
+                                   "(e.g. vocab/f30k_precomp_vocab.json)")
+    s.add_argument("--force", action="store_true", help="replace an existing --out")
+    s.set_defaults(func=_cmd_convert)
 
     s = sub.add_parser("demo", help="the main job: synth -> extract -> train SCAN -> evaluate")
     s.add_argument("--out", default="runs/demo", help="working directory (default runs/demo)")

@@ -1,9 +1,11 @@
 """Run configuration: a plain dataclass tree, loaded from YAML, overridable with `--set a.b=c`.
-Unknown keys are errors; the resolved config is saved with every run and checkpoint."""
+Unknown keys, values of the wrong type and values outside their RULES are errors naming the key's path;
+the resolved config is saved with every run and checkpoint."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +126,8 @@ class TrainConfig:
     val_rerank: int = 0  # >0: validate by re-ranking the top-K of the global stage (pair heads, e.g. MMCA)
     log_every: int = 20
     threads: int = 0  # 0: all cores
+    # >0: also save run/last every N batches (mid-epoch), so a killed run loses at most N batches of work
+    checkpoint_every: int = 0
 
 
 @dataclass
@@ -149,6 +153,45 @@ class Config:
         return dataclasses.asdict(self)
 
 
+@dataclass(frozen=True)
+class Rule:
+    """Allowed values of one config key: bounds (inclusive `min`/`max`, exclusive `above`) or a set of
+    choices. Keys without a rule accept any value of their type."""
+
+    min: float | None = None
+    above: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] | None = None
+
+    def check(self, key: str, value: Any) -> None:
+        if self.choices is not None and value not in self.choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(self.choices)}",
+                              hint=f"set {key} to one of {', '.join(self.choices)}")
+        bounds = [(self.min, ">=", lambda b: value >= b), (self.above, ">", lambda b: value > b),
+                  (self.max, "<=", lambda b: value <= b)]
+        for bound, op, ok in bounds:
+            if bound is not None and not ok(bound):
+                raise ConfigError(f"{key}: {value!r} is out of range (must be {op} {bound:g})")
+
+
+# Value rules by key path. A new model's options add their rules here (e.g. "model.oan.k_heads": Rule(min=1)).
+# model.arch is checked against the registry when the model is built.
+RULES: dict[str, Rule] = {
+    "model.img_dim": Rule(min=0), "model.vocab_size": Rule(min=0), "model.embed_size": Rule(min=1),
+    "model.word_dim": Rule(min=1), "model.text_rnn": Rule(choices=("gru", "lstm")), "model.text_layers": Rule(min=1),
+    "model.direction": Rule(choices=("t2i", "i2t")), "model.pool": Rule(choices=("avg", "lse", "max", "sum")),
+    "model.lambda_softmax": Rule(above=0), "model.lambda_lse": Rule(above=0),
+    "model.raw_feature_norm": Rule(choices=("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")),
+    "model.clip_slope": Rule(min=0, max=1),
+    "loss.margin": Rule(min=0), "loss.warmup_epochs": Rule(min=0),
+    "train.epochs": Rule(min=1), "train.optimizer": Rule(choices=("adam", "adadelta")), "train.lr": Rule(above=0),
+    "train.weight_decay": Rule(min=0), "train.lr_update": Rule(min=1), "train.batch_size": Rule(min=2),
+    "train.grad_clip": Rule(min=0), "train.seed": Rule(min=0, max=2**32 - 1), "train.max_batches": Rule(min=0),
+    "train.val_images": Rule(min=1), "train.log_every": Rule(min=1), "train.threads": Rule(min=0),
+    "train.checkpoint_every": Rule(min=0),
+}
+
+
 def _coerce(value: Any, typ: Any, key: str) -> Any:
     if typ is bool:
         if isinstance(value, bool):
@@ -157,8 +200,17 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             return value.lower() in ("true", "1", "yes")
     elif typ is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    elif typ is float and isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
+    elif typ is float and not isinstance(value, bool):
+        number = value
+        if isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
+            try:
+                number = float(value)
+            except ValueError:
+                number = None
+        if isinstance(number, int | float):
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+            return float(number)
     elif typ is str and isinstance(value, str | int | float) and not isinstance(value, bool):
         return str(value)
     raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
@@ -166,11 +218,13 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
 
 def update(obj: Any, values: dict[str, Any], prefix: str = "") -> Any:
     """Apply a nested dict onto a dataclass tree in place; unknown keys are errors."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of its fields, got {values!r}")
     hints = typing.get_type_hints(type(obj))
     names = {f.name for f in dataclasses.fields(obj)}
     for key, value in values.items():
         full = f"{prefix}{key}"
-        if key not in names:
+        if not isinstance(key, str) or key not in names:
             raise ConfigError(f"unknown config key {full!r}",
                               hint=f"valid keys here: {', '.join(sorted(prefix + n for n in names))}")
         current = getattr(obj, key)
@@ -179,7 +233,10 @@ def update(obj: Any, values: dict[str, Any], prefix: str = "") -> Any:
                 raise ConfigError(f"{full}: expected a mapping of its fields, got {value!r}")
             update(current, value, f"{full}.")
         else:
-            setattr(obj, key, _coerce(value, hints[key], full))
+            value = _coerce(value, hints[key], full)
+            if full in RULES:
+                RULES[full].check(full, value)
+            setattr(obj, key, value)
     return obj
 
 
@@ -190,11 +247,23 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         if "=" not in pair:
             raise ConfigError(f"override {pair!r} is not KEY=VALUE", hint="e.g. --set model.embed_size=512")
         key, raw = pair.split("=", 1)
-        node = nested
         parts = key.strip().split(".")
-        for part in parts[:-1]:
+        if not all(parts):
+            raise ConfigError(f"override {pair!r}: {key!r} is not a key path", hint="e.g. --set model.embed_size=512")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', exc)})",
+                              hint="quote strings that contain YAML syntax, e.g. --set name='a: b'") from None
+        node = nested
+        for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {pair!r}: {'.'.join(parts[:i + 1])} was given a value, "
+                                  f"it cannot also have fields")
+        if isinstance(node.get(parts[-1]), dict):
+            raise ConfigError(f"override {pair!r}: {key} has fields set by another override")
+        node[parts[-1]] = value
     return nested
 
 
@@ -204,6 +273,12 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except FileNotFoundError:
         raise ConfigError("config file not found", path=path) from None
+    except IsADirectoryError:
+        raise ConfigError("expected a YAML file, found a directory", path=path) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+    except RecursionError:
+        raise ConfigError("YAML nested too deeply", path=path) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise ConfigError(f"invalid YAML: {getattr(exc, 'problem', exc)}", path=path,

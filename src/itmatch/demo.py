@@ -6,6 +6,7 @@ output is already complete, so an interrupted demo resumes where it stopped."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from itmatch.errors import OverwriteError
 
 DEMO_SETTINGS = {
     "model": {"embed_size": 256},
-    "train": {"epochs": 6, "lr": 2e-4, "lr_update": 4, "batch_size": 128, "val_images": 100, "log_every": 10},
+    "train": {"epochs": 6, "lr": 2e-4, "lr_update": 4, "batch_size": 128, "val_images": 100, "log_every": 10,
+              "checkpoint_every": 10},
     "loss": {"warmup_epochs": 1},
 }
 
@@ -56,8 +58,11 @@ def run_demo(out: Path, *, force: bool = False, epochs: int = 6, n_train: int = 
     settings = {**DEMO_SETTINGS, "train": {**DEMO_SETTINGS["train"], "epochs": epochs},
                 "data": {"path": str(precomp)}}
     cfg = resolve_config("scan_t2i_avg", settings)
-    if force or not (run / "best").exists():
-        train(cfg, run, force=True, progress=progress)
+    state_file = run / "last" / "state.json"
+    finished = state_file.is_file() and json.loads(state_file.read_text(encoding="utf-8")).get("epoch", 0) >= epochs
+    if force or not finished:
+        # a killed demo continues its training from its last (mid-epoch) checkpoint; --force starts over
+        train(cfg, run, resume=not force and (run / "config.json").exists(), force=True, progress=progress)
     timings["train"] = time.perf_counter() - t
 
     ckpt = load_checkpoint(run / "best")

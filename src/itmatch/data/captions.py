@@ -190,6 +190,10 @@ def _load_json(path: Path) -> object:
     except json.JSONDecodeError as exc:
         raise DataError(f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", path=path,
                         line=exc.lineno, hint="the file is truncated or not JSON; fetch it again") from None
+    except RecursionError:
+        raise DataError("JSON nested too deeply", path=path) from None
+    except IsADirectoryError:
+        raise DataError("expected a JSON file, found a directory", path=path) from None
 
 
 class _ImageCheck:
@@ -206,7 +210,10 @@ class _ImageCheck:
         if self.images_dir is None:
             return True
         if image_id not in self._cache:
-            self._cache[image_id] = (self.images_dir / image_id).is_file()
+            try:
+                self._cache[image_id] = (self.images_dir / image_id).is_file()
+            except (OSError, ValueError):  # a name no file can have (NUL byte, too long)
+                self._cache[image_id] = False
         return self._cache[image_id]
 
 
@@ -359,7 +366,7 @@ def _karpathy_from_json(data: object, path: Path, *, images_dir: Path | None) ->
         if isinstance(filepath, str) and filepath:
             image_id = f"{filepath.rstrip('/')}/{filename}"
         raw_split = entry.get("split")
-        if raw_split not in KARPATHY_SPLITS:
+        if not isinstance(raw_split, str) or raw_split not in KARPATHY_SPLITS:
             raise DataError(f"{loc} ({image_id}): unknown split {raw_split!r}", path=path,
                             hint=f"Karpathy splits are {', '.join(KARPATHY_SPLITS)}")
         sentences = entry.get("sentences")
@@ -418,8 +425,8 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
     for i, entry in enumerate(images):
         loc = f"images[{i}]"
         _expect(entry, dict, path, loc, "an object with 'id' and 'file_name'")
-        if "id" not in entry or not isinstance(entry.get("file_name"), str):
-            raise DataError(f"{loc}: needs 'id' and 'file_name'", path=path,
+        if not isinstance(entry.get("id"), int | str) or not isinstance(entry.get("file_name"), str):
+            raise DataError(f"{loc}: needs 'id' and 'file_name' (the id a number or a string)", path=path,
                             hint="COCO images look like {\"id\": 391895, \"file_name\": \"COCO_..jpg\"}")
         if entry["id"] in file_of:
             raise DataError(f"{loc}: image id {entry['id']!r} is listed twice", path=path)
@@ -435,7 +442,7 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
             raise DataError(f"{loc}: needs 'image_id' and 'caption'", path=path)
         caption = _caption_text(ann["caption"], path, f"{loc}.caption")
         image = ann["image_id"]
-        if image not in file_of:
+        if not isinstance(image, int | str) or image not in file_of:
             builder.skip(_where(path, loc), f"skipped caption of image id {image!r}: not in 'images'")
             continue
         if not on_disk(file_of[image]):

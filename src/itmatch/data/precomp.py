@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,37 @@ def captions_path(root: str | Path, split: str) -> Path:
 
 def ids_path(root: str | Path, split: str) -> Path:
     return Path(root) / f"{split}_ids.txt"
+
+
+META_NAME = "meta.json"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split_manifest(root: Path, split: str) -> dict | None:
+    """What `itmatch extract` recorded about a split in meta.json (its manifest, written last); None for
+    directories not written by the extractor (hand-made or SCAN's own precomp files)."""
+    meta = root / META_NAME
+    if not meta.is_file():
+        return None
+    try:
+        data = json.loads(meta.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise DataError("corrupt meta.json", path=meta, hint="re-extract, or delete it for hand-made data") from None
+    if not isinstance(data, dict) or data.get("format") != "itmatch-precomp":
+        return None
+    splits = data.get("splits")
+    info = splits.get(split) if isinstance(splits, dict) else None
+    if not isinstance(info, dict):
+        raise DataError(f"split {split!r} is not recorded as complete in meta.json: its extraction did not "
+                        f"finish", path=meta, hint="rerun the same `itmatch extract` command; it resumes")
+    return info
 
 
 def read_lines(path: Path) -> list[str]:
@@ -68,21 +101,40 @@ class PrecompSplit:
 
 
 def read_precomp(root: str | Path, split: str, *, check_finite: bool = True,
-                 per_image: int = CAPTIONS_PER_IMAGE) -> PrecompSplit:
-    """Open one split, validating shapes, counts and (optionally) that every feature is finite."""
+                 per_image: int = CAPTIONS_PER_IMAGE, verify_checksum: bool = False) -> PrecompSplit:
+    """Open one split, validating shapes, dtype, counts, (optionally) that every feature is finite, and,
+    for directories written by `itmatch extract`, the features' size (and with `verify_checksum` their
+    SHA-256) against meta.json."""
     root = Path(root)
     fpath, cpath = features_path(root, split), captions_path(root, split)
-    if not fpath.exists():
+    if not fpath.is_file():
         raise DataError(f"no features for split {split!r}", path=fpath,
                         hint="run `itmatch extract` (or point --data at a directory with this split)")
+    manifest = split_manifest(root, split)
+    if manifest is not None:
+        size = manifest.get("features_bytes")
+        if isinstance(size, int) and fpath.stat().st_size != size:
+            raise DataError(f"{fpath.stat().st_size} bytes, meta.json recorded {size}: the file was truncated or "
+                            f"replaced", path=fpath, hint="re-extract this split (itmatch extract --force)")
+        digest = manifest.get("features_sha256")
+        if verify_checksum and isinstance(digest, str) and file_sha256(fpath) != digest:
+            raise DataError("SHA-256 differs from meta.json: the file was modified or damaged", path=fpath,
+                            hint="re-extract this split (itmatch extract --force)")
     try:
-        images = np.load(fpath, mmap_mode="r")
-    except ValueError as exc:
+        images = np.load(fpath, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
         raise DataError(f"not a readable .npy array ({exc})", path=fpath,
                         hint="the file is truncated or was not written by numpy; re-extract it") from None
-    if images.ndim != 3 or images.dtype != np.float32:
-        raise DataError(f"expected float32 [N, k, D] features, found {images.dtype} {list(images.shape)}",
-                        path=fpath, hint="precomp features are float32 arrays of shape [images, regions, dim]")
+    if not isinstance(images, np.ndarray):  # np.load returns an NpzFile for zip archives
+        raise DataError("not a .npy array (an .npz archive?)", path=fpath,
+                        hint="precomp features are one float32 .npy array per split")
+    if images.ndim != 3 or images.dtype != np.float32 or 0 in images.shape:
+        raise DataError(f"expected float32 [N, k, D] features with N, k, D > 0, found {images.dtype} "
+                        f"{list(images.shape)}", path=fpath,
+                        hint="precomp features are float32 arrays of shape [images, regions, dim]")
+    if manifest is not None and isinstance(manifest.get("images"), int) and manifest["images"] != images.shape[0]:
+        raise DataError(f"{images.shape[0]} images, meta.json recorded {manifest['images']}", path=fpath,
+                        hint="re-extract this split (itmatch extract --force)")
     captions = read_lines(cpath)
     n = images.shape[0]
     if len(captions) != per_image * n:

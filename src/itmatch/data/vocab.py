@@ -77,6 +77,13 @@ class Vocab:
         if [w for _, w in pairs[:4]] != list(SPECIALS):
             raise DataError(f"the first four words must be {SPECIALS}, found {[w for _, w in pairs[:4]]}",
                             path=path)
+        bad = next(((i, w) for i, w in pairs if not isinstance(w, str) or not w), None)
+        if bad is not None:
+            raise DataError(f"word {bad[0]} is {bad[1]!r}, not a non-empty string", path=path)
+        words = [w for _, w in pairs]
+        if len(set(words)) != len(words):
+            dup = next(w for w in words if words.count(w) > 1)
+            raise DataError(f"the word {dup!r} has two indices", path=path, hint="each word must appear once")
         vocab = cls()
         for _, w in pairs[4:]:
             vocab.add(w)
@@ -181,8 +188,14 @@ def _read_json(path: str | Path) -> dict:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise DataError("vocabulary file not found", path=path) from None
+    except IsADirectoryError:
+        raise DataError("expected a vocabulary JSON file, found a directory", path=path) from None
     except json.JSONDecodeError as exc:
         raise DataError(f"invalid JSON: {exc.msg}", path=path, line=exc.lineno) from None
+    except UnicodeDecodeError as exc:
+        raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+    except RecursionError:
+        raise DataError("JSON nested too deeply", path=path) from None
 
 
 def load_vocab(path: str | Path, tokenizer: str = "word") -> AnyVocab:

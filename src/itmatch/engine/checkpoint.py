@@ -1,10 +1,21 @@
 """Checkpoints: a directory with model.safetensors, config.json, vocab.json, optionally
-optimizer.pt (tensors only, loaded with weights_only=True) and state.json. No pickled objects.
-A checkpoint is written to a temporary directory and renamed into place, so it is never half-written."""
+optimizer.pt and trainer.pt (tensors and plain values only), state.json and manifest.json (sizes and
+SHA-256 of the binary files). No pickled objects are ever executed: weights come from safetensors,
+every other torch file goes through `safe_torch_load` (weights_only=True), which refuses any pickled class.
+
+A checkpoint is written to a temporary directory, fsync'ed, and renamed into place, so it is never
+half-written under its final name. manifest.json is written last and verified on load, so a checkpoint
+damaged later (truncated copy, disk error) is refused with a message instead of loading garbage. A kill
+between "old moved aside" and "new renamed in" leaves the complete old checkpoint at `.NAME.old`;
+`recover_checkpoint` (called by load and save) puts it back."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import pickle
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -21,8 +32,94 @@ from itmatch.errors import CheckpointError, ConfigError
 from itmatch.models.base import Matcher
 from itmatch.models.registry import build_model
 
-WEIGHTS, CONFIG, VOCAB, OPTIMIZER, STATE = (
-    "model.safetensors", "config.json", "vocab.json", "optimizer.pt", "state.json")
+WEIGHTS, CONFIG, VOCAB, OPTIMIZER, TRAINER, STATE, MANIFEST = (
+    "model.safetensors", "config.json", "vocab.json", "optimizer.pt", "trainer.pt", "state.json", "manifest.json")
+
+
+def safe_torch_load(path: str | Path, *, allow: tuple[type, ...] = ()) -> Any:
+    """torch.load with weights_only=True: tensors, numbers, strings and containers only. A file that
+    carries any other pickled object (a class, a function: possibly code to run) is refused with a
+    CheckpointError, never executed. `allow` adds classes that are safe to rebuild from their fields
+    (the converter allows argparse.Namespace)."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        detail = f"it names {found.group(1)!r}" if found else "it holds objects other than tensors"
+        raise CheckpointError(f"refused: the file carries pickled Python objects ({detail}); loading it could "
+                              f"run arbitrary code, so it was not loaded", path=path,
+                              hint="only load weights you trust through safetensors; for SCAN/VSE++ .pth.tar "
+                                   "checkpoints use `itmatch convert`") from None
+    except FileNotFoundError:
+        raise CheckpointError("file not found", path=path) from None
+    except (RuntimeError, OSError, EOFError, ValueError, KeyError, IndexError, TypeError, AttributeError,
+            UnicodeDecodeError, MemoryError) as exc:
+        raise CheckpointError(f"not a readable torch file ({type(exc).__name__}: {str(exc)[:200]})", path=path,
+                              hint="the file is truncated or corrupt") from None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_manifest(directory: Path) -> None:
+    # Binary files only: the JSON files are meant to be readable and editable (e.g. train.epochs before
+    # --resume) and are fully validated when read.
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.suffix in (".safetensors", ".pt")}
+    (directory / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=2) + "\n", encoding="utf-8")
+
+
+def verify_manifest(directory: str | Path) -> None:
+    """Check every file listed in manifest.json (size, SHA-256); checkpoints without one (older
+    versions) pass."""
+    directory = Path(directory)
+    file = directory / MANIFEST
+    if not file.is_file():
+        return
+    try:
+        files = json.loads(file.read_text(encoding="utf-8"))["files"]
+        entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+        raise CheckpointError("corrupt manifest", path=file, hint="the checkpoint is damaged; use another") from None
+    for name, size, digest in entries:
+        p = directory / name
+        if not p.is_file() or p.stat().st_size != size or _sha256(p) != digest:
+            raise CheckpointError(f"{name} does not match the manifest (missing, truncated or modified)",
+                                  path=p, hint="the checkpoint was damaged after it was written; use another "
+                                               "(e.g. RUN/best or an older copy)")
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def recover_checkpoint(path: str | Path) -> None:
+    """Finish a replacement that was interrupted: if `path` is missing but its complete predecessor
+    `.NAME.old` is there, move it back; drop temporary directories of interrupted writes."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        return
+    if not path.exists() and _old(path).is_dir():
+        _old(path).rename(path)
+    for tmp in path.parent.glob(f".{path.name}.*.partial"):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @dataclass
@@ -35,9 +132,13 @@ class Checkpoint:
 
 
 def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: AnyVocab,
-                    optimizer: torch.optim.Optimizer | None = None, state: dict[str, Any] | None = None) -> None:
+                    optimizer: torch.optim.Optimizer | None = None, state: dict[str, Any] | None = None,
+                    trainer: dict[str, Any] | None = None) -> None:
+    """Write a checkpoint directory atomically. `trainer` (RNG states and the like: tensors and plain
+    values only) goes to trainer.pt; `state` (JSON) to state.json."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover_checkpoint(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
     try:
         weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -46,13 +147,20 @@ def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: Any
         vocab.save(tmp / VOCAB)
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        if trainer is not None:
+            torch.save(trainer, tmp / TRAINER)
         (tmp / STATE).write_text(json.dumps(state or {}, indent=2) + "\n", encoding="utf-8")
-        old = path.with_name(f".{path.name}.old")
+        _write_manifest(tmp)  # last: its presence means every file above is complete
+        for p in tmp.iterdir():
+            _fsync(p)
+        _fsync(tmp)
+        old = _old(path)
         if old.exists():
             shutil.rmtree(old)
         if path.exists():
             path.rename(old)
-        tmp.rename(path)
+        tmp.rename(path)  # a kill before this line leaves the complete old checkpoint at `old`
+        _fsync(path.parent)
         if old.exists():
             shutil.rmtree(old)
     finally:
@@ -62,14 +170,25 @@ def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: Any
 
 def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Checkpoint:
     path = Path(path)
+    if path.is_file():
+        raise CheckpointError("a checkpoint is a directory; this is a single file", path=path,
+                              hint="for a SCAN/VSE++ .pth.tar run `itmatch convert FILE --out DIR` "
+                                   "(reads it without executing code), then pass DIR")
+    recover_checkpoint(path)
     for name in (WEIGHTS, CONFIG, VOCAB):
         if not (path / name).is_file():
             raise CheckpointError(f"not a checkpoint: {name} is missing", path=path,
                                   hint="pass a directory written by `itmatch train` (e.g. RUN/best)")
+    verify_manifest(path)
     try:
-        config = config_from_dict(json.loads((path / CONFIG).read_text(encoding="utf-8")))
+        data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise CheckpointError("corrupt config: not a JSON object", path=path / CONFIG)
+        config = config_from_dict(data)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"corrupt config: {exc.msg}", path=path / CONFIG, line=exc.lineno) from None
+    except UnicodeDecodeError:
+        raise CheckpointError("corrupt config: not UTF-8 text", path=path / CONFIG) from None
     except ConfigError as exc:
         raise CheckpointError(f"config does not match this itmatch version: {exc.message}",
                               path=path / CONFIG) from None
@@ -96,7 +215,10 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
     model.eval()
     state = {}
     if (path / STATE).is_file():
-        state = json.loads((path / STATE).read_text(encoding="utf-8"))
+        try:
+            state = json.loads((path / STATE).read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            raise CheckpointError("corrupt state.json", path=path / STATE) from None
     return Checkpoint(path, model, config, vocab, state)
 
 
@@ -104,4 +226,18 @@ def load_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> 
     file = Path(path) / OPTIMIZER
     if not file.is_file():
         raise CheckpointError("optimizer state missing; cannot resume exactly", path=file)
-    optimizer.load_state_dict(torch.load(file, weights_only=True, map_location="cpu"))
+    try:
+        optimizer.load_state_dict(safe_torch_load(file))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"optimizer state does not fit this model ({exc})", path=file) from None
+
+
+def load_trainer_state(path: str | Path) -> dict[str, Any]:
+    """trainer.pt of a checkpoint ({} when absent: checkpoints of older versions)."""
+    file = Path(path) / TRAINER
+    if not file.is_file():
+        return {}
+    data = safe_torch_load(file)
+    if not isinstance(data, dict):
+        raise CheckpointError("trainer state is not a mapping", path=file)
+    return data

@@ -1,12 +1,20 @@
 """Training loop: Adam, step learning-rate schedule, gradient clipping, end-of-epoch validation by dev
-rsum, best and last checkpoints, resume, a run directory with the resolved config and a metrics log."""
+rsum, best and last checkpoints, resume, a run directory with the resolved config and a metrics log.
+
+Crash safety (docs/reliability.md): `last` holds the model, the optimizer, the RNG states (python, numpy,
+torch), the position in the epoch's batch order and the metrics.jsonl length at that moment. The batch
+order of an epoch is a function of (seed, epoch) only, so a run killed at any moment (SIGKILL included)
+and continued with --resume replays exactly the batches an uninterrupted run would have seen and ends
+with the same metrics, bit for bit on CPU. `train.checkpoint_every` adds mid-epoch saves."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -16,11 +24,17 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from itmatch.config import Config
+from itmatch.config import Config, config_from_dict
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
-from itmatch.engine.checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
+from itmatch.engine.checkpoint import (
+    load_checkpoint,
+    load_optimizer_state,
+    load_trainer_state,
+    recover_checkpoint,
+    save_checkpoint,
+)
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
@@ -91,6 +105,33 @@ def make_vocab(cfg: Config, train_captions: list[str]) -> AnyVocab:
     return build_vocab(train_captions)
 
 
+def rng_state() -> dict[str, Any]:
+    """Every global RNG a training step may draw from, as tensors and plain values (loadable with
+    weights_only=True)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+
+
+def epoch_batches(cfg: Config, lengths: list[int], n_captions: int, epoch: int) -> list[list[int]]:
+    """The caption indices of every batch of `epoch`, a function of (seed, epoch) only, so that a resumed
+    run can skip exactly the batches it already did. Same order as a shuffling DataLoader with drop_last."""
+    gen = torch.Generator()
+    gen.manual_seed(cfg.train.seed * 1000 + epoch)
+    if cfg.train.bucket_by_length:
+        return list(LengthBucketSampler(lengths, cfg.train.batch_size, gen))
+    order = torch.randperm(n_captions, generator=gen).tolist()
+    bs = cfg.train.batch_size
+    return [order[i:i + bs] for i in range(0, n_captions - bs + 1, bs)]
+
+
 def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, PrecompSplit, AnyVocab]:
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
@@ -114,60 +155,88 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     """Train `cfg` into `run_dir` (run_dir/best, run_dir/last, config.json, metrics.jsonl).
     Returns the best validation result."""
     run_dir = Path(run_dir)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
     last = run_dir / "last"
-    state: dict[str, Any] = {"epoch": 0, "step": 0, "best_rsum": -1.0, "best_epoch": -1}
-    if resume:
-        if not last.exists():
+    metrics_path = run_dir / "metrics.jsonl"
+    state: dict[str, Any] = {"epoch": 0, "batch": 0, "running_loss": 0.0, "step": 0, "best_rsum": -1.0,
+                             "best_epoch": -1, "log_bytes": 0}
+    recover_checkpoint(last)
+    if resume and not last.exists():
+        saved = run_dir / "config.json"
+        if not saved.is_file():
             raise OverwriteError("nothing to resume: no last checkpoint", path=last,
                                  hint="start a new run without --resume")
+        # Killed before its first checkpoint: start the same run again from its saved config.
+        try:
+            cfg = config_from_dict(json.loads(saved.read_text(encoding="utf-8")))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot restart the run: its config.json is not valid JSON ({exc})",
+                              path=saved) from None
+        resume, force = False, True
+    header = ""
+    if resume:
         ckpt = load_checkpoint(last)
-        cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, ckpt.state
+        cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
         train_split, val_split, vocab = prepare_data(cfg, vocab)
     else:
-        if run_dir.exists() and any(run_dir.iterdir()) and not force:
+        # (temp files of a write killed before config.json existed do not make a run)
+        in_use = run_dir.exists() and any(not p.name.endswith(".partial") for p in run_dir.iterdir())
+        if in_use and not force:
             raise OverwriteError(f"run directory {run_dir} is not empty", path=run_dir,
                                  hint="pass --resume to continue it, --force to start over, or another --out")
         seed_everything(cfg.train.seed)
         train_split, val_split, vocab = prepare_data(cfg, None)
         model = build_model(cfg.model)
-        header = ""
         if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
             counts = apply_word_vectors(model, vocab, cfg.model.word_vectors)
             header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "metrics.jsonl").write_text(header, encoding="utf-8")
-    write_json_atomic(run_dir / "config.json", cfg.to_dict())
+        for old in (last, run_dir / "best"):  # --force: a later --resume must never find the old run's state
+            if old.exists():
+                shutil.rmtree(old)
+    write_json_atomic(run_dir / "config.json", cfg.to_dict())  # first: --resume can restart from it
+    if cfg.train.threads:  # the thread count changes float summation order: part of the config
+        torch.set_num_threads(cfg.train.threads)
     optimizer = make_optimizer(cfg, model, state["epoch"])
     if resume:
         load_optimizer_state(last, optimizer)
+        trainer = load_trainer_state(last)
+        if "rng" in trainer:
+            set_rng_state(trainer["rng"])
+    # metrics.jsonl as it was when `last` was saved: lines written after it are written again below.
+    # (Checkpoints of older versions have no log_bytes: their log is kept as it is.)
+    if not resume or "log_bytes" in ckpt.state:
+        with open(metrics_path, "a+b") as fh:
+            keep = int(state["log_bytes"]) if resume else 0
+            if fh.seek(0, os.SEEK_END) > keep:  # never extend (a log the user removed stays short)
+                fh.truncate(keep)
 
-    loader_gen = torch.Generator()
     dataset = PairDataset(train_split, vocab, transform)
     lengths = [len(vocab.encode(c)) for c in train_split.captions] if cfg.train.bucket_by_length else []
-    log = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    log = metrics_path.open("a", encoding="utf-8")
+    log.write(header)  # a new run's first line (pretrained word vector counts), if any
+
+    def save_last() -> None:
+        log.flush()
+        os.fsync(log.fileno())
+        state["log_bytes"] = metrics_path.stat().st_size
+        save_checkpoint(last, model, cfg, vocab, optimizer, state, trainer={"rng": rng_state()})
+
     best: dict[str, Any] = state.get("best_result", {})
     for epoch in range(state["epoch"], cfg.train.epochs):
-        loader_gen.manual_seed(cfg.train.seed * 1000 + epoch)  # same batches on resume
-        if cfg.train.bucket_by_length:
-            sampler = LengthBucketSampler(lengths, cfg.train.batch_size, loader_gen)
-            loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_pairs)
-        else:
-            loader = DataLoader(dataset, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True,
-                                collate_fn=collate_pairs, generator=loader_gen)
+        batches = epoch_batches(cfg, lengths, len(dataset), epoch)
+        n_batches = len(batches) if cfg.train.max_batches <= 0 else min(len(batches), cfg.train.max_batches)
+        first = int(state["batch"])  # > 0 when resuming mid-epoch
+        loader = DataLoader(dataset, batch_sampler=batches[first:n_batches], collate_fn=collate_pairs)
         lr = learning_rate(cfg, epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr
         hardest = cfg.loss.hardest and epoch >= cfg.loss.warmup_epochs
-        n_batches = len(loader) if cfg.train.max_batches <= 0 else min(len(loader), cfg.train.max_batches)
         model.train()
-        bar = tqdm(total=n_batches, desc=f"epoch {epoch + 1}/{cfg.train.epochs}", disable=not progress)
-        started, running = time.perf_counter(), 0.0
+        bar = tqdm(total=n_batches, initial=first, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
+                   disable=not progress)
+        started, running = time.perf_counter(), float(state["running_loss"])
         truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
-        for b, batch in enumerate(loader):
-            if b >= n_batches:
-                break
+        for b, batch in enumerate(loader, start=first):
             img = model.encode_images(batch.images)
             txt = model.encode_texts(batch.text.tokens, batch.text.lengths)
             positives = None
@@ -186,6 +255,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             if state["step"] % cfg.train.log_every == 0:
                 log.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": loss.item(), "lr": lr}) + "\n")
                 log.flush()
+            every = cfg.train.checkpoint_every
+            if every > 0 and (b + 1) % every == 0 and b + 1 < n_batches:
+                state.update(batch=b + 1, running_loss=running)
+                save_last()
         bar.close()
         train_seconds = time.perf_counter() - started
         model.eval()
@@ -205,13 +278,13 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             tqdm.write(f"epoch {epoch + 1}: dev rsum {result['rsum']:.1f} "
                        f"(i2t R@1 {result['image_to_text']['r1']:.1f}, t2i R@1 {result['text_to_image']['r1']:.1f})"
                        f" loss {record['mean_loss']:.2f}, {train_seconds:.0f} s")
-        state["epoch"] = epoch + 1
+        state.update(epoch=epoch + 1, batch=0, running_loss=0.0)
         if result["rsum"] > state["best_rsum"] or math.isnan(state["best_rsum"]):
             state.update(best_rsum=result["rsum"], best_epoch=epoch + 1)
             best = result
             state["best_result"] = best
             save_checkpoint(run_dir / "best", model, cfg, vocab, state=state)
         state["best_result"] = best
-        save_checkpoint(last, model, cfg, vocab, optimizer, state)
+        save_last()
     log.close()
     return {"best_epoch": state["best_epoch"], "best_rsum": state["best_rsum"], "best": best}

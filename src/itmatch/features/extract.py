@@ -2,12 +2,14 @@
 
 For each split the extractor streams features into `{split}_ims.npy.partial` (a memory-mapped .npy of
 the final shape) and records its progress in `{split}.progress.json` (written atomically every few
-batches and when interrupted). Re-running the same command continues where it stopped; a run over a
+batches and when interrupted; after a SIGKILL the run redoes at most FLUSH_IMAGES images). Re-running
+the same command continues where it stopped; a run over a
 different image list or backbone refuses to reuse that state unless `force`. When a split is done the
 partial file is flushed, fsync'ed and renamed to `{split}_ims.npy`, then `{split}_caps.txt` and
-`{split}_ids.txt` are written and the progress file is deleted: an interrupted run never leaves files
-under the final names that look like a complete split. `meta.json` records the backbone, the
-preprocessing and per-split counts.
+`{split}_ids.txt` are written, then `meta.json` records the split with its counts, the features' size
+and SHA-256 (the manifest, written last), and only then is the progress file deleted. `read_precomp`
+refuses a split of an itmatch-precomp directory that meta.json does not record, or whose features
+differ from the recorded size: an interrupted run never leaves files that read as a complete split.
 
 Determinism: the same images, backbone, batch size and thread count give bit-identical arrays. The
 batch size is part of that (oneDNN picks kernels by batch shape; measured differences are ~1e-5), so a
@@ -35,7 +37,14 @@ from PIL import Image, ImageFile
 from tqdm import tqdm
 
 from itmatch.data.captions import CaptionTable
-from itmatch.data.precomp import captions_path, features_path, ids_path, write_captions
+from itmatch.data.precomp import (
+    captions_path,
+    features_path,
+    file_sha256,
+    ids_path,
+    split_manifest,
+    write_captions,
+)
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import Backbone, load_backbone
 from itmatch.io import write_json_atomic
@@ -191,11 +200,33 @@ def _read_progress(path: Path) -> dict[str, Any] | None:
     return state
 
 
+def _features_renamed(state: dict[str, Any], out_dir: Path, split: str) -> bool:
+    """Did the run of `state` already move its finished features to the final name? Either it recorded
+    so, or it was killed right after the rename: every image done, the partial file gone, the final
+    file there (a stale final file of an older run can only coexist with a partial one)."""
+    final = features_path(out_dir, split)
+    if state.get("features_complete"):
+        return final.exists()
+    return (int(state.get("done", -1)) >= int(state.get("n_images", -2)) and final.exists()
+            and not partial_path(out_dir, split).exists())
+
+
+def _complete(out_dir: Path, split: str, fingerprint: str) -> bool:
+    """meta.json records `split` as extracted from the same images and backbone, and its files are there."""
+    try:
+        info = split_manifest(out_dir, split)
+    except DataError:
+        return False
+    paths = (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split))
+    return bool(info and info.get("fingerprint") == fingerprint and all(p.is_file() for p in paths)
+                and features_path(out_dir, split).stat().st_size == info.get("features_bytes"))
+
+
 def _finishing(out_dir: Path, split: str, fingerprint: str) -> bool:
-    """True when a previous run stopped after renaming the features but before writing the captions."""
+    """True when a previous run stopped after renaming the features but before it recorded the split as
+    complete in meta.json (captions, ids or meta still to write)."""
     state = _read_progress(progress_path(out_dir, split))
-    return bool(state and state.get("fingerprint") == fingerprint and state.get("features_complete")
-                and features_path(out_dir, split).exists())
+    return bool(state and state.get("fingerprint") == fingerprint and _features_renamed(state, out_dir, split))
 
 
 def _open_partial(path: Path, shape: tuple[int, ...], resume: bool) -> np.memmap:
@@ -230,8 +261,8 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                 hint="resume it with the same captions and backbone, write elsewhere, "
                      "or pass --force to discard it")
         state = None
-    resume = state is not None and partial.exists() and not state.get("features_complete")
-    finishing = state is not None and bool(state.get("features_complete")) and final.exists()
+    finishing = state is not None and _features_renamed(state, out_dir, split)
+    resume = state is not None and partial.exists() and not finishing
     if state is not None and not resume and not finishing:
         state = None
     if state is None:
@@ -337,10 +368,12 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     kept_caps = [c for k, c in enumerate(caps) if k // per not in skipped_idx]
     write_captions(out_dir, split, kept_ids, kept_caps, per_image=per)
     _fsync_dir(out_dir)
-    prog.unlink(missing_ok=True)
+    # The progress file is removed by the caller once meta.json records the split (with the size and
+    # checksum that read_precomp verifies): meta.json is the manifest, written last.
     seconds = time.perf_counter() - started
     computed = n - done_at_start if not finishing else 0
     return {"images": len(kept_ids), "captions": len(kept_caps), "listed_images": n,
+            "features_bytes": final.stat().st_size, "features_sha256": file_sha256(final),
             "skipped": [{"image_id": s["image_id"], "reason": s["reason"]} for s in state["skipped"]],
             "batch_size": bs, "num_threads": torch.get_num_threads(),
             "seconds_this_run": round(seconds, 2),
@@ -395,8 +428,13 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     bb = load_backbone(backbone)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprints = {s: _fingerprint(bb, rows[s][0]) for s in splits}
+    # Splits an earlier run of this same command completed (meta.json records them with the same image
+    # list and backbone) are kept: re-running the command is idempotent, so a run killed in a later split
+    # (or after its last write, before it exited) resumes instead of refusing to overwrite them. Outputs
+    # of other images or another backbone are still only replaced with `force`.
+    done_before = {s for s in splits if not force and _complete(out_dir, s, fingerprints[s])}
     for split in splits:
-        if _finishing(out_dir, split, fingerprints[split]):
+        if split in done_before or _finishing(out_dir, split, fingerprints[split]):
             continue
         for p in (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split)):
             refuse_overwrite(p, force)
@@ -424,9 +462,14 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
 
     with _strict_pil(), _torch_threads(num_threads):
         for split in splits:
+            if split in done_before:
+                log.info("split %s is complete from an earlier run of this command; kept", split)
+                continue
             ids, caps = rows[split]
             info = _extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
                                   force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch)
-            meta["splits"][split] = info
+            meta["splits"][split] = {**info, "fingerprint": fingerprints[split]}
             write_json_atomic(meta_file, meta)
+            _fsync_dir(out_dir)
+            progress_path(out_dir, split).unlink(missing_ok=True)
     return meta

@@ -1,0 +1,186 @@
+"""Fault injection: training and extraction run in a subprocess, are killed with SIGKILL at random
+moments, resumed with the same command, and must end exactly where an uninterrupted run ends.
+
+The kill moments are drawn from a seeded RNG (printed on failure); `ITMATCH_FAULT_SEED` picks another
+seed, `ITMATCH_FAULT_KILLS` more kills (docs/reliability.md reports runs with both)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from safetensors.numpy import load_file
+
+import itmatch
+
+pytestmark = pytest.mark.slow
+
+SEED = int(os.environ.get("ITMATCH_FAULT_SEED", "0"))
+KILLS = int(os.environ.get("ITMATCH_FAULT_KILLS", "3"))
+SRC = str(Path(itmatch.__file__).resolve().parents[1])
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+
+
+def _run(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _reference(code: str, started: Path) -> tuple[float, float]:
+    """Run `code` uninterrupted; return (seconds until `started` appeared, seconds of work after it)."""
+    t0 = time.monotonic()
+    proc = _run(code)
+    t_started = None
+    while proc.poll() is None:
+        if t_started is None and started.exists():
+            t_started = time.monotonic()
+        time.sleep(0.02)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    end = time.monotonic()
+    t_started = t_started or end
+    return t_started - t0, end - t_started
+
+
+def _kill_and_resume(code: str, started: Path, rng: random.Random, startup: float, work: float,
+                     budget: float = 900) -> list[str]:
+    """Run `code` until it exits 0, killing it (SIGKILL) up to KILLS times: a kill lands at a random moment
+    of the job's work (after `started` appears; the window shrinks as resumed runs have less left to do),
+    or, one time in four, at a random moment from process start (imports, setup). Returns a description
+    of each kill that landed; the caller checks at least one did."""
+    faults: list[str] = []
+    deadline = time.monotonic() + budget
+    attempts = 0
+    while True:
+        proc = _run(code)
+        if attempts < KILLS:
+            attempts += 1
+            early = rng.random() < 0.25
+            t0 = time.monotonic()
+            if early:
+                delay = rng.uniform(0.0, startup + 0.5 * work)
+            else:
+                while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                t0 = time.monotonic()
+                delay = rng.uniform(0.0, 0.9 * work * 0.7 ** len(faults))
+            while proc.poll() is None and time.monotonic() - t0 < delay:
+                time.sleep(0.01)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                faults.append(f"kill {len(faults) + 1} at +{delay:.2f}s ({'from start' if early else 'in the job'})")
+                continue
+        _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        assert proc.returncode == 0, f"faults {faults}: the resumed run failed:\n{err[-3000:]}"
+        return faults
+
+
+TRAIN_SETS = ["model.embed_size=32", "model.word_dim=16", "train.epochs=2", "train.batch_size=32",
+              "train.val_images=40", "train.lr=0.002", "loss.warmup_epochs=1", "train.checkpoint_every=3",
+              "train.threads=1", "train.log_every=1"]
+
+
+def _train_code(data: Path, out: Path) -> str:
+    argv = ["train", "--preset", "scan_t2i_avg", "--data", str(data), "--out", str(out)]
+    for s in TRAIN_SETS:
+        argv += ["--set", s]
+    # The run is started the way a user (or a job scheduler) would: the first time plainly, afterwards
+    # always with --resume, which continues from `last` or restarts from the saved config.
+    fresh = repr(argv)
+    again = repr(argv + ["--resume"])
+    return ("import sys, pathlib; from itmatch.cli import main; "
+            f"out = pathlib.Path({str(out)!r}); "
+            f"sys.exit(main({again} if (out / 'config.json').exists() else {fresh}))")
+
+
+def _untimed(obj):
+    """The same record without wall-clock fields (the only thing allowed to differ)."""
+    if isinstance(obj, dict):
+        return {k: _untimed(v) for k, v in obj.items() if not k.endswith("_seconds")}
+    return obj
+
+
+def _run_summary(run: Path) -> dict:
+    lines = [_untimed(json.loads(x)) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    weights = load_file(str(run / "last" / "model.safetensors"))
+    best = json.loads((run / "best" / "state.json").read_text())
+    return {"log": lines, "weights": weights, "best_rsum": best["best_rsum"], "best": _untimed(best["best_result"])}
+
+
+def test_training_killed_at_random_points_resumes_to_identical_metrics(tiny_precomp, tmp_path):
+    rng = random.Random(SEED)
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    startup, work = _reference(_train_code(tiny_precomp, ref_dir), ref_dir / "config.json")
+    faults = _kill_and_resume(_train_code(tiny_precomp, run_dir), run_dir / "config.json", rng,
+                              startup, work)
+    assert faults, "no kill landed: the job finished before every kill moment"
+    a, b = _run_summary(ref_dir), _run_summary(run_dir)
+    context = f"seed {SEED}, faults {faults}"
+    assert a["log"] == b["log"], context  # every loss and every validation metric, bit for bit
+    assert a["best_rsum"] == b["best_rsum"] and a["best"] == b["best"], context
+    assert a["weights"].keys() == b["weights"].keys()
+    for k in a["weights"]:
+        np.testing.assert_array_equal(a["weights"][k], b["weights"][k], err_msg=context)
+    leftovers = sorted(p.name for p in run_dir.iterdir() if p.name.startswith("."))
+    assert all(".partial" in n or n.endswith(".old") for n in leftovers), leftovers
+    print(f"training: {context}; final val rsum {a['best_rsum']}")
+
+
+def _images(tmp_path: Path, n: int) -> tuple[Path, Path]:
+    images = tmp_path / "images"
+    images.mkdir()
+    rows = ["image,caption,split"]
+    for i in range(n):
+        r = np.random.default_rng(i)
+        yy, xx = np.mgrid[0:48, 0:64]
+        arr = np.stack([xx * (i + 1) * 3 % 256, yy * (i + 2) * 5 % 256, (xx + yy) * 7 % 256], -1)
+        arr = np.clip(arr + r.integers(-30, 30, arr.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(arr).save(images / f"im{i}.png")
+        split = "train" if i < n - 4 else "dev"
+        rows += [f"im{i}.png,picture {i} caption {c},{split}" for c in range(5)]
+    captions = tmp_path / "captions.csv"
+    captions.write_text("\n".join(rows) + "\n")
+    return images, captions
+
+
+def _extract_code(images: Path, captions: Path, out: Path) -> str:
+    argv = ["extract", str(images), str(captions), "--out", str(out), "--batch-size", "2"]
+    # Progress is saved every 2 images instead of 256 so that every kill leaves resumable state.
+    return ("import sys; import itmatch.features.extract as e; e.FLUSH_IMAGES = 2; import torch; "
+            "torch.set_num_threads(1); from itmatch.cli import main; "
+            f"sys.exit(main({argv!r}))")
+
+
+def test_extraction_killed_at_random_points_resumes_to_identical_arrays(tmp_path):
+    from itmatch.data.precomp import read_precomp
+
+    rng = random.Random(SEED + 1)
+    images, captions = _images(tmp_path, 24)
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    startup, work = _reference(_extract_code(images, captions, ref_dir), ref_dir / "train.progress.json")
+    faults = _kill_and_resume(_extract_code(images, captions, run_dir), run_dir / "train.progress.json", rng,
+                              startup, work)
+    assert faults, "no kill landed: the job finished before every kill moment"
+    context = f"seed {SEED + 1}, faults {faults}"
+    for split in ("train", "dev"):
+        a, b = read_precomp(ref_dir, split), read_precomp(run_dir, split, verify_checksum=True)
+        np.testing.assert_array_equal(np.asarray(a.images), np.asarray(b.images), err_msg=context)
+        assert a.captions == b.captions and a.ids == b.ids, context
+    meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (ref_dir, run_dir))
+    for split in ("train", "dev"):
+        assert meta_a["splits"][split]["features_sha256"] == meta_b["splits"][split]["features_sha256"], context
+    assert not list(run_dir.glob("*.progress.json")) and not list(run_dir.glob("*.partial")), context
+    print(f"extraction: {context}")
