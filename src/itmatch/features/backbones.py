@@ -48,6 +48,9 @@ _SPECS: dict[str, BackboneSpec] = {
                               "torchvision ResNet-152, 224 px, 7x7x2048 grid (needs local weights)"),
 }
 BACKBONE_NAMES: tuple[str, ...] = tuple(_SPECS)
+#: Names of the three `stages` maps (strides 8, 16, 32): the ResNet c3/c4/c5 of SAVE section 3.1.1 and
+#: their EfficientNet-Lite analogue (see `EfficientNetLiteBackbone`).
+STAGE_NAMES: tuple[str, str, str] = ("c3", "c4", "c5")
 
 # EfficientNet-Lite weights were trained in TensorFlow, whose Lite input pipeline normalises 0..255 RGB
 # pixels with mean 127 and std 128 for every channel (efficientnet_lite_builder.py: MEAN_RGB = 127,
@@ -130,6 +133,15 @@ class Backbone(nn.Module):
         """[B, 3, S, S] -> feature maps at strides 8, 16 and 32 ([B, stage_dims[i], h_i, w_i])."""
         raise NotImplementedError
 
+    def stage_maps(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`stages` by name: {"c3": stride 8, "c4": stride 16, "c5": stride 32}."""
+        return dict(zip(STAGE_NAMES, self.stages(x), strict=True))
+
+    def tail(self) -> nn.Module:
+        """The part of the network that maps the c4 map to the c5 map (a module sharing this backbone's
+        parameters). SAVE's NL-ms2 inserts self-attention between c4 and c5 and runs it."""
+        raise NotImplementedError
+
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         """[B, 3, S, S] -> ImageNet logits [B, 1000]."""
         raise NotImplementedError
@@ -150,6 +162,10 @@ class EfficientNetLiteBackbone(Backbone):
       - stride 32: the head (1x1 conv to 1280 ch + BN + ReLU6) after the last block (lite0: block 15,
                    lite2: block 20), 7x7 / 9x9 -- the same map `forward` flattens.
     The block indices are derived from the blocks' strides at construction, not hard-coded.
+    These three maps are SAVE's c3/c4/c5 (section 3.1.1; `stage_maps` names them): same strides and grid
+    sides as ResNet's layer2/3/4 at 224 px, with far fewer channels at c3/c4 (40/112 vs 512/1024), and
+    c5 taken after the 1x1 head conv (1280 ch, the ImageNet classifier's input) rather than the last
+    block (320 ch), so that c5 is exactly the cached precomp grid. `tail()` maps c4 to c5.
     """
 
     normalisation = "(x - 127) / 128 on 0..255 RGB (TensorFlow EfficientNet-Lite)"
@@ -218,9 +234,35 @@ class EfficientNetLiteBackbone(Backbone):
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self._prepare(x))
 
+    def tail(self) -> nn.Module:
+        return _LiteTail(self.net, self._stage_ends[1] + 1, self.frozen)
+
+
+class _LiteTail(nn.Module):
+    """EfficientNet-Lite blocks after the last stride-16 block, then the head: c4 -> c5."""
+
+    def __init__(self, net: nn.Module, first: int, frozen: bool) -> None:
+        super().__init__()
+        self.first, self.n_blocks, self.frozen = first, len(net._blocks), frozen
+        self.blocks = nn.ModuleList(net._blocks[first:])
+        self.conv_head, self.bn1, self.act = net._conv_head, net._bn1, net._swish
+        self.drop_connect_rate = net._global_params.drop_connect_rate
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for offset, block in enumerate(self.blocks):
+            rate = self.drop_connect_rate
+            if rate:
+                rate *= float(self.first + offset) / self.n_blocks
+            h = block(h, drop_connect_rate=rate)
+        return self.act(self.bn1(self.conv_head(h)))
+
+    def train(self, mode: bool = True) -> _LiteTail:
+        return super().train(mode and not self.frozen)
+
 
 class ResNetBackbone(Backbone):
-    """torchvision ResNet; stages: layer2 (stride 8), layer3 (stride 16), layer4 (stride 32)."""
+    """torchvision ResNet; stages: layer2 (stride 8), layer3 (stride 16), layer4 (stride 32) -- SAVE's
+    c3/c4/c5 exactly (ResNet-50/152: 512, 1024, 2048 channels; 28x28, 14x14, 7x7 at 224 px)."""
 
     normalisation = "ImageNet mean/std on 0..1 RGB (torchvision)"
 
@@ -252,6 +294,23 @@ class ResNetBackbone(Backbone):
 
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+    def tail(self) -> nn.Module:
+        return _FrozenAware(self.net.layer4, self.frozen)
+
+
+class _FrozenAware(nn.Module):
+    """Wraps a sub-network of a backbone; stays in eval mode under .train() when the backbone is frozen."""
+
+    def __init__(self, module: nn.Module, frozen: bool) -> None:
+        super().__init__()
+        self.module, self.frozen = module, frozen
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.module(h)
+
+    def train(self, mode: bool = True) -> _FrozenAware:
+        return super().train(mode and not self.frozen)
 
 
 def _lite_weights(spec: BackboneSpec) -> Path:
