@@ -15,8 +15,26 @@ from itmatch.errors import ConfigError
 
 
 @dataclass
+class SaveConfig:
+    """SAVE (docs/save.md): CNN grid candidates, self-attention, multi-scale fusion."""
+
+    attention: str = "asa"  # none | dsa (Eq. 1-4) | asa (Eq. 5-8)
+    scales: str = "c5"  # comma list, finest first: c5 | c4,c5 (ms2) | c3,c4,c5 (ms3)
+    fusion: str = "concat"  # concat (Fig. 3: max-pool + concat) | nl (NL-ms2: SA inside the backbone)
+    dsa_lambda: float = 1.0  # inverse temperature of the DSA softmax (Eq. 3 has none: 1)
+    backbone: str = "lite0"  # the CNN of pixel input and of the NL tail (cached maps name theirs in meta.json)
+    pixels: bool = False  # the model reads images (data.images), through its own backbone
+    finetune: bool = False  # train the backbone too (needs pixels); its lr is train.lr * backbone_lr_scale
+    backbone_lr_scale: float = 0.1
+    c3_dim: int = 0  # channels of cached c3 / c4 maps (0: taken from the data)
+    c4_dim: int = 0
+    i2t_lambda_softmax: float = 4.0  # lambdas of the i-t half when model.direction = both (SCAN F30K i-t)
+    i2t_lambda_lse: float = 5.0
+
+
+@dataclass
 class ModelConfig:
-    arch: str = "scan"  # vsepp | summax | scan
+    arch: str = "scan"  # vsepp | summax | scan | save
     img_dim: int = 0  # 0: taken from the data's feature dimension
     vocab_size: int = 0  # 0: taken from the vocabulary
     embed_size: int = 1024
@@ -26,12 +44,13 @@ class ModelConfig:
     bidirectional: bool = True
     img_norm: bool = True  # l2-normalise region embeddings (SCAN's no_imgnorm=False)
     txt_norm: bool = True
-    direction: str = "t2i"  # t2i | i2t (SCAN, Sum-Max)
+    direction: str = "t2i"  # t2i | i2t (SCAN, Sum-Max); both (SAVE: average of t-i and i-t scores)
     pool: str = "avg"  # avg | lse | max | sum (SCAN)
     lambda_softmax: float = 9.0  # lambda_1, inverse softmax temperature
     lambda_lse: float = 6.0  # lambda_2
     raw_feature_norm: str = "clipped_l2norm"  # clipped_l2norm | l2norm | clipped | softmax | no_norm
     clip_slope: float = 0.1  # LeakyReLU slope of the "clipped" norms; 0 gives the paper's ReLU
+    save: SaveConfig = field(default_factory=SaveConfig)
 
 
 @dataclass
@@ -64,6 +83,7 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: str = ""  # precomp directory
+    images: str = ""  # images folder ({split}_ids.txt name files in it); read by pixel-input models (SAVE e2e)
     vocab: str = ""  # vocabulary JSON; empty: build from the training captions
     backbone: str = ""  # the CNN the features came from (read from the data's meta.json); used by itmatch.load
     train_split: str = "train"

@@ -36,12 +36,19 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "adadelta": torch.optim.Adadelta}
 
 def make_optimizer(cfg: Config, model: torch.nn.Module, epoch: int) -> torch.optim.Optimizer:
     """The configured optimizer over the trainable parameters (frozen ones, e.g. a pretrained text
-    encoder, are left out)."""
+    encoder, are left out); parameters named in `model.lr_scales` get their own group at lr * scale."""
     if cfg.train.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown train.optimizer {cfg.train.optimizer!r}",
                           hint=f"choose one of {', '.join(OPTIMIZERS)}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    return OPTIMIZERS[cfg.train.optimizer](params, lr=learning_rate(cfg, epoch), weight_decay=cfg.train.weight_decay)
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    scales = getattr(model, "lr_scales", {})
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            scale = next((s for prefix, s in scales.items() if name.startswith(prefix)), 1.0)
+            groups.setdefault(scale, []).append(p)
+    lr = learning_rate(cfg, epoch)
+    param_groups = [{"params": ps, "lr": lr * s, "lr_scale": s} for s, ps in groups.items()]
+    return OPTIMIZERS[cfg.train.optimizer](param_groups, lr=lr, weight_decay=cfg.train.weight_decay)
 
 
 def seed_everything(seed: int) -> None:
@@ -113,7 +120,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                                 collate_fn=collate_pairs, generator=loader_gen)
         lr = learning_rate(cfg, epoch)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         hardest = cfg.loss.hardest and epoch >= cfg.loss.warmup_epochs
         n_batches = len(loader) if cfg.train.max_batches <= 0 else min(len(loader), cfg.train.max_batches)
         model.train()

@@ -91,3 +91,27 @@ class ScanHead(SimilarityHead):
         query_norm = img.regions.norm(dim=-1)[:, :, None]  # [n, k, 1]
         relevance = dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
         return masked_pool(relevance, img.mask[:, :, None], 1, self.pool, self.lambda_lse)
+
+
+class TwoWayScanHead(SimilarityHead):
+    """The average of a t-i and an i-t ScanHead on one model: S = (S_t2i + S_i2t) / 2 (SAVE footnote 1,
+    after SCAN, which averages the scores of two separately trained models; see docs/save.md). Each
+    direction keeps its own lambdas and per-item precompute (t-i the image Gram, i-t the caption Gram:
+    distinct sides, so the two `extras["gram"]` never collide)."""
+
+    def __init__(self, t2i: ScanHead, i2t: ScanHead) -> None:
+        super().__init__()
+        if (t2i.direction, i2t.direction) != ("t2i", "i2t"):
+            raise ValueError("TwoWayScanHead takes a t2i head and an i2t head, in that order")
+        self.t2i, self.i2t = t2i, i2t
+        # the two directions run one after the other: the peak is the larger of the two
+        self.bytes_per_cell = max(t2i.bytes_per_cell, i2t.bytes_per_cell)
+
+    def prepare_images(self, img: ImageEmb) -> ImageEmb:
+        return self.i2t.prepare_images(self.t2i.prepare_images(img))
+
+    def prepare_texts(self, txt: TextEmb) -> TextEmb:
+        return self.i2t.prepare_texts(self.t2i.prepare_texts(txt))
+
+    def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        return (self.t2i(img, txt) + self.i2t(img, txt)) / 2

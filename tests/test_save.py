@@ -1,0 +1,210 @@
+"""SAVE: DSA / ASA against per-pair references written from the paper's equations, fusion shapes,
+the two-way SCAN head, gradients into the backbone, multi-scale data and a short training run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from itmatch.config import ModelConfig, SaveConfig
+from itmatch.models.grid import (
+    AdaptiveSelfAttention,
+    DeterministicSelfAttention,
+    MultiScaleSelfAttention,
+    parse_scales,
+    to_map,
+    to_tokens,
+)
+from itmatch.models.heads import ScanHead, TwoWayScanHead
+from itmatch.models.registry import build_model, preset_config
+
+# ------------------------------------------------------------------------------- references (slow)
+
+
+def dsa_reference(u: torch.Tensor, lam: float = 1.0) -> torch.Tensor:
+    """Eq. 1-3 for one image u [k, C], loop by loop."""
+    k = u.shape[0]
+    s = torch.zeros(k, k, dtype=u.dtype)
+    for i in range(k):
+        for j in range(k):
+            s[i, j] = u[i] @ u[j] / (u[i].norm() * u[j].norm())  # Eq. 1
+    s = s.clamp(min=0)
+    normed = torch.zeros_like(s)
+    for i in range(k):
+        for j in range(k):
+            normed[i, j] = s[i, j] / math.sqrt(sum(float(s[r, j]) ** 2 for r in range(k)))
+    a = torch.zeros_like(u)
+    for i in range(k):
+        weights = [math.exp(lam * float(normed[i, j])) for j in range(k)]
+        total = sum(weights)
+        for j in range(k):
+            a[i] += weights[j] / total * u[j]  # Eq. 2-3
+    return a
+
+
+def asa_reference(m: AdaptiveSelfAttention, u: torch.Tensor) -> torch.Tensor:
+    """Eq. 5-8 for one image u [k, C] with the module's 1x1-convolution weights, loop by loop."""
+    def conv(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:  # a 1x1 conv on one cell
+        return layer.weight @ x + layer.bias
+
+    k = u.shape[0]
+    y = torch.zeros_like(u)
+    for i in range(k):
+        s = torch.stack([conv(m.theta, u[i]) @ conv(m.phi, u[j]) for j in range(k)])  # Eq. 6
+        alpha = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()  # Eq. 5
+        a = sum(alpha[j] * conv(m.g, u[j]) for j in range(k))  # Eq. 7
+        y[i] = m.gamma * conv(m.out, a) + u[i]  # Eq. 8
+    return y
+
+
+# ------------------------------------------------------------------------------------ attention
+
+
+@pytest.mark.parametrize("lam", [1.0, 5.0])
+def test_dsa_matches_equations(lam):
+    torch.manual_seed(0)
+    u = torch.randn(3, 9, 6, dtype=torch.float64)
+    got = DeterministicSelfAttention(lam)(u)
+    for n in range(3):
+        assert (got[n] - dsa_reference(u[n], lam)).abs().max() <= 1e-5
+
+
+def test_dsa_zero_cell_is_finite():
+    u = torch.randn(1, 9, 6)
+    u[0, 4] = 0.0  # an all-zero cell (ReLU6 maps do have them): cos = 0 by the epsilon, no NaN
+    u.requires_grad_(True)
+    out = DeterministicSelfAttention()(u)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(u.grad).all()
+
+
+def test_asa_matches_equations():
+    torch.manual_seed(1)
+    m = AdaptiveSelfAttention(8).double()
+    torch.nn.init.constant_(m.gamma, 0.7)  # gamma = 0 would hide the attention branch
+    u = torch.randn(2, 12, 8, dtype=torch.float64)
+    got = m(u)
+    for n in range(2):
+        assert (got[n] - asa_reference(m, u[n])).abs().max() <= 1e-5
+    assert m.theta.out_features == m.phi.out_features == m.g.out_features == 4  # C/2
+
+
+def test_asa_is_identity_at_init():
+    m = AdaptiveSelfAttention(16)
+    assert float(m.gamma.detach()) == 0.0
+    u = torch.randn(3, 49, 16)
+    assert torch.equal(m(u), u)
+
+
+# --------------------------------------------------------------------------------------- fusion
+
+DIMS = {"c3": 5, "c4": 7, "c5": 11}
+
+
+def _maps(n: int, sides=(28, 14, 7)) -> dict[str, torch.Tensor]:
+    return {s: torch.randn(n, DIMS[s], side, side) for s, side in zip(("c3", "c4", "c5"), sides, strict=True)}
+
+
+@pytest.mark.parametrize("attention", ["none", "dsa", "asa"])
+@pytest.mark.parametrize("scales,channels", [("c5", 11), ("c4,c5", 18), ("c3,c4,c5", 23)])
+def test_fusion_shapes(attention, scales, channels):
+    fusion = MultiScaleSelfAttention(parse_scales(scales), DIMS, attention)
+    out = fusion(_maps(2))
+    assert out.shape == (2, 49, channels) and fusion.out_dim == channels
+
+
+def test_fusion_is_maxpool_then_concat():
+    """no-SA ms3 by hand: c3 pooled 2x2 twice, c4 once, concatenated with c5 along channels."""
+    maps = _maps(2)
+    out = MultiScaleSelfAttention(("c3", "c4", "c5"), DIMS, "none")(maps)
+    c34 = torch.cat([torch.nn.functional.max_pool2d(maps["c3"], 2), maps["c4"]], 1)
+    expected = torch.cat([torch.nn.functional.max_pool2d(c34, 2), maps["c5"]], 1)
+    assert torch.equal(out, to_tokens(expected))
+
+
+def test_fusion_odd_sides_lite2():
+    out = MultiScaleSelfAttention(("c3", "c4", "c5"), DIMS, "asa")(_maps(1, sides=(33, 17, 9)))
+    assert out.shape == (1, 81, 23)
+
+
+def test_tokens_round_trip_row_major():
+    fmap = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
+    tokens = to_tokens(fmap)
+    assert torch.equal(tokens[0, 4 + 2], fmap[0, :, 1, 2])  # cell (1, 2) is region 1 * 4 + 2
+    assert torch.equal(to_map(tokens), fmap)
+
+
+def test_bad_scales_rejected():
+    for spec in ("c6", "", "c5,c5"):
+        with pytest.raises(ValueError):
+            parse_scales(spec)
+    assert parse_scales("c5,c3") == ("c3", "c5")
+
+
+# ----------------------------------------------------------------------------------------- head
+
+
+def test_two_way_head_is_average_of_directions():
+    from itmatch.models.base import ImageEmb, TextEmb, l2norm
+
+    torch.manual_seed(2)
+    img = ImageEmb(regions=l2norm(torch.randn(3, 5, 8)), mask=torch.ones(3, 5, dtype=torch.bool))
+    lengths = torch.tensor([4, 2])
+    txt = TextEmb(words=l2norm(torch.randn(2, 4, 8)), lengths=lengths)
+    t2i, i2t = ScanHead("t2i", "avg", 9.0, 6.0), ScanHead("i2t", "avg", 4.0, 5.0)
+    head = TwoWayScanHead(t2i, i2t)
+    got = head(head.prepare_images(img), head.prepare_texts(txt))
+    img2 = ImageEmb(regions=img.regions, mask=img.mask)
+    txt2 = TextEmb(words=txt.words, lengths=lengths)
+    expected = (t2i(t2i.prepare_images(img2), txt2) + i2t(img2, i2t.prepare_texts(txt2))) / 2
+    assert (got - expected).abs().max() <= 1e-6
+    with pytest.raises(ValueError):
+        TwoWayScanHead(i2t, t2i)
+
+
+# --------------------------------------------------------------------------------------- models
+
+
+def _cached_cfg(preset: str, **save) -> ModelConfig:
+    mc = preset_config(preset).model
+    mc.vocab_size, mc.embed_size, mc.word_dim, mc.img_dim = 20, 16, 8, DIMS["c5"]
+    mc.save.c3_dim, mc.save.c4_dim = DIMS["c3"], DIMS["c4"]
+    for k, v in save.items():
+        setattr(mc.save, k, v)
+    return mc
+
+
+@pytest.mark.parametrize("preset", ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3"])
+def test_presets_build_and_score(preset):
+    model = build_model(_cached_cfg(preset))
+    feats = {s: to_tokens(m) for s, m in _maps(3).items()}
+    img = model.encode_images(feats)
+    assert img.regions.shape == (3, 49, 16)
+    txt = model.encode_texts(torch.randint(1, 20, (4, 6)), torch.tensor([6, 5, 3, 2]))
+    assert model.score(img, txt).shape == (3, 4)
+
+
+def test_single_scale_accepts_plain_array():
+    model = build_model(_cached_cfg("save_dsa"))
+    c5 = torch.randn(2, 49, DIMS["c5"])
+    assert torch.allclose(model.encode_images(c5).regions, model.encode_images({"c5": c5}).regions)
+
+
+def test_missing_scale_is_an_error():
+    model = build_model(_cached_cfg("save_asa_ms3"))
+    with pytest.raises(ValueError, match="c3"):
+        model.encode_images({s: to_tokens(m) for s, m in _maps(1).items() if s != "c3"})
+
+
+def test_finetune_without_pixels_is_a_config_error():
+    from itmatch.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        build_model(_cached_cfg("save_asa", finetune=True))
+
+
+def test_save_config_fields():
+    assert SaveConfig().attention == "asa"
+    assert preset_config("save_asa_ms3_ft").model.save.finetune
