@@ -17,10 +17,11 @@ from tqdm.auto import tqdm
 
 from itmatch.config import Config
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairDataset, collate_pairs
-from itmatch.data.precomp import PrecompSplit, read_precomp
+from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import Vocab, build_vocab, tokenize
 from itmatch.engine.checkpoint import load_checkpoint, load_optimizer_state, save_checkpoint
 from itmatch.engine.evaluate import evaluate_models
+from itmatch.engine.inputs import fill_image_dims, open_split
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
 from itmatch.models.registry import build_model
@@ -60,15 +61,12 @@ def seed_everything(seed: int) -> None:
 def prepare_data(cfg: Config, vocab: Vocab | None) -> tuple[PrecompSplit, PrecompSplit, Vocab]:
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
-    train = read_precomp(cfg.data.path, cfg.data.train_split)
-    val = read_precomp(cfg.data.path, cfg.data.val_split).head(cfg.train.val_images)
+    train = open_split(cfg, cfg.data.train_split, train=True)
+    val = open_split(cfg, cfg.data.val_split).head(cfg.train.val_images)
     if vocab is None:
         vocab = Vocab.load(cfg.data.vocab) if cfg.data.vocab else build_vocab(train.captions)
     cfg.model.vocab_size = len(vocab)
-    if cfg.model.img_dim and cfg.model.img_dim != train.images.shape[2]:
-        raise ConfigError(f"model.img_dim={cfg.model.img_dim} but the features are {train.images.shape[2]}-d",
-                          hint="drop the override; img_dim is taken from the data")
-    cfg.model.img_dim = int(train.images.shape[2])
+    fill_image_dims(cfg, train)
     meta = Path(cfg.data.path) / "meta.json"
     if not cfg.data.backbone and meta.is_file():
         cfg.data.backbone = json.loads(meta.read_text(encoding="utf-8")).get("backbone", "")

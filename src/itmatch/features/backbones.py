@@ -63,6 +63,28 @@ _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
+def to_pixels(image: Image.Image, size: int) -> torch.Tensor:
+    """The resize rule of every backbone: EXIF orientation applied, converted to RGB (grayscale, CMYK,
+    palette, alpha all become 3-channel RGB), bilinear resize to size x size (the aspect ratio is not
+    kept: every part of the photo stays in view) -> float32 [3, size, size] on 0..255."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    if image.size != (size, size):
+        image = image.resize((size, size), Image.Resampling.BILINEAR)
+    arr = np.asarray(image, dtype=np.float32)  # [H, W, 3]
+    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+
+
+def normalise_pixels(family: str, pixels: torch.Tensor) -> torch.Tensor:
+    """0..255 RGB [..., 3, H, W] -> the input a backbone family was trained on."""
+    if family == "efficientnet-lite":
+        return (pixels - _LITE_MEAN) / _LITE_STD
+    mean = torch.tensor(_IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(_IMAGENET_STD).view(3, 1, 1)
+    return (pixels / 255.0 - mean) / std
+
+
 def backbone_spec(name: str) -> BackboneSpec:
     try:
         return _SPECS[name]
@@ -98,21 +120,10 @@ class Backbone(nn.Module):
         self.frozen = frozen
 
     # -- preprocessing -------------------------------------------------------------------------------
-    def _pixels(self, image: Image.Image) -> torch.Tensor:
-        """RGB, EXIF orientation applied, bilinear resize to image_size x image_size (the aspect ratio
-        is not kept: every region of the photo stays in view) -> float32 [3, H, W] on 0..255."""
-        image = ImageOps.exif_transpose(image)
-        if image.mode != "RGB":
-            image = image.convert("RGB")
-        size = (self.image_size, self.image_size)
-        if image.size != size:
-            image = image.resize(size, Image.Resampling.BILINEAR)
-        arr = np.asarray(image, dtype=np.float32)  # [H, W, 3]
-        return torch.from_numpy(arr.transpose(2, 0, 1).copy())
-
     def preprocess(self, image: Image.Image) -> torch.Tensor:
-        """One PIL image -> normalised float32 tensor [3, image_size, image_size] (deterministic)."""
-        raise NotImplementedError
+        """One PIL image -> normalised float32 tensor [3, image_size, image_size] (deterministic:
+        `to_pixels` then the family's normalisation)."""
+        return normalise_pixels(self.spec.family, to_pixels(image, self.image_size))
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.ndim != 4 or x.shape[1] != 3 or x.shape[2] != self.image_size or x.shape[3] != self.image_size:
@@ -204,9 +215,6 @@ class EfficientNetLiteBackbone(Backbone):
             raise ConfigError(f"unexpected EfficientNet block strides in {self.name} (total stride {stride})")
         return last_at[8], last_at[16]
 
-    def preprocess(self, image: Image.Image) -> torch.Tensor:
-        return (self._pixels(image) - _LITE_MEAN) / _LITE_STD
-
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         return x.contiguous(memory_format=torch.channels_last)
@@ -272,14 +280,9 @@ class ResNetBackbone(Backbone):
         self.net = net
         self.weights = str(weights_path)
         self.stage_dims = (spec.out_dim // 4, spec.out_dim // 2, spec.out_dim)
-        self.register_buffer("_mean", torch.tensor(_IMAGENET_MEAN).view(3, 1, 1), persistent=False)
-        self.register_buffer("_std", torch.tensor(_IMAGENET_STD).view(3, 1, 1), persistent=False)
         if frozen:
             self.requires_grad_(False)
         self.train(False)
-
-    def preprocess(self, image: Image.Image) -> torch.Tensor:
-        return (self._pixels(image) / 255.0 - self._mean.cpu()) / self._std.cpu()
 
     def stages(self, x: torch.Tensor) -> list[torch.Tensor]:
         self._check_input(x)
