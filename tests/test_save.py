@@ -327,3 +327,151 @@ def test_trainer_runs_save_on_multiscale_data(tiny_multiscale, tmp_path):
     dev = open_split(ckpt.config, "dev")
     scores = split_scores(ckpt.model, ckpt.vocab, dev)
     assert scores.shape == (24, 120) and torch.isfinite(scores).all()
+
+
+# ------------------------------------------------------------------------- pixels (end to end)
+
+def _write_images(folder, n: int = 4):
+    """n small images of different sizes, aspect ratios and modes (RGB, grayscale, CMYK, palette)."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    modes = ["RGB", "L", "CMYK", "P"]
+    names = []
+    for i in range(n):
+        arr = rng.integers(0, 255, (40 + 10 * i, 90 - 12 * i, 3), dtype=np.uint8)
+        im = Image.fromarray(arr).convert(modes[i % 4])
+        name = f"im{i}.{'jpg' if modes[i % 4] in ('RGB', 'L', 'CMYK') else 'png'}"
+        im.save(folder / name)
+        names.append(name)
+    return names
+
+
+@pytest.fixture(scope="module")
+def pixel_data(tmp_path_factory):
+    from itmatch.data.precomp import write_captions
+
+    root = tmp_path_factory.mktemp("pix")
+    names = _write_images(root / "images")
+    (root / "images" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    ids = [*names, "broken.jpg"]
+    caps = [f"a {w} picture" for w in ("red", "blue", "green", "grey", "odd") for _ in range(5)]
+    for split in ("train", "dev"):
+        write_captions(root, split, ids, caps)
+    return root
+
+
+def test_image_files_modes_sizes_and_bad_files(pixel_data, caplog):
+    from itmatch.data.datasets import PairDataset, collate_pairs
+    from itmatch.data.images import read_image_split
+    from itmatch.data.vocab import build_vocab
+    from itmatch.errors import DataError
+
+    dev = read_image_split(pixel_data, "dev", pixel_data / "images")
+    batch = dev.images[:4].load_batch()  # RGB, grayscale, CMYK, palette; every size -> 3 x 224 x 224
+    assert batch.shape == (4, 3, 224, 224) and torch.isfinite(batch).all()
+    with pytest.raises(DataError, match="broken.jpg") as err:  # evaluation: fails, naming the file
+        dev.images.load_batch()
+    assert err.value.path.name == "broken.jpg"
+    train = read_image_split(pixel_data, "train", pixel_data / "images", augment=True)
+    ds = PairDataset(train, build_vocab(train.captions))
+    with caplog.at_level("WARNING", logger="itmatch.data"):
+        pb = collate_pairs([ds[j] for j in (0, 5, 20, 21)])  # 20, 21: captions of the broken image
+    assert pb.images.shape == (2, 3, 224, 224) and pb.image_index.tolist() == [0, 1]
+    assert sum("broken.jpg" in r.getMessage() for r in caplog.records) == 1  # reported once
+    a, b = train.images[0], train.images[0]
+    assert not torch.equal(a, b)  # random crop / flip in training
+    assert torch.equal(dev.images[0], dev.images[0])  # deterministic in evaluation
+
+
+def _pixel_model(finetune: bool):
+    cfg = preset_config("save_asa_ms3_ft")
+    mc = cfg.model
+    mc.save.finetune = finetune
+    mc.vocab_size, mc.embed_size, mc.word_dim, mc.img_dim = 20, 16, 8, 1280
+    return cfg, build_model(mc)
+
+
+@pytest.mark.parametrize("finetune", [False, True])
+def test_gradient_reaches_backbone_only_when_finetuning(finetune):
+    from itmatch.config import LossConfig
+    from itmatch.engine.train import make_optimizer
+
+    torch.manual_seed(0)
+    cfg, model = _pixel_model(finetune)
+    model.train()
+    backbone = model.image_encoder.backbone
+    assert backbone.training == finetune  # a frozen backbone stays in eval mode (BatchNorm statistics)
+    img = model.encode_images(torch.randn(2, 3, 224, 224))
+    assert img.regions.shape == (2, 49, 16)
+    txt = model.encode_texts(torch.randint(1, 20, (2, 5)), torch.tensor([5, 3]))
+    model.training_loss(img, txt, LossConfig(), hardest=False).backward()
+    grads = [p.grad for p in backbone.parameters()]
+    if finetune:
+        assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    else:
+        assert all(g is None for g in grads) and not any(p.requires_grad for p in backbone.parameters())
+    assert model.image_encoder.project.fc.weight.grad.abs().sum() > 0
+    groups = {g["lr_scale"]: len(g["params"]) for g in make_optimizer(cfg, model, 0).param_groups}
+    n_backbone = sum(1 for p in backbone.parameters() if p.requires_grad)
+    assert groups == ({1.0: groups[1.0], 0.1: n_backbone} if finetune else {1.0: groups[1.0]})
+
+
+def test_pixel_model_encodes_image_files_like_cached_maps(pixel_data):
+    """A frozen pixel model and the same model fed the cached maps of the same images agree."""
+    from itmatch.data.images import read_image_split
+    from itmatch.data.precomp import batch_tensor
+
+    cfg, model = _pixel_model(finetune=False)
+    model.eval()
+    dev = read_image_split(pixel_data, "dev", pixel_data / "images")
+    pixels = batch_tensor(dev.images[:2])
+    with torch.inference_mode():
+        direct = model.encode_images(pixels).regions
+        maps = model.image_encoder.backbone.stage_maps(pixels)
+        cached = model.encode_images({k: to_tokens(v) for k, v in maps.items()}).regions
+    assert (direct - cached).abs().max() <= 1e-5
+
+
+def test_nl_ms2_runs_the_backbone_tail_between_its_blocks():
+    """NL-ms2: SA(c4) -> backbone c4->c5 -> SA(c5). With gamma = 0 (init) both blocks are identities, so
+    the candidates are the backbone's own c5 -- recomputed from the cached c4 map."""
+    from itmatch.features.backbones import load_backbone
+
+    mc = preset_config("save_nl_ms2").model
+    mc.vocab_size, mc.embed_size, mc.word_dim, mc.img_dim = 20, 16, 8, 1280
+    model = build_model(mc).eval()
+    assert model.image_encoder.backbone is None  # frozen cached mode: only the tail is held
+    bb = load_backbone("lite0")
+    with torch.inference_mode():
+        maps = bb.stage_maps(torch.randn(2, 3, 224, 224))
+        got = model.encode_images({k: to_tokens(v) for k, v in maps.items()}).regions
+        ref = model.image_encoder.project(to_tokens(maps["c5"]), torch.ones(2, 49, dtype=torch.bool)).regions
+    assert (got - ref).abs().max() <= 1e-5
+    assert not any(p.requires_grad for p in model.image_encoder.fusion.tail.parameters())
+
+
+def test_extract_scales_writes_stage_maps(tmp_path):
+    import numpy as np
+
+    from itmatch.data.captions import CaptionTable
+    from itmatch.data.precomp import read_precomp, scale_path
+    from itmatch.features import extract_precomp
+
+    names = _write_images(tmp_path / "images", n=3)
+    table = CaptionTable(source="test")
+    for name in names:
+        for c in range(5):
+            table.add(name, f"caption {c} of {name}", "test")
+    meta = extract_precomp(tmp_path / "images", table, tmp_path / "ms", scales="c3,c4,c5", progress=False)
+    extract_precomp(tmp_path / "images", table, tmp_path / "plain", progress=False)
+    assert meta["scales"]["c3"] == {"file": "{split}_ims_c3.npy", "regions": 784, "dim": 40, "grid": 28,
+                                    "stride": 8}
+    split = read_precomp(tmp_path / "ms", "test", scales=("c3", "c4", "c5"))
+    assert split.images.dims == {"c3": 40, "c4": 112, "c5": 1280}
+    assert np.load(scale_path(tmp_path / "ms", "test", "c4")).shape == (3, 196, 112)
+    plain = np.load(scale_path(tmp_path / "plain", "test", "c5"))
+    assert np.abs(np.asarray(split.images.arrays["c5"]) - plain).max() <= 1e-4  # c5 == the plain grid
+    assert not list((tmp_path / "ms").glob("*.partial"))
