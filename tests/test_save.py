@@ -475,3 +475,22 @@ def test_extract_scales_writes_stage_maps(tmp_path):
     plain = np.load(scale_path(tmp_path / "plain", "test", "c5"))
     assert np.abs(np.asarray(split.images.arrays["c5"]) - plain).max() <= 1e-4  # c5 == the plain grid
     assert not list((tmp_path / "ms").glob("*.partial"))
+
+
+@pytest.mark.parametrize("preset", ["save_asa_ms2", "save_asa_ms3_ft"])
+def test_api_scores_images_with_a_save_checkpoint(preset, pixel_data, tmp_path):
+    """itmatch.load on a SAVE checkpoint computes the inputs the model reads (stage maps or pixels)."""
+    import itmatch
+    from itmatch.data.vocab import build_vocab
+    from itmatch.engine.checkpoint import save_checkpoint
+
+    cfg = preset_config(preset)
+    mc = cfg.model
+    vocab = build_vocab(["a red picture"] * 4)
+    mc.vocab_size, mc.embed_size, mc.word_dim, mc.img_dim = len(vocab), 16, 8, 1280
+    mc.save.c3_dim, mc.save.c4_dim = 40, 112
+    save_checkpoint(tmp_path / "ckpt", build_model(mc), cfg, vocab)
+    matcher = itmatch.load(tmp_path / "ckpt")
+    paths = [pixel_data / "images" / f"im{i}.{ext}" for i, ext in ((0, "jpg"), (3, "png"))]
+    scores = matcher.score(paths, ["a red picture", "a blue one", "red"])
+    assert scores.shape == (2, 3) and torch.isfinite(scores).all()
