@@ -494,3 +494,21 @@ def test_api_scores_images_with_a_save_checkpoint(preset, pixel_data, tmp_path):
     paths = [pixel_data / "images" / f"im{i}.{ext}" for i, ext in ((0, "jpg"), (3, "png"))]
     scores = matcher.score(paths, ["a red picture", "a blue one", "red"])
     assert scores.shape == (2, 3) and torch.isfinite(scores).all()
+
+
+def test_nl_ms2_from_pixels_saves_each_weight_once(tmp_path):
+    from itmatch.data.vocab import build_vocab
+    from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = preset_config("save_nl_ms2")
+    mc = cfg.model
+    mc.save.pixels = mc.save.finetune = True
+    vocab = build_vocab(["a red picture"] * 4)
+    mc.vocab_size, mc.embed_size, mc.word_dim, mc.img_dim = len(vocab), 16, 8, 1280
+    model = build_model(mc)
+    assert not any(k.startswith("image_encoder.fusion.tail") for k in model.state_dict())
+    save_checkpoint(tmp_path / "ckpt", model, cfg, vocab)
+    x = torch.randn(1, 3, 224, 224)
+    with torch.inference_mode():
+        assert torch.allclose(load_checkpoint(tmp_path / "ckpt").model.encode_images(x).regions,
+                              model.eval().encode_images(x).regions, atol=1e-6)

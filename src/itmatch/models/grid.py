@@ -101,6 +101,18 @@ def parse_scales(spec: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(sorted(names, key=SCALES.index))
 
 
+class Borrowed:
+    """Calls a module owned elsewhere without registering it here (its parameters are already in the
+    model, e.g. the backbone's c4 -> c5 layers under `image_encoder.backbone`; registering them twice
+    would save them twice)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
 class MultiScaleSelfAttention(nn.Module):
     """Self-attention on each scale, then fusion (section 3.3.1), -> candidates [N, k_coarsest, C_out].
 
@@ -111,7 +123,8 @@ class MultiScaleSelfAttention(nn.Module):
     from SA(c4) by the backbone's `tail` (c4 -> c5) and only SA(c5) is returned (C_out = C_c5)."""
 
     def __init__(self, scales: Sequence[str], dims: Mapping[str, int], attention: str = "asa",
-                 fusion: str = "concat", dsa_lambda: float = 1.0, tail: nn.Module | None = None) -> None:
+                 fusion: str = "concat", dsa_lambda: float = 1.0,
+                 tail: nn.Module | Borrowed | None = None) -> None:
         super().__init__()
         if fusion not in FUSIONS:
             raise ValueError(f"unknown fusion {fusion!r}; choose one of {FUSIONS}")

@@ -10,7 +10,7 @@ from typing import Any
 from itmatch.config import Config, ModelConfig, config_from_dict, update
 from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher, SimilarityHead
-from itmatch.models.grid import MultiScaleSelfAttention, SaveImageEncoder, parse_scales
+from itmatch.models.grid import Borrowed, MultiScaleSelfAttention, SaveImageEncoder, parse_scales
 from itmatch.models.heads import GlobalCosineHead, ScanHead, SumMaxHead, TwoWayScanHead
 from itmatch.models.image import RegionEncoder
 from itmatch.models.text import RNNTextEncoder
@@ -133,7 +133,8 @@ def _build_save(mc: ModelConfig) -> Matcher:
         net = load_backbone(sc.backbone, frozen=not sc.finetune)
         dims = dict(zip(STAGE_NAMES, net.stage_dims, strict=True))
         backbone = net if sc.pixels else None
-        tail = net.tail() if sc.fusion == "nl" else None
+        if sc.fusion == "nl":  # with a backbone in the model, its tail's parameters are already there
+            tail = net.tail() if backbone is None else Borrowed(net.tail())
     else:
         dims = {"c3": sc.c3_dim, "c4": sc.c4_dim, "c5": mc.img_dim}
         unset = [s for s in scales if dims[s] <= 0]
