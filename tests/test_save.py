@@ -327,6 +327,11 @@ def test_trainer_runs_save_on_multiscale_data(tiny_multiscale, tmp_path):
     dev = open_split(ckpt.config, "dev")
     scores = split_scores(ckpt.model, ckpt.vocab, dev)
     assert scores.shape == (24, 120) and torch.isfinite(scores).all()
+    from itmatch.cli import main
+
+    assert main(["evaluate", str(tmp_path / "run" / "best"), "--split", "dev", "--quiet",
+                 "--json", str(tmp_path / "dev.json")]) == 0  # the CLI opens the c4/c5 maps itself
+    assert (tmp_path / "dev.json").is_file()
 
 
 # ------------------------------------------------------------------------- pixels (end to end)
