@@ -7,6 +7,9 @@
 Features come from `itmatch extract` (see README); every model uses configs/flickr8k/cpu.yaml on top of its
 preset (so OAN keeps its own Adam lr 5e-4 and weight decay 1e-6; see docs/oan.md), except the SMAN rows,
 which use configs/flickr8k/sman_cpu.yaml (the same schedule with Adadelta lr 1.0; docs/sman.md).
+SAVE rows that fuse scales read cached c3/c4 maps too: the first of them runs the multi-scale extraction
+(`itmatch extract ... --scales c3,c4,c5`, about as long as the plain one) into DATA_MS; the fine-tuned
+row reads the image files (data.images) and trains the backbone end to end (see docs/save.md for its cost).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = "configs/flickr8k/cpu.yaml"
 DATA = "runs/data/flickr8k_lite0"
+DATA_MS = "runs/data/flickr8k_lite0_ms"  # + {split}_ims_c3.npy, {split}_ims_c4.npy (SAVE ms2/ms3/NL-ms2)
+IMAGES = "../shared/data/flickr8k/images"
+CAPTIONS = "../shared/data/flickr8k/Flickr8k.token.txt"
 RESULTS = "docs/results/flickr8k.csv"
 # OAN: full model with Eq. 12 / Eq. 11 negatives, then the Table 2 ablations
 OAN_ROWS = ["oan", "oan_eq11", "oan_no_intra_neg", "oan_no_inter_attn", "oan_no_intra_attn", "oan_no_attn",
@@ -28,7 +34,10 @@ OAN_ROWS = ["oan", "oan_eq11", "oan_no_intra_neg", "oan_no_inter_attn", "oan_no_
 # the paper's Table III / V (the table reports mR = rsum / 6, rendered beside rsum)
 SMAN_ROWS = ["sman", "sman_w2v_spacy", "sman_im", "sman_im_loc", "sman_sim", "sman_inter"]
 MMCA_ROWS = ["mmca", "mmca_alpha0", "mmca_h512"]
-SINGLE = ["vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse", *OAN_ROWS, *SMAN_ROWS, *MMCA_ROWS]
+# SAVE (docs/save.md): Table 4/5 analogue with the backbone frozen, then the best fine-tuned end to end
+SAVE_ROWS = ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_asa_ms3_ft"]
+SINGLE = ["vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse", *OAN_ROWS, *SMAN_ROWS, *MMCA_ROWS,
+          *SAVE_ROWS]
 SCHEDULES = {row: "configs/flickr8k/sman_cpu.yaml" for row in SMAN_ROWS}  # preset -> schedule override
 ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"]}
 # Two-stage rows (docs/mmca.md): the global i0.c0 stage's top-K re-ranked with the full score.
@@ -40,7 +49,9 @@ RERANK = {f"{p}_rerank{k}": (p, k) for p in MMCA_ROWS for k in (20, 50, 100)}
 # scoring: ~3.3 CPU-hours an epoch).
 _MMCA_CPU = ["train.batch_size=64", "model.mmca.train_negatives=8", "train.val_rerank=20"]
 OVERRIDES = {"mmca": ["model.embed_size=256", *_MMCA_CPU], "mmca_alpha0": ["model.embed_size=256", *_MMCA_CPU],
-             "mmca_h512": ["model.embed_size=512", *_MMCA_CPU]}
+             "mmca_h512": ["model.embed_size=512", *_MMCA_CPU], "save_asa_ms3_ft": [f"data.images={IMAGES}"]}
+# rows whose model reads something else than DATA's {split}_ims.npy
+ROW_DATA = {"save_asa_ms2": DATA_MS, "save_asa_ms3": DATA_MS, "save_nl_ms2": DATA_MS}
 PERTURB = ["scan_t2i_avg", "vsepp"]  # the two models of OAN's Table 1
 
 
@@ -49,17 +60,27 @@ def run(cmd: list[str]) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
+def ensure_multiscale() -> None:
+    """Cache the c3/c4 stage maps beside a copy of the c5 grid (resumable; skipped once complete)."""
+    if all((ROOT / DATA_MS / f"{split}_ims_c3.npy").exists() for split in ("train", "dev", "test")):
+        return
+    run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_MS, "--scales", "c3,c4,c5"])
+
+
 def run_row(row: str, threads: int) -> None:
     preset, rerank = RERANK.get(row, (row, 0))
     members = ENSEMBLES.get(preset, [preset])
+    data = ROW_DATA.get(preset, DATA)
+    if data == DATA_MS:
+        ensure_multiscale()
     for member in members:
         out = f"runs/flickr8k/{member}"
         if not (ROOT / out / "best").exists():
             resume = ["--resume"] if (ROOT / out / "last").exists() else []
             sets = [a for s in OVERRIDES.get(member, []) for a in ("--set", s)]
-            run(["itmatch", "train", "--preset", member, "--config", SCHEDULES.get(member, SCHEDULE), "--out", out,
-                 "--force", "--set", f"train.threads={threads}", *sets, *resume])
-    run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", DATA,
+            run(["itmatch", "train", "--preset", member, "--config", SCHEDULES.get(member, SCHEDULE), "--data", data,
+                 "--out", out, "--force", "--set", f"train.threads={threads}", *sets, *resume])
+    run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", data,
          "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
          "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
          "--json", f"runs/flickr8k/{row}.test.json", *(["--rerank", str(rerank)] if rerank else [])])

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
 
 import itmatch
 from itmatch.cli import main
+from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
 from itmatch.errors import CheckpointError, DataError, OverwriteError
 from itmatch.retrieval.index import MANIFEST, PARTS, build_index, load_index
 from itmatch.retrieval.search import QueryError, Searcher
@@ -111,9 +111,11 @@ def test_refuses_corrupt_index_and_other_model(tiny_search_setup, tmp_path):
 
     # another model: same architecture, different weights
     other = tmp_path / "other"
-    shutil.copytree(tiny_search_setup["checkpoint"], other)
-    weights = load_file(str(other / "model.safetensors"))
-    save_file({k: v + 0.01 for k, v in weights.items()}, str(other / "model.safetensors"))
+    ckpt = load_checkpoint(tiny_search_setup["checkpoint"])
+    with torch.no_grad():
+        for param in ckpt.model.parameters():
+            param += 0.01
+    save_checkpoint(other, ckpt.model, ckpt.config, ckpt.vocab)  # a valid checkpoint (its own manifest)
     with pytest.raises(CheckpointError, match="another model") as err:
         Searcher(out, other)
     assert "--force" in str(err.value) and "itmatch index" in str(err.value)

@@ -9,10 +9,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from itmatch.data.precomp import MultiScaleArray
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
 from itmatch.errors import DataError
 from itmatch.models.base import ImageEmb, TextEmb
+from itmatch.models.registry import image_inputs
 
 ImageInput = str | Path | Image.Image
 
@@ -23,7 +25,9 @@ class ImageTextMatcher:
     def __init__(self, checkpoint: Checkpoint, backbone: str | None = None) -> None:
         self.checkpoint = checkpoint
         self.model, self.vocab = checkpoint.model.eval(), checkpoint.vocab
-        self.backbone_name = backbone or checkpoint.config.data.backbone or "lite0"
+        save = checkpoint.config.model.save
+        own = save.backbone if image_inputs(checkpoint.config.model) else ""
+        self.backbone_name = backbone or checkpoint.config.data.backbone or own or "lite0"
         self._backbone = None
 
     @property
@@ -35,8 +39,12 @@ class ImageTextMatcher:
         return self._backbone
 
     @torch.inference_mode()
-    def image_features(self, images: Sequence[ImageInput], batch_size: int = 8) -> torch.Tensor:
-        """Region features [N, k, D] of image files or PIL images, as `itmatch extract` computes them."""
+    def image_features(self, images: Sequence[ImageInput], batch_size: int = 8
+                       ) -> torch.Tensor | MultiScaleArray:
+        """What the model reads for image files or PIL images, as `itmatch extract` computes it: region
+        features [N, k, D]; for a multi-scale model (SAVE) its cached stage maps; for a pixel model the
+        preprocessed pixels [N, 3, S, S]."""
+        inputs = image_inputs(self.checkpoint.config.model)
         parts = []
         for start in range(0, len(images), batch_size):
             batch = []
@@ -50,16 +58,24 @@ class ImageTextMatcher:
                 except OSError as exc:
                     raise DataError(f"cannot read image ({exc})", path=item,
                                     hint="pass a readable JPEG/PNG file") from None
-            parts.append(self.backbone(torch.stack(batch)))
+            x = torch.stack(batch)
+            if inputs == ("pixels",):
+                parts.append(x)
+            elif inputs:
+                maps = self.backbone.stage_maps(x)
+                parts.append({s: maps[s].flatten(2).transpose(1, 2) for s in inputs})
+            else:
+                parts.append(self.backbone(x))
+        if isinstance(parts[0], dict):
+            return MultiScaleArray({s: torch.cat([p[s] for p in parts]).numpy() for s in inputs})
         return torch.cat(parts)
 
     def encode_images(self, images: Sequence[ImageInput] | torch.Tensor | np.ndarray) -> ImageEmb:
         """Paths or PIL images (run through the backbone), or precomputed [N, k, D] features."""
         if isinstance(images, np.ndarray | torch.Tensor):
-            feats = torch.as_tensor(np.asarray(images, dtype=np.float32))
-        else:
-            feats = self.image_features(list(images))
-        return encode_images(self.model, feats.numpy())
+            return encode_images(self.model, np.asarray(images, dtype=np.float32))
+        feats = self.image_features(list(images))
+        return encode_images(self.model, feats if isinstance(feats, MultiScaleArray) else feats.numpy())
 
     def encode_texts(self, texts: Sequence[str]) -> TextEmb:
         if isinstance(texts, str):

@@ -40,7 +40,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     for problem in table.skipped:
         print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
-                           batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images)
+                           batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
+                           scales=args.scales)
     print(json.dumps(meta, indent=2))
     return 0
 
@@ -76,15 +77,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from itmatch.data.precomp import read_precomp
     from itmatch.engine.checkpoint import load_checkpoint
     from itmatch.engine.evaluate import evaluate_models, format_table
+    from itmatch.engine.inputs import open_split
     from itmatch.engine.results import result_row, upsert_row
+    from itmatch.errors import ConfigError
     from itmatch.io import write_json_atomic
+    from itmatch.models.registry import image_inputs
 
     checkpoints = [load_checkpoint(p) for p in args.checkpoints]
+    inputs = {image_inputs(c.config.model) for c in checkpoints}
+    if len(inputs) > 1:
+        raise ConfigError(f"the ensemble's models read different image inputs ({sorted(inputs)})",
+                          hint="evaluate models that read the same features together")
     data = args.data or checkpoints[0].config.data.path
-    split = read_precomp(data, args.split)
+    first = checkpoints[0].config
+    if args.images:
+        first.data.images = args.images
+    split = open_split(first, args.split, data_path=data)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
                              args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank)
     result["checkpoints"] = [str(p) for p in args.checkpoints]
@@ -220,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
     s.add_argument("--batch-size", type=int, default=8, help="images per forward pass (8 is fastest on CPU)")
     s.add_argument("--skip-bad-images", action="store_true", help="report and drop unreadable images")
+    s.add_argument("--scales", default=None, metavar="LIST",
+                   help="also cache the backbone's finer stage maps for multi-scale models (SAVE), e.g. "
+                        "c3,c4,c5: writes {split}_ims_c3.npy, {split}_ims_c4.npy beside {split}_ims.npy (c5)")
     s.add_argument("--force", action="store_true", help="replace existing outputs")
     s.set_defaults(func=_cmd_extract)
 
@@ -237,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("evaluate", help="evaluate one checkpoint, or an ensemble of several")
     s.add_argument("checkpoints", nargs="+", help="checkpoint directories (several = ensemble)")
     s.add_argument("--data", help="precomp directory (default: the first checkpoint's)")
-    s.add_argument("--split", default="test")
+    s.add_argument("--split", default="test", help="split to evaluate (default test)")
+    s.add_argument("--images", help="images folder, for models that read pixels (default: the checkpoint's "
+                                    "data.images)")
     s.add_argument("--protocol", default="full", choices=["1k", "full", "coco1k", "coco5k"])
     s.add_argument("--budget-gb", type=float, default=4.0, help="memory budget of a scoring block")
     s.add_argument("--rerank", type=int, default=0, metavar="K",

@@ -75,8 +75,26 @@ class MMCAConfig:
 
 
 @dataclass
+class SaveConfig:
+    """SAVE (docs/save.md): CNN grid candidates, self-attention, multi-scale fusion."""
+
+    attention: str = "asa"  # none | dsa (Eq. 1-4) | asa (Eq. 5-8)
+    scales: str = "c5"  # comma list, finest first: c5 | c4,c5 (ms2) | c3,c4,c5 (ms3)
+    fusion: str = "concat"  # concat (Fig. 3: max-pool + concat) | nl (NL-ms2: SA inside the backbone)
+    dsa_lambda: float = 1.0  # inverse temperature of the DSA softmax (Eq. 3 has none: 1)
+    backbone: str = "lite0"  # the CNN of pixel input and of the NL tail (cached maps name theirs in meta.json)
+    pixels: bool = False  # the model reads images (data.images), through its own backbone
+    finetune: bool = False  # train the backbone too (needs pixels); its lr is train.lr * backbone_lr_scale
+    backbone_lr_scale: float = 0.1
+    c3_dim: int = 0  # channels of cached c3 / c4 maps (0: taken from the data)
+    c4_dim: int = 0
+    i2t_lambda_softmax: float = 4.0  # lambdas of the i-t half when model.direction = both (SCAN F30K i-t)
+    i2t_lambda_lse: float = 5.0
+
+
+@dataclass
 class ModelConfig:
-    arch: str = "scan"  # vsepp | summax | scan | oan | sman | mmca
+    arch: str = "scan"  # vsepp | summax | scan | oan | sman | mmca | save
     img_dim: int = 0  # 0: taken from the data's feature dimension
     vocab_size: int = 0  # 0: taken from the vocabulary
     embed_size: int = 1024
@@ -86,7 +104,7 @@ class ModelConfig:
     bidirectional: bool = True
     img_norm: bool = True  # l2-normalise region embeddings (SCAN's no_imgnorm=False)
     txt_norm: bool = True
-    direction: str = "t2i"  # t2i | i2t (SCAN, Sum-Max)
+    direction: str = "t2i"  # t2i | i2t (SCAN, Sum-Max); both (SAVE: average of t-i and i-t scores)
     pool: str = "avg"  # avg | lse | max | sum (SCAN)
     lambda_softmax: float = 9.0  # lambda_1, inverse softmax temperature
     lambda_lse: float = 6.0  # lambda_2
@@ -98,6 +116,7 @@ class ModelConfig:
     sman: SMANConfig = field(default_factory=SMANConfig)
     oan: OANConfig = field(default_factory=OANConfig)
     mmca: MMCAConfig = field(default_factory=MMCAConfig)
+    save: SaveConfig = field(default_factory=SaveConfig)
 
 
 @dataclass
@@ -133,6 +152,7 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: str = ""  # precomp directory
+    images: str = ""  # images folder ({split}_ids.txt name files in it); read by pixel-input models (SAVE e2e)
     vocab: str = ""  # vocabulary JSON; empty: build from the training captions
     tokenizer: str = "word"  # word (Treebank words, vocab from training captions) | wordpiece (the text model's)
     backbone: str = ""  # the CNN the features came from (read from the data's meta.json); used by itmatch.load

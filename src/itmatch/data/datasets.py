@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ from torch.utils.data import Dataset
 
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import Vocab
+from itmatch.errors import DataError
 
 CaptionTransform = Callable[[str, int], str]  # (caption, caption index) -> caption; e.g. a perturbation
 
@@ -33,9 +35,21 @@ def pad_tokens(sequences: list[list[int]]) -> TextBatch:
     return TextBatch(tokens, lengths)
 
 
+def stack_images(items: list) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Collate per-item images -- a feature array [k, D], a pixel tensor [3, S, S] (ImageFiles) or a
+    {scale: [k_s, C_s]} dict (MultiScaleArray) -- into what `Matcher.encode_images` takes."""
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: torch.from_numpy(np.stack([np.asarray(it[k], dtype=np.float32) for it in items]))
+                for k in first}
+    if isinstance(first, torch.Tensor):
+        return torch.stack(items)
+    return torch.from_numpy(np.stack([np.asarray(it, dtype=np.float32) for it in items]))
+
+
 @dataclass
 class PairBatch:
-    images: torch.Tensor  # [B, k, D]
+    images: torch.Tensor | dict[str, torch.Tensor]  # [B, k, D], {scale: [B, k_s, C_s]} or pixels [B, 3, S, S]
     text: TextBatch
     image_index: torch.Tensor  # [B] index of the image in the split
     caption_index: torch.Tensor  # [B]
@@ -50,17 +64,26 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.split.captions)
 
-    def __getitem__(self, j: int) -> tuple[np.ndarray, list[int], int, int]:
+    def __getitem__(self, j: int) -> tuple[Any, list[int], int, int]:
+        """(image, tokens, image index, caption index); the image is None when an image file cannot be
+        decoded in training (ImageFiles reports it; `collate_pairs` drops the pair)."""
         caption = self.split.captions[j]
         if self.transform is not None:
             caption = self.transform(caption, j)
         i = j // self.split.per_image
-        return np.asarray(self.split.images[i], dtype=np.float32), self.vocab.encode(caption), i, j
+        image = self.split.images[i]
+        if isinstance(image, np.ndarray):
+            image = np.asarray(image, dtype=np.float32)
+        return image, self.vocab.encode(caption), i, j
 
 
-def collate_pairs(items: list[tuple[np.ndarray, list[int], int, int]]) -> PairBatch:
+def collate_pairs(items: list[tuple[Any, list[int], int, int]]) -> PairBatch:
+    items = [it for it in items if it[0] is not None]  # unreadable training images (reported already)
+    if not items:
+        raise DataError("no readable image in a training batch",
+                        hint="check data.images: every image of the batch failed to decode (see the log)")
     feats, tokens, img_idx, cap_idx = zip(*items, strict=True)
-    return PairBatch(torch.from_numpy(np.stack(feats)), pad_tokens(list(tokens)),
+    return PairBatch(stack_images(list(feats)), pad_tokens(list(tokens)),
                      torch.tensor(img_idx), torch.tensor(cap_idx))
 
 

@@ -7,8 +7,10 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from itmatch.data.captions import CAPTIONS_PER_IMAGE
 from itmatch.errors import DataError
@@ -19,6 +21,13 @@ SPLITS = ("train", "dev", "test", "testall")
 
 def features_path(root: str | Path, split: str) -> Path:
     return Path(root) / f"{split}_ims.npy"
+
+
+def scale_path(root: str | Path, split: str, scale: str) -> Path:
+    """Cached backbone stage map of a multi-scale dataset (SAVE): c5 is the main `{split}_ims.npy`
+    (the final grid), the finer maps sit beside it as `{split}_ims_c3.npy`, `{split}_ims_c4.npy`,
+    each float32 [N, h*w, C] in row-major cell order."""
+    return features_path(root, split) if scale == "c5" else Path(root) / f"{split}_ims_{scale}.npy"
 
 
 def captions_path(root: str | Path, split: str) -> Path:
@@ -71,13 +80,57 @@ def read_lines(path: Path) -> list[str]:
         raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
 
 
+class MultiScaleArray:
+    """Several per-image arrays of one split (cached stage maps, {scale: [N, k_s, C_s]}) indexed as one:
+    `a[i]` is {scale: [k_s, C_s]}, `a[i:j]` a lazy MultiScaleArray of those rows, len(a) = N.
+    `batch_tensor` turns a slice into what `Matcher.encode_images` takes (a dict of tensors)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray]) -> None:
+        sizes = {k: int(v.shape[0]) for k, v in arrays.items()}
+        if not arrays or len(set(sizes.values())) != 1:
+            raise DataError(f"multi-scale arrays of different lengths: {sizes}",
+                            hint="re-extract the split with `itmatch extract --scales ...`")
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return int(next(iter(self.arrays.values())).shape[0])
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    @property
+    def dims(self) -> dict[str, int]:
+        return {k: int(v.shape[2]) for k, v in self.arrays.items()}
+
+    def __getitem__(self, index: int | slice) -> dict[str, np.ndarray] | MultiScaleArray:
+        if isinstance(index, slice):
+            return MultiScaleArray({k: v[index] for k, v in self.arrays.items()})
+        return {k: v[index] for k, v in self.arrays.items()}
+
+
+#: what a split's `images` may be: one [N, k, D] array, cached multi-scale maps, or lazily decoded image
+#: files (itmatch.data.images.ImageFiles); all support len(), [i] and [i:j].
+ImageSource = Any
+
+
+def batch_tensor(images: ImageSource) -> torch.Tensor | dict[str, torch.Tensor]:
+    """A slice of a split's images -> the tensor(s) `Matcher.encode_images` takes."""
+    if isinstance(images, MultiScaleArray):
+        return {k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in images.arrays.items()}
+    if hasattr(images, "load_batch"):  # ImageFiles: decodes and preprocesses the images
+        return images.load_batch()
+    return torch.from_numpy(np.array(images, dtype=np.float32))
+
+
 @dataclass
 class PrecompSplit:
-    """One split of a precomp dataset. `images` is memory-mapped; captions are strings."""
+    """One split of a precomp dataset. `images` is memory-mapped (or a MultiScaleArray of memory-mapped
+    stage maps, or ImageFiles for pixel-input models); captions are strings."""
 
     root: Path
     split: str
-    images: np.ndarray  # [N, k, D] float32, memory-mapped
+    images: ImageSource  # [N, k, D] float32, memory-mapped
     captions: list[str]
     ids: list[str]
     per_image: int = CAPTIONS_PER_IMAGE
@@ -100,17 +153,12 @@ class PrecompSplit:
                             self.captions[p * start:p * stop], self.ids[start:stop], p)
 
 
-def read_precomp(root: str | Path, split: str, *, check_finite: bool = True,
-                 per_image: int = CAPTIONS_PER_IMAGE, verify_checksum: bool = False) -> PrecompSplit:
-    """Open one split, validating shapes, dtype, counts, (optionally) that every feature is finite, and,
-    for directories written by `itmatch extract`, the features' size (and with `verify_checksum` their
-    SHA-256) against meta.json."""
-    root = Path(root)
-    fpath, cpath = features_path(root, split), captions_path(root, split)
+def _open_features(fpath: Path, split: str, check_finite: bool, hint: str, manifest: dict | None = None,
+                   verify_checksum: bool = False) -> np.ndarray:
+    """One memory-mapped float32 [N, k, D] feature array, validated; `manifest` (the split's meta.json
+    entry, for the main array) adds the size, image count and optionally SHA-256 checks."""
     if not fpath.is_file():
-        raise DataError(f"no features for split {split!r}", path=fpath,
-                        hint="run `itmatch extract` (or point --data at a directory with this split)")
-    manifest = split_manifest(root, split)
+        raise DataError(f"no features for split {split!r}", path=fpath, hint=hint)
     if manifest is not None:
         size = manifest.get("features_bytes")
         if isinstance(size, int) and fpath.stat().st_size != size:
@@ -135,8 +183,41 @@ def read_precomp(root: str | Path, split: str, *, check_finite: bool = True,
     if manifest is not None and isinstance(manifest.get("images"), int) and manifest["images"] != images.shape[0]:
         raise DataError(f"{images.shape[0]} images, meta.json recorded {manifest['images']}", path=fpath,
                         hint="re-extract this split (itmatch extract --force)")
+    if check_finite:
+        assert_finite(images, fpath)
+    return images
+
+
+def read_precomp(root: str | Path, split: str, *, check_finite: bool = True,
+                 per_image: int = CAPTIONS_PER_IMAGE, verify_checksum: bool = False,
+                 scales: tuple[str, ...] = ()) -> PrecompSplit:
+    """Open one split, validating shapes, dtype, counts, (optionally) that every feature is finite, and,
+    for directories written by `itmatch extract`, the main features' size (and with `verify_checksum`
+    their SHA-256) against meta.json. `scales` (e.g. ("c4", "c5")) opens those cached stage maps
+    (`scale_path`) as a MultiScaleArray."""
+    root = Path(root)
+    manifest = split_manifest(root, split)
+    main = features_path(root, split)
+    if scales:
+        hint = "extract the split with `itmatch extract ... --scales c3,c4,c5` (multi-scale models need it)"
+        arrays = {s: _open_features(scale_path(root, split, s), split, check_finite, hint,
+                                    manifest if scale_path(root, split, s) == main else None, verify_checksum)
+                  for s in scales}
+        images: ImageSource = MultiScaleArray(arrays)
+    else:
+        images = _open_features(main, split, check_finite,
+                                "run `itmatch extract` (or point --data at a directory with this split)",
+                                manifest, verify_checksum)
+    captions, ids = read_text_side(root, split, len(images), per_image)
+    return PrecompSplit(root, split, images, captions, ids, per_image)
+
+
+def read_text_side(root: str | Path, split: str, n: int, per_image: int = CAPTIONS_PER_IMAGE
+                   ) -> tuple[list[str], list[str]]:
+    """Captions and image ids of a split of `n` images, validated (5 captions per image, none empty)."""
+    root = Path(root)
+    cpath = captions_path(root, split)
     captions = read_lines(cpath)
-    n = images.shape[0]
     if len(captions) != per_image * n:
         raise DataError(f"{len(captions)} caption lines for {n} images; the precomp layout needs "
                         f"{per_image} x {n} = {per_image * n}", path=cpath,
@@ -149,9 +230,7 @@ def read_precomp(root: str | Path, split: str, *, check_finite: bool = True,
     ids = read_lines(ipath) if ipath.exists() else [str(i) for i in range(n)]
     if len(ids) != n:
         raise DataError(f"{len(ids)} ids for {n} images", path=ipath, hint="write one image id per line")
-    if check_finite:
-        assert_finite(images, fpath)
-    return PrecompSplit(root, split, images, captions, ids, per_image)
+    return captions, ids
 
 
 def assert_finite(array: np.ndarray, path: Path, chunk: int = 256) -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from itmatch.data.datasets import pad_tokens
-from itmatch.data.precomp import PrecompSplit
+from itmatch.data.precomp import ImageSource, PrecompSplit, batch_tensor
 from itmatch.data.vocab import AnyVocab
 from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.errors import DataError
@@ -51,13 +50,14 @@ def concat_images(parts: list[ImageEmb]) -> ImageEmb:
 
 
 @torch.inference_mode()
-def encode_images(model: Matcher, features: np.ndarray, batch_size: int = 128, progress: bool = False
+def encode_images(model: Matcher, features: ImageSource, batch_size: int = 128, progress: bool = False
                   ) -> ImageEmb:
+    """Encode every image of a split's `images` (a feature array, cached multi-scale maps, or image
+    files for pixel-input models) once, in batches."""
     parts = []
     for start in tqdm(range(0, len(features), batch_size), desc="encode images", disable=not progress,
                       leave=False):
-        feats = torch.from_numpy(np.array(features[start:start + batch_size], dtype=np.float32))
-        parts.append(model.encode_images(feats))
+        parts.append(model.encode_images(batch_tensor(features[start:start + batch_size])))
     return concat_images(parts)
 
 

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from itmatch.config import Config, config_from_dict
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairDataset, collate_pairs
-from itmatch.data.precomp import PrecompSplit, read_precomp
+from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
 from itmatch.engine.checkpoint import (
     load_checkpoint,
@@ -36,6 +36,7 @@ from itmatch.engine.checkpoint import (
     save_checkpoint,
 )
 from itmatch.engine.evaluate import evaluate_models
+from itmatch.engine.inputs import fill_image_dims, open_split
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
 from itmatch.models.registry import build_model
@@ -53,12 +54,19 @@ OPTIMIZERS = {"adam": torch.optim.Adam, "adadelta": torch.optim.Adadelta}
 
 def make_optimizer(cfg: Config, model: torch.nn.Module, epoch: int) -> torch.optim.Optimizer:
     """The configured optimizer over the trainable parameters (frozen ones, e.g. a pretrained text
-    encoder, are left out)."""
+    encoder, are left out); parameters named in `model.lr_scales` get their own group at lr * scale."""
     if cfg.train.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown train.optimizer {cfg.train.optimizer!r}",
                           hint=f"choose one of {', '.join(OPTIMIZERS)}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    return OPTIMIZERS[cfg.train.optimizer](params, lr=learning_rate(cfg, epoch), weight_decay=cfg.train.weight_decay)
+    groups: dict[float, list[torch.nn.Parameter]] = {}
+    scales = getattr(model, "lr_scales", {})
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            scale = next((s for prefix, s in scales.items() if name.startswith(prefix)), 1.0)
+            groups.setdefault(scale, []).append(p)
+    lr = learning_rate(cfg, epoch)
+    param_groups = [{"params": ps, "lr": lr * s, "lr_scale": s} for s, ps in groups.items()]
+    return OPTIMIZERS[cfg.train.optimizer](param_groups, lr=lr, weight_decay=cfg.train.weight_decay)
 
 
 def apply_word_vectors(model: torch.nn.Module, vocab: Vocab, source: str) -> dict[str, int]:
@@ -135,15 +143,12 @@ def epoch_batches(cfg: Config, lengths: list[int], n_captions: int, epoch: int) 
 def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, PrecompSplit, AnyVocab]:
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
-    train = read_precomp(cfg.data.path, cfg.data.train_split)
-    val = read_precomp(cfg.data.path, cfg.data.val_split).head(cfg.train.val_images)
+    train = open_split(cfg, cfg.data.train_split, train=True)
+    val = open_split(cfg, cfg.data.val_split).head(cfg.train.val_images)
     if vocab is None:
         vocab = make_vocab(cfg, train.captions)
     cfg.model.vocab_size = len(vocab)
-    if cfg.model.img_dim and cfg.model.img_dim != train.images.shape[2]:
-        raise ConfigError(f"model.img_dim={cfg.model.img_dim} but the features are {train.images.shape[2]}-d",
-                          hint="drop the override; img_dim is taken from the data")
-    cfg.model.img_dim = int(train.images.shape[2])
+    fill_image_dims(cfg, train)
     meta = Path(cfg.data.path) / "meta.json"
     if not cfg.data.backbone and meta.is_file():
         cfg.data.backbone = json.loads(meta.read_text(encoding="utf-8")).get("backbone", "")
@@ -229,7 +234,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         loader = DataLoader(dataset, batch_sampler=batches[first:n_batches], collate_fn=collate_pairs)
         lr = learning_rate(cfg, epoch)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         hardest = cfg.loss.hardest and epoch >= cfg.loss.warmup_epochs
         model.train()
         bar = tqdm(total=n_batches, initial=first, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",

@@ -48,6 +48,9 @@ _SPECS: dict[str, BackboneSpec] = {
                               "torchvision ResNet-152, 224 px, 7x7x2048 grid (needs local weights)"),
 }
 BACKBONE_NAMES: tuple[str, ...] = tuple(_SPECS)
+#: Names of the three `stages` maps (strides 8, 16, 32): the ResNet c3/c4/c5 of SAVE section 3.1.1 and
+#: their EfficientNet-Lite analogue (see `EfficientNetLiteBackbone`).
+STAGE_NAMES: tuple[str, str, str] = ("c3", "c4", "c5")
 
 # EfficientNet-Lite weights were trained in TensorFlow, whose Lite input pipeline normalises 0..255 RGB
 # pixels with mean 127 and std 128 for every channel (efficientnet_lite_builder.py: MEAN_RGB = 127,
@@ -58,6 +61,28 @@ _LITE_MEAN, _LITE_STD = 127.0, 128.0
 # torchvision ResNets: 0..1 RGB, ImageNet mean/std.
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def to_pixels(image: Image.Image, size: int) -> torch.Tensor:
+    """The resize rule of every backbone: EXIF orientation applied, converted to RGB (grayscale, CMYK,
+    palette, alpha all become 3-channel RGB), bilinear resize to size x size (the aspect ratio is not
+    kept: every part of the photo stays in view) -> float32 [3, size, size] on 0..255."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    if image.size != (size, size):
+        image = image.resize((size, size), Image.Resampling.BILINEAR)
+    arr = np.asarray(image, dtype=np.float32)  # [H, W, 3]
+    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+
+
+def normalise_pixels(family: str, pixels: torch.Tensor) -> torch.Tensor:
+    """0..255 RGB [..., 3, H, W] -> the input a backbone family was trained on."""
+    if family == "efficientnet-lite":
+        return (pixels - _LITE_MEAN) / _LITE_STD
+    mean = torch.tensor(_IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(_IMAGENET_STD).view(3, 1, 1)
+    return (pixels / 255.0 - mean) / std
 
 
 def backbone_spec(name: str) -> BackboneSpec:
@@ -95,21 +120,10 @@ class Backbone(nn.Module):
         self.frozen = frozen
 
     # -- preprocessing -------------------------------------------------------------------------------
-    def _pixels(self, image: Image.Image) -> torch.Tensor:
-        """RGB, EXIF orientation applied, bilinear resize to image_size x image_size (the aspect ratio
-        is not kept: every region of the photo stays in view) -> float32 [3, H, W] on 0..255."""
-        image = ImageOps.exif_transpose(image)
-        if image.mode != "RGB":
-            image = image.convert("RGB")
-        size = (self.image_size, self.image_size)
-        if image.size != size:
-            image = image.resize(size, Image.Resampling.BILINEAR)
-        arr = np.asarray(image, dtype=np.float32)  # [H, W, 3]
-        return torch.from_numpy(arr.transpose(2, 0, 1).copy())
-
     def preprocess(self, image: Image.Image) -> torch.Tensor:
-        """One PIL image -> normalised float32 tensor [3, image_size, image_size] (deterministic)."""
-        raise NotImplementedError
+        """One PIL image -> normalised float32 tensor [3, image_size, image_size] (deterministic:
+        `to_pixels` then the family's normalisation)."""
+        return normalise_pixels(self.spec.family, to_pixels(image, self.image_size))
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.ndim != 4 or x.shape[1] != 3 or x.shape[2] != self.image_size or x.shape[3] != self.image_size:
@@ -128,6 +142,15 @@ class Backbone(nn.Module):
 
     def stages(self, x: torch.Tensor) -> list[torch.Tensor]:
         """[B, 3, S, S] -> feature maps at strides 8, 16 and 32 ([B, stage_dims[i], h_i, w_i])."""
+        raise NotImplementedError
+
+    def stage_maps(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`stages` by name: {"c3": stride 8, "c4": stride 16, "c5": stride 32}."""
+        return dict(zip(STAGE_NAMES, self.stages(x), strict=True))
+
+    def tail(self) -> nn.Module:
+        """The part of the network that maps the c4 map to the c5 map (a module sharing this backbone's
+        parameters). SAVE's NL-ms2 inserts self-attention between c4 and c5 and runs it."""
         raise NotImplementedError
 
     def classify(self, x: torch.Tensor) -> torch.Tensor:
@@ -150,6 +173,10 @@ class EfficientNetLiteBackbone(Backbone):
       - stride 32: the head (1x1 conv to 1280 ch + BN + ReLU6) after the last block (lite0: block 15,
                    lite2: block 20), 7x7 / 9x9 -- the same map `forward` flattens.
     The block indices are derived from the blocks' strides at construction, not hard-coded.
+    These three maps are SAVE's c3/c4/c5 (section 3.1.1; `stage_maps` names them): same strides and grid
+    sides as ResNet's layer2/3/4 at 224 px, with far fewer channels at c3/c4 (40/112 vs 512/1024), and
+    c5 taken after the 1x1 head conv (1280 ch, the ImageNet classifier's input) rather than the last
+    block (320 ch), so that c5 is exactly the cached precomp grid. `tail()` maps c4 to c5.
     """
 
     normalisation = "(x - 127) / 128 on 0..255 RGB (TensorFlow EfficientNet-Lite)"
@@ -188,9 +215,6 @@ class EfficientNetLiteBackbone(Backbone):
             raise ConfigError(f"unexpected EfficientNet block strides in {self.name} (total stride {stride})")
         return last_at[8], last_at[16]
 
-    def preprocess(self, image: Image.Image) -> torch.Tensor:
-        return (self._pixels(image) - _LITE_MEAN) / _LITE_STD
-
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         return x.contiguous(memory_format=torch.channels_last)
@@ -218,9 +242,35 @@ class EfficientNetLiteBackbone(Backbone):
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(self._prepare(x))
 
+    def tail(self) -> nn.Module:
+        return _LiteTail(self.net, self._stage_ends[1] + 1, self.frozen)
+
+
+class _LiteTail(nn.Module):
+    """EfficientNet-Lite blocks after the last stride-16 block, then the head: c4 -> c5."""
+
+    def __init__(self, net: nn.Module, first: int, frozen: bool) -> None:
+        super().__init__()
+        self.first, self.n_blocks, self.frozen = first, len(net._blocks), frozen
+        self.blocks = nn.ModuleList(net._blocks[first:])
+        self.conv_head, self.bn1, self.act = net._conv_head, net._bn1, net._swish
+        self.drop_connect_rate = net._global_params.drop_connect_rate
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for offset, block in enumerate(self.blocks):
+            rate = self.drop_connect_rate
+            if rate:
+                rate *= float(self.first + offset) / self.n_blocks
+            h = block(h, drop_connect_rate=rate)
+        return self.act(self.bn1(self.conv_head(h)))
+
+    def train(self, mode: bool = True) -> _LiteTail:
+        return super().train(mode and not self.frozen)
+
 
 class ResNetBackbone(Backbone):
-    """torchvision ResNet; stages: layer2 (stride 8), layer3 (stride 16), layer4 (stride 32)."""
+    """torchvision ResNet; stages: layer2 (stride 8), layer3 (stride 16), layer4 (stride 32) -- SAVE's
+    c3/c4/c5 exactly (ResNet-50/152: 512, 1024, 2048 channels; 28x28, 14x14, 7x7 at 224 px)."""
 
     normalisation = "ImageNet mean/std on 0..1 RGB (torchvision)"
 
@@ -230,14 +280,9 @@ class ResNetBackbone(Backbone):
         self.net = net
         self.weights = str(weights_path)
         self.stage_dims = (spec.out_dim // 4, spec.out_dim // 2, spec.out_dim)
-        self.register_buffer("_mean", torch.tensor(_IMAGENET_MEAN).view(3, 1, 1), persistent=False)
-        self.register_buffer("_std", torch.tensor(_IMAGENET_STD).view(3, 1, 1), persistent=False)
         if frozen:
             self.requires_grad_(False)
         self.train(False)
-
-    def preprocess(self, image: Image.Image) -> torch.Tensor:
-        return (self._pixels(image) / 255.0 - self._mean.cpu()) / self._std.cpu()
 
     def stages(self, x: torch.Tensor) -> list[torch.Tensor]:
         self._check_input(x)
@@ -252,6 +297,23 @@ class ResNetBackbone(Backbone):
 
     def classify(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+    def tail(self) -> nn.Module:
+        return _FrozenAware(self.net.layer4, self.frozen)
+
+
+class _FrozenAware(nn.Module):
+    """Wraps a sub-network of a backbone; stays in eval mode under .train() when the backbone is frozen."""
+
+    def __init__(self, module: nn.Module, frozen: bool) -> None:
+        super().__init__()
+        self.module, self.frozen = module, frozen
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.module(h)
+
+    def train(self, mode: bool = True) -> _FrozenAware:
+        return super().train(mode and not self.frozen)
 
 
 def _lite_weights(spec: BackboneSpec) -> Path:

@@ -11,6 +11,10 @@ and SHA-256 (the manifest, written last), and only then is the progress file del
 refuses a split of an itmatch-precomp directory that meta.json does not record, or whose features
 differ from the recorded size: an interrupted run never leaves files that read as a complete split.
 
+Multi-scale (`scales`, SAVE): the same pass also writes the backbone's finer stage maps beside the main
+array, `{split}_ims_c3.npy` [N, h3*w3, C3] and `{split}_ims_c4.npy` (c5 is the main array itself), each
+streamed, resumed and renamed like the main one; meta.json lists them under "scales".
+
 Determinism: the same images, backbone, batch size and thread count give bit-identical arrays. The
 batch size is part of that (oneDNN picks kernels by batch shape; measured differences are ~1e-5), so a
 resumed run keeps the batch size recorded in its progress file.
@@ -42,11 +46,12 @@ from itmatch.data.precomp import (
     features_path,
     file_sha256,
     ids_path,
+    scale_path,
     split_manifest,
     write_captions,
 )
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
-from itmatch.features.backbones import Backbone, load_backbone
+from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
 from itmatch.io import write_json_atomic
 
 log = logging.getLogger("itmatch.features")
@@ -82,10 +87,12 @@ def _version() -> str:
         return str(getattr(itmatch, "__version__", "unknown"))
 
 
-def _fingerprint(bb: Backbone, ids: list[str]) -> str:
+def _fingerprint(bb: Backbone, ids: list[str], extras: tuple[str, ...] = ()) -> str:
     h = hashlib.sha256()
     head = {"backbone": bb.name, "weights": Path(bb.weights).name, "image_size": bb.image_size,
             "normalisation": bb.normalisation, "preprocess_version": PREPROCESS_VERSION}
+    if extras:  # absent for single-scale runs, so their fingerprints (and resumable state) are unchanged
+        head["scales"] = list(extras)
     h.update(json.dumps(head, sort_keys=True).encode())
     for image_id in ids:
         h.update(image_id.encode("utf-8") + b"\0")
@@ -200,33 +207,54 @@ def _read_progress(path: Path) -> dict[str, Any] | None:
     return state
 
 
-def _features_renamed(state: dict[str, Any], out_dir: Path, split: str) -> bool:
-    """Did the run of `state` already move its finished features to the final name? Either it recorded
-    so, or it was killed right after the rename: every image done, the partial file gone, the final
-    file there (a stale final file of an older run can only coexist with a partial one)."""
-    final = features_path(out_dir, split)
+def _features_renamed(state: dict[str, Any], out_dir: Path, split: str, extras: tuple[str, ...] = ()) -> bool:
+    """Did the run of `state` already move its finished features (and the extra stage maps) to their final
+    names? Either it recorded so, or it was killed right after the rename: every image done, the partial
+    file gone, the final files there (a stale final file of an older run can only coexist with a partial one)."""
+    finals = [scale_path(out_dir, split, s) for s in ("c5", *extras)]
+    if not all(f.exists() for f in finals):
+        return False
     if state.get("features_complete"):
-        return final.exists()
-    return (int(state.get("done", -1)) >= int(state.get("n_images", -2)) and final.exists()
-            and not partial_path(out_dir, split).exists())
+        return True
+    return int(state.get("done", -1)) >= int(state.get("n_images", -2)) and not partial_path(out_dir, split).exists()
 
 
-def _complete(out_dir: Path, split: str, fingerprint: str) -> bool:
-    """meta.json records `split` as extracted from the same images and backbone, and its files are there."""
+def _complete(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, ...] = ()) -> bool:
+    """meta.json records `split` as extracted from the same images, backbone and stage maps, and its files
+    are there."""
     try:
         info = split_manifest(out_dir, split)
     except DataError:
         return False
-    paths = (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split))
+    paths = (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split),
+             *(scale_path(out_dir, split, s) for s in extras))
     return bool(info and info.get("fingerprint") == fingerprint and all(p.is_file() for p in paths)
                 and features_path(out_dir, split).stat().st_size == info.get("features_bytes"))
 
 
-def _finishing(out_dir: Path, split: str, fingerprint: str) -> bool:
+def _finishing(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, ...] = ()) -> bool:
     """True when a previous run stopped after renaming the features but before it recorded the split as
     complete in meta.json (captions, ids or meta still to write)."""
     state = _read_progress(progress_path(out_dir, split))
-    return bool(state and state.get("fingerprint") == fingerprint and _features_renamed(state, out_dir, split))
+    return bool(state and state.get("fingerprint") == fingerprint and _features_renamed(state, out_dir, split, extras))
+
+
+def parse_extract_scales(spec: str | list[str] | None) -> tuple[str, ...]:
+    """--scales "c3,c4,c5" -> the extra maps to write, ("c3", "c4") (c5 is always the main array)."""
+    if not spec:
+        return ()
+    names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    bad = [s for s in names if s not in STAGE_NAMES]
+    if bad:
+        raise DataError(f"unknown scale(s) {', '.join(bad)}", hint="use names among c3, c4, c5, e.g. c3,c4,c5")
+    return tuple(s for s in STAGE_NAMES[:-1] if s in names)
+
+
+def stage_shapes(bb: Backbone) -> dict[str, tuple[int, int]]:
+    """(cells, channels) of every stage map at the backbone's input size (one dummy forward)."""
+    with torch.inference_mode():
+        maps = bb.stage_maps(torch.zeros(1, 3, bb.image_size, bb.image_size))
+    return {k: (int(v.shape[2] * v.shape[3]), int(v.shape[1])) for k, v in maps.items()}
 
 
 def _open_partial(path: Path, shape: tuple[int, ...], resume: bool) -> np.memmap:
@@ -242,15 +270,40 @@ def _open_partial(path: Path, shape: tuple[int, ...], resume: bool) -> np.memmap
     return open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
 
 
+def _finish_array(final: Path, partial: Path, arr: np.memmap, written: int) -> None:
+    """Move a filled partial array to its final name (copying the first `written` rows into an array of
+    the right length when images were skipped)."""
+    if written < arr.shape[0]:
+        compact = Path(f"{final}.compact.partial")
+        dst = open_memmap(compact, mode="w+", dtype=np.float32, shape=(written, *arr.shape[1:]))
+        for s in range(0, written, 512):
+            dst[s:s + 512] = arr[s:min(s + 512, written)]
+        dst.flush()
+        del dst
+        del arr
+        _fsync_file(compact)
+        os.replace(compact, final)
+        partial.unlink()
+    else:
+        arr.flush()
+        del arr
+        _fsync_file(partial)
+        os.replace(partial, final)
+
+
 def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
                    ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
-                   progress: bool, on_batch: BatchHook | None) -> dict[str, Any]:
+                   progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = ()) -> dict[str, Any]:
     n = len(ids)
     per = len(caps) // n
-    fp = _fingerprint(bb, ids)
+    fp = _fingerprint(bb, ids, extras)
     final, partial = features_path(out_dir, split), partial_path(out_dir, split)
     prog = progress_path(out_dir, split)
     shape = (n, bb.grid * bb.grid, bb.out_dim)
+    cells = stage_shapes(bb) if extras else {}
+    # the extra stage maps: final path, partial path, shape
+    extra_files = {s: (scale_path(out_dir, split, s), Path(f"{scale_path(out_dir, split, s)}.partial"),
+                       (n, *cells[s])) for s in extras}
 
     state = _read_progress(prog)
     if state is not None and state.get("fingerprint") != fp:
@@ -261,8 +314,9 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                 hint="resume it with the same captions and backbone, write elsewhere, "
                      "or pass --force to discard it")
         state = None
-    finishing = state is not None and _features_renamed(state, out_dir, split)
-    resume = state is not None and partial.exists() and not finishing
+    finishing = state is not None and _features_renamed(state, out_dir, split, extras)
+    resume = (state is not None and partial.exists() and not finishing
+              and all(p.exists() for _, p, _ in extra_files.values()))
     if state is not None and not resume and not finishing:
         state = None
     if state is None:
@@ -278,6 +332,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
 
     if not finishing:
         arr = _open_partial(partial, shape, resume)
+        extra_arrs = {s: _open_partial(p, shp, resume) for s, (_, p, shp) in extra_files.items()}
         if not resume:
             state.update(done=0, written=0, skipped=[])
             done_at_start = 0
@@ -285,6 +340,8 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
 
         def save() -> None:
             arr.flush()
+            for a in extra_arrs.values():
+                a.flush()
             write_json_atomic(prog, state)
 
         is_tty = progress and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
@@ -311,7 +368,14 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                 w = int(state["written"])
                 if tensors:
                     with torch.inference_mode():
-                        feats = bb(torch.stack(tensors)).float().cpu().numpy()
+                        x = torch.stack(tensors)
+                        if extras:  # one pass: c5 (== bb(x), the main array) and the finer maps
+                            maps = bb.stage_maps(x)
+                            for s, a in extra_arrs.items():
+                                a[w:w + len(tensors)] = maps[s].flatten(2).transpose(1, 2).float().numpy()
+                            feats = maps["c5"].flatten(2).transpose(1, 2).float().numpy()
+                        else:
+                            feats = bb(x).float().cpu().numpy()
                     arr[w:w + len(tensors)] = feats
                 # Rows are in place: now advance the state (never before, so a failure redoes the batch).
                 for b in bad:
@@ -343,22 +407,11 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
         # Stale captions/ids of an older extraction must never sit beside the new features.
         for p in (captions_path(out_dir, split), ids_path(out_dir, split)):
             p.unlink(missing_ok=True)
-        if written < n:
-            # Skipped images: copy the filled rows into an array of the right length.
-            compact = out_dir / f"{split}_ims.npy.compact.partial"
-            dst = open_memmap(compact, mode="w+", dtype=np.float32, shape=(written, *shape[1:]))
-            for s in range(0, written, 512):
-                dst[s:s + 512] = arr[s:min(s + 512, written)]
-            dst.flush()
-            del dst
-            del arr
-            _fsync_file(compact)
-            os.replace(compact, final)
-            partial.unlink()
-        else:
-            del arr
-            _fsync_file(partial)
-            os.replace(partial, final)
+        outputs = [(final, partial, arr)] + [(f, p, extra_arrs[s]) for s, (f, p, _) in extra_files.items()]
+        del arr, extra_arrs
+        for out_final, out_partial, out_arr in outputs:
+            _finish_array(out_final, out_partial, out_arr, written)
+        del outputs
         _fsync_dir(out_dir)
         state["features_complete"] = True
         write_json_atomic(prog, state)
@@ -383,7 +436,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
                     skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
-                    on_batch: BatchHook | None = None) -> dict[str, Any]:
+                    on_batch: BatchHook | None = None, scales: str | list[str] | None = None) -> dict[str, Any]:
     """Extract backbone grid features of every image of `table` into the precomp layout in `out_dir`.
 
     Writes, per split (default: every non-empty split name of the table), `{split}_ims.npy` float32
@@ -395,6 +448,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     `batch_size` 8 is the fastest measured on a 2-core CPU (lite0, 96 Flickr8K photos: 47 img/s at 8,
     45 at 4, 41 at 16, 30 at 32; large batches spill the activations out of cache).
     `num_threads` sets torch's intra-op threads for the run (default: leave torch's setting).
+    `scales` ("c3,c4,c5" or a list) also writes the finer stage maps (SAVE's c3/c4) beside the main
+    array, from the same forward pass (see the module docstring).
     Returns the metadata written to meta.json.
     """
     images_dir, out_dir = Path(images_dir), Path(out_dir)
@@ -425,18 +480,21 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                             hint="check the images folder (it must hold the files the captions name), "
                                  "or pass --skip-bad-images to drop them and their captions")
 
+    extras = parse_extract_scales(scales)
     bb = load_backbone(backbone)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fingerprints = {s: _fingerprint(bb, rows[s][0]) for s in splits}
+    fingerprints = {s: _fingerprint(bb, rows[s][0], extras) for s in splits}
     # Splits an earlier run of this same command completed (meta.json records them with the same image
     # list and backbone) are kept: re-running the command is idempotent, so a run killed in a later split
     # (or after its last write, before it exited) resumes instead of refusing to overwrite them. Outputs
     # of other images or another backbone are still only replaced with `force`.
-    done_before = {s for s in splits if not force and _complete(out_dir, s, fingerprints[s])}
+    done_before = {s for s in splits if not force and _complete(out_dir, s, fingerprints[s], extras)}
     for split in splits:
-        if split in done_before or _finishing(out_dir, split, fingerprints[split]):
+        if split in done_before or _finishing(out_dir, split, fingerprints[split], extras):
             continue
-        for p in (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split)):
+        extra_paths = [scale_path(out_dir, split, s) for s in extras]
+        for p in (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split),
+                  *extra_paths):
             refuse_overwrite(p, force)
 
     meta_file = out_dir / META_NAME
@@ -459,6 +517,12 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             meta = old
     meta.update({"format": "itmatch-precomp", "itmatch_version": _version(), **bmeta})
     meta.setdefault("splits", {})
+    if extras:
+        shapes = stage_shapes(bb)
+        meta["scales"] = {s: {"file": f"{{split}}_ims_{s}.npy" if s != "c5" else "{split}_ims.npy",
+                              "regions": shapes[s][0], "dim": shapes[s][1],
+                              "grid": int(round(shapes[s][0] ** 0.5)), "stride": 8 * 2 ** i}
+                          for i, s in enumerate(STAGE_NAMES) if s in extras or s == "c5"}
 
     with _strict_pil(), _torch_threads(num_threads):
         for split in splits:
@@ -467,7 +531,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                 continue
             ids, caps = rows[split]
             info = _extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
-                                  force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch)
+                                  force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
+                                  extras=extras)
             meta["splits"][split] = {**info, "fingerprint": fingerprints[split]}
             write_json_atomic(meta_file, meta)
             _fsync_dir(out_dir)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -10,7 +11,9 @@ from torch import nn
 from itmatch.config import LossConfig
 from itmatch.models.losses import triplet_loss
 
-EPS = 1e-8  # the public SCAN code's epsilon in l2norm and cosine similarity
+EPS = 1e-8
+#: What `Matcher.encode_images` accepts: region features, or a dict of named multi-scale maps.
+ImageInput = torch.Tensor | Mapping[str, torch.Tensor]  # the public SCAN code's epsilon in l2norm and cosine similarity
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
@@ -24,6 +27,21 @@ def length_mask(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tens
     """[B, L] bool, True on real time steps."""
     max_len = int(lengths.max()) if max_len is None else max_len
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def masked_pool(values: torch.Tensor, mask: torch.Tensor, dim: int, how: str, lse_lambda: float = 1.0
+                ) -> torch.Tensor:
+    """Pool `values` over `dim`, ignoring masked-out entries: avg, sum, max, or lse
+    (log(sum exp(lambda x)) / lambda, SCAN Eq. 5/7)."""
+    if how == "avg":
+        return values.masked_fill(~mask, 0.0).sum(dim) / mask.sum(dim).clamp(min=1)
+    if how == "sum":
+        return values.masked_fill(~mask, 0.0).sum(dim)
+    if how == "max":
+        return values.masked_fill(~mask, float("-inf")).amax(dim)
+    if how == "lse":
+        return torch.logsumexp((values * lse_lambda).masked_fill(~mask, float("-inf")), dim) / lse_lambda
+    raise ValueError(f"unknown pooling {how!r}; choose avg, lse, max or sum")
 
 
 @dataclass
@@ -116,14 +134,21 @@ class SimilarityHead(nn.Module):
 
 
 class Matcher(nn.Module):
-    """An image encoder, a text encoder and a similarity head."""
+    """An image encoder, a text encoder and a similarity head.
+
+    `lr_scales` maps a parameter-name prefix to a learning-rate multiplier (e.g. a fine-tuned backbone
+    at lr / 10); the trainer puts those parameters in their own optimizer group."""
 
     def __init__(self, image_encoder: nn.Module, text_encoder: nn.Module, head: SimilarityHead) -> None:
         super().__init__()
         self.image_encoder, self.text_encoder, self.head = image_encoder, text_encoder, head
+        self.lr_scales: dict[str, float] = {}
 
-    def encode_images(self, feats: torch.Tensor, mask: torch.Tensor | None = None) -> ImageEmb:
-        if mask is None:
+    def encode_images(self, feats: ImageInput, mask: torch.Tensor | None = None) -> ImageEmb:
+        """feats: region features [N, k, D] (every model), or what a grid model reads instead: a dict of
+        cached stage maps {scale: [N, k_s, C_s]} or pixels [N, 3, S, S] (SAVE, models/grid.py); the
+        mask defaults to all regions real."""
+        if mask is None and isinstance(feats, torch.Tensor) and feats.ndim == 3:
             mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
         return self.head.prepare_images(self.image_encoder(feats, mask))
 

@@ -9,8 +9,7 @@ from torch import nn
 
 from itmatch.errors import DataError
 from itmatch.models.attention import GuidedAttention
-from itmatch.models.base import ImageEmb, l2norm
-from itmatch.models.heads.common import masked_pool
+from itmatch.models.base import ImageEmb, l2norm, masked_pool
 
 ACTIVATIONS = {"none": nn.Identity, "tanh": nn.Tanh}
 

@@ -12,7 +12,8 @@ from torch import nn
 from itmatch.config import Config, ModelConfig, config_from_dict, update
 from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher, SimilarityHead
-from itmatch.models.heads import GlobalCosineHead, MMCAHead, OANHead, ScanHead, SMANHead, SumMaxHead
+from itmatch.models.grid import Borrowed, MultiScaleSelfAttention, SaveImageEncoder, parse_scales
+from itmatch.models.heads import GlobalCosineHead, MMCAHead, OANHead, ScanHead, SMANHead, SumMaxHead, TwoWayScanHead
 from itmatch.models.image import MMCAImageEncoder, RegionEncoder, SMANImageEncoder
 from itmatch.models.text import FrozenTransformer, MMCATextEncoder, RNNTextEncoder, SMANTextEncoder, TextCNNEncoder
 
@@ -88,6 +89,22 @@ def _presets() -> dict[str, dict[str, Any]]:
                         ("mmca_alpha0", {"embed_size": 256, "mmca": {"alpha": 0.0}}),  # self-attention only
                         ("mmca_h512", {"embed_size": 512, "mmca": {"alpha": 0.2}})):  # a larger hidden size
         presets[name] = {"model": {"arch": "mmca", **model}, **copy.deepcopy(mmca_base)}
+    # SAVE Tables 4-5 (the ablations, all in the i-t AVG setting): self-attention variants on c5, fusion of
+    # c4+c5 / c3+c4+c5, NL-ms2; the paper gives no schedule beyond SCAN's "same settings": F30K's.
+    # model.direction=both gives Table 1's averaged i-t/t-i scores (footnote 1).
+    save_i2t = {"arch": "save", "direction": "i2t", "pool": "avg", **SCAN_LAMBDAS[("f30k", "i2t")]}
+    save_variants = {
+        "save_nosa": {"attention": "none", "scales": "c5"},
+        "save_dsa": {"attention": "dsa", "scales": "c5"},
+        "save_asa": {"attention": "asa", "scales": "c5"},
+        "save_asa_ms2": {"attention": "asa", "scales": "c4,c5"},
+        "save_asa_ms3": {"attention": "asa", "scales": "c3,c4,c5"},
+        "save_nl_ms2": {"attention": "asa", "scales": "c4,c5", "fusion": "nl"},
+        # the best of Table 1 (ASA-ms3) trained end to end from pixels, backbone fine-tuned at lr / 10
+        "save_asa_ms3_ft": {"attention": "asa", "scales": "c3,c4,c5", "pixels": True, "finetune": True},
+    }
+    for name, save in save_variants.items():
+        presets[name] = {"model": {**save_i2t, "save": save}, "train": F30K_SCHEDULE}
     return presets
 
 
@@ -139,8 +156,60 @@ def _build_summax(mc: ModelConfig) -> Matcher:
 
 
 def _build_scan(mc: ModelConfig) -> Matcher:
-    return _region_rnn_matcher(mc, ScanHead(mc.direction, mc.pool, mc.lambda_softmax, mc.lambda_lse,
-                                            mc.raw_feature_norm, mc.clip_slope))
+    return _region_rnn_matcher(mc, _scan_head(mc))
+
+
+def _scan_head(mc: ModelConfig) -> SimilarityHead:
+    """SCAN's head in mc.direction; "both" averages a t-i head (mc.lambda_*) and an i-t head
+    (mc.save.i2t_lambda_*)."""
+    if mc.direction == "both":
+        return TwoWayScanHead(
+            ScanHead("t2i", mc.pool, mc.lambda_softmax, mc.lambda_lse, mc.raw_feature_norm, mc.clip_slope),
+            ScanHead("i2t", mc.pool, mc.save.i2t_lambda_softmax, mc.save.i2t_lambda_lse, mc.raw_feature_norm,
+                     mc.clip_slope))
+    return ScanHead(mc.direction, mc.pool, mc.lambda_softmax, mc.lambda_lse, mc.raw_feature_norm, mc.clip_slope)
+
+
+def _build_save(mc: ModelConfig) -> Matcher:
+    sc = mc.save
+    scales = parse_scales(sc.scales)
+    if sc.finetune and not sc.pixels:
+        raise ValueError("model.save.finetune needs model.save.pixels=true (the backbone runs inside the model)")
+    backbone = tail = None
+    if sc.pixels or sc.fusion == "nl":
+        from itmatch.features.backbones import STAGE_NAMES, load_backbone
+
+        net = load_backbone(sc.backbone, frozen=not sc.finetune)
+        dims = dict(zip(STAGE_NAMES, net.stage_dims, strict=True))
+        backbone = net if sc.pixels else None
+        if sc.fusion == "nl":  # with a backbone in the model, its tail's parameters are already there
+            tail = net.tail() if backbone is None else Borrowed(net.tail())
+    else:
+        dims = {"c3": sc.c3_dim, "c4": sc.c4_dim, "c5": mc.img_dim}
+        unset = [s for s in scales if dims[s] <= 0]
+        if unset:
+            raise ValueError(f"channels of cached scale(s) {unset} unknown: set model.save.c3_dim/c4_dim "
+                             "(the trainer takes them from the data)")
+    fusion = MultiScaleSelfAttention(scales, dims, sc.attention, sc.fusion, sc.dsa_lambda, tail)
+    image = SaveImageEncoder(fusion, mc.embed_size, norm=mc.img_norm, backbone=backbone)
+    text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
+                          bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm)
+    model = Matcher(image, text, _scan_head(mc))
+    if sc.finetune:
+        model.lr_scales = {"image_encoder.backbone.": sc.backbone_lr_scale}
+    return model
+
+
+def image_inputs(mc: ModelConfig) -> tuple[str, ...]:
+    """What a model's image encoder reads from a dataset: () the precomp `{split}_ims.npy` array (every
+    region model); ("pixels",) decoded image files of data.images; or cached stage maps by name, e.g.
+    ("c4", "c5"), where c5 is `{split}_ims.npy` and c3/c4 are `{split}_ims_c3.npy`/`_c4.npy`."""
+    if mc.arch != "save":
+        return ()
+    if mc.save.pixels:
+        return ("pixels",)
+    scales = parse_scales(mc.save.scales)
+    return scales if scales != ("c5",) else ()
 
 
 def _build_sman(mc: ModelConfig) -> Matcher:
@@ -211,6 +280,7 @@ BUILDERS: dict[str, Callable[[ModelConfig], Matcher]] = {
     "sman": _build_sman,
     "oan": _build_oan,
     "mmca": _build_mmca,
+    "save": _build_save,
 }
 
 

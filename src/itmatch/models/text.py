@@ -8,8 +8,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from itmatch.models.attention import GuidedAttention
-from itmatch.models.base import TextEmb, l2norm, length_mask
-from itmatch.models.heads.common import masked_pool
+from itmatch.models.base import TextEmb, l2norm, length_mask, masked_pool
 
 
 class RNNTextEncoder(nn.Module):

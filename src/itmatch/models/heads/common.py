@@ -20,21 +20,6 @@ def pair_mask(img: ImageEmb, txt: TextEmb) -> torch.Tensor:
     return img.mask[:, :, None, None] & txt.mask[None, None, :, :]
 
 
-def masked_pool(values: torch.Tensor, mask: torch.Tensor, dim: int, how: str, lse_lambda: float = 1.0
-                ) -> torch.Tensor:
-    """Pool `values` over `dim`, ignoring masked-out entries: avg, sum, max, or lse
-    (log(sum exp(lambda x)) / lambda, SCAN Eq. 5/7)."""
-    if how == "avg":
-        return values.masked_fill(~mask, 0.0).sum(dim) / mask.sum(dim).clamp(min=1)
-    if how == "sum":
-        return values.masked_fill(~mask, 0.0).sum(dim)
-    if how == "max":
-        return values.masked_fill(~mask, float("-inf")).amax(dim)
-    if how == "lse":
-        return torch.logsumexp((values * lse_lambda).masked_fill(~mask, float("-inf")), dim) / lse_lambda
-    raise ValueError(f"unknown pooling {how!r}; choose avg, lse, max or sum")
-
-
 def add_region_gram(img: ImageEmb) -> ImageEmb:
     """extras["gram"] = V V^T [N, k, k], once per image: ||sum_k alpha_k v_k||^2 = alpha^T G alpha."""
     img.extras["gram"] = img.regions @ img.regions.transpose(1, 2)

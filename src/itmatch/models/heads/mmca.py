@@ -20,8 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from itmatch.config import LossConfig
-from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb, l2norm
-from itmatch.models.heads.common import masked_pool
+from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb, l2norm, masked_pool
 from itmatch.models.image import transformer_unit
 from itmatch.models.losses import mmca_loss, triplet_loss
 from itmatch.models.text import PhraseCNN

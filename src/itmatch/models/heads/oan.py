@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from itmatch.config import LossConfig
-from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, l2norm
-from itmatch.models.heads.common import add_region_gram, add_word_gram, masked_pool, region_word_dots
+from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, l2norm, masked_pool
+from itmatch.models.heads.common import add_region_gram, add_word_gram, region_word_dots
 from itmatch.models.heads.scan import attended_cosine, attention_weights, normalise_over
 from itmatch.models.losses import oan_triplet_loss
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb
-from itmatch.models.heads.common import add_region_gram, add_word_gram, masked_pool, region_word_dots
+from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, masked_pool
+from itmatch.models.heads.common import add_region_gram, add_word_gram, region_word_dots
 
 NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 POOLS = ("avg", "lse", "max", "sum")
@@ -123,3 +123,27 @@ class ScanHead(SimilarityHead):
         if self.direction == "t2i":  # one relevance per word, pooled over the caption's words
             return masked_pool(relevance, txt.mask[None], 2, self.pool, self.lambda_lse)
         return masked_pool(relevance, img.mask[:, :, None], 1, self.pool, self.lambda_lse)
+
+
+class TwoWayScanHead(SimilarityHead):
+    """The average of a t-i and an i-t ScanHead on one model: S = (S_t2i + S_i2t) / 2 (SAVE footnote 1,
+    after SCAN, which averages the scores of two separately trained models; see docs/save.md). Each
+    direction keeps its own lambdas and per-item precompute (t-i the image Gram, i-t the caption Gram:
+    distinct sides, so the two `extras["gram"]` never collide)."""
+
+    def __init__(self, t2i: ScanHead, i2t: ScanHead) -> None:
+        super().__init__()
+        if (t2i.direction, i2t.direction) != ("t2i", "i2t"):
+            raise ValueError("TwoWayScanHead takes a t2i head and an i2t head, in that order")
+        self.t2i, self.i2t = t2i, i2t
+        # the two directions run one after the other: the peak is the larger of the two
+        self.bytes_per_cell = max(t2i.bytes_per_cell, i2t.bytes_per_cell)
+
+    def prepare_images(self, img: ImageEmb) -> ImageEmb:
+        return self.i2t.prepare_images(self.t2i.prepare_images(img))
+
+    def prepare_texts(self, txt: TextEmb) -> TextEmb:
+        return self.i2t.prepare_texts(self.t2i.prepare_texts(txt))
+
+    def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        return (self.t2i(img, txt) + self.i2t(img, txt)) / 2

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb
-from itmatch.models.heads.common import masked_pool, region_word_dots
+from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb, masked_pool
+from itmatch.models.heads.common import region_word_dots
 
 
 class SumMaxHead(SimilarityHead):

@@ -1,0 +1,124 @@
+"""Image files as a split's `images`, for models that read pixels (SAVE end to end).
+
+`ImageFiles` behaves like the precomp feature array (len, [i], [i:j]) but decodes files on access:
+  - evaluation (`augment=False`): the backbone's deterministic rule (`features.backbones.to_pixels`:
+    EXIF orientation, any mode -> RGB, bilinear resize to S x S without keeping the aspect ratio), the
+    same pixels `itmatch extract` caches; an undecodable file raises DataError naming it (never dropped
+    from a test set);
+  - training (`augment=True`): random crop of 50-100 % of the area with aspect ratio 3/4-4/3, horizontal
+    flip with probability 1/2 (the "standard" ImageNet-style augmentation VSE++ fine-tunes with), then
+    the same resize; an undecodable file is reported once (path and reason) and its captions are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageOps
+
+from itmatch.data.precomp import PrecompSplit, ids_path, read_lines, read_text_side
+from itmatch.errors import DataError
+from itmatch.features.backbones import backbone_spec, normalise_pixels, to_pixels
+
+log = logging.getLogger("itmatch.data")
+
+
+def random_crop_flip(image: Image.Image, rng: random.Random, area: tuple[float, float] = (0.5, 1.0),
+                     ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: float = 0.5) -> Image.Image:
+    """A random crop (fraction of the area in `area`, aspect ratio in `ratio`, log-uniform) and a
+    horizontal flip with probability `flip`; falls back to the whole image when no crop fits."""
+    image = ImageOps.exif_transpose(image)
+    w, h = image.size
+    for _ in range(10):
+        target = rng.uniform(*area) * w * h
+        aspect = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+        cw, ch = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < cw <= w and 0 < ch <= h:
+            x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
+            image = image.crop((x, y, x + cw, y + ch))
+            break
+    if rng.random() < flip:
+        image = ImageOps.mirror(image)
+    return image
+
+
+class ImageFiles:
+    """Lazily decoded images of a split: `files[i]` -> float32 [3, S, S] (normalised for `backbone`),
+    or None for an unreadable file when `augment` (training); `files[i:j]` -> ImageFiles of those;
+    `load_batch()` -> [n, 3, S, S] tensor of all of them (deterministic; raises on a bad file)."""
+
+    def __init__(self, images_dir: str | Path, ids: Sequence[str], backbone: str = "lite0", *,
+                 augment: bool = False, seed: int = 0) -> None:
+        self.images_dir, self.ids = Path(images_dir), list(ids)
+        self.backbone, self.augment = backbone, augment
+        spec = backbone_spec(backbone)
+        self.family, self.size = spec.family, spec.image_size
+        self.rng = random.Random(seed)
+        self.reported: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (len(self.ids), 3, self.size, self.size)
+
+    def _decode(self, path: Path, augment: bool) -> torch.Tensor:
+        with Image.open(path) as im:
+            im.load()
+            if augment:
+                im = random_crop_flip(im, self.rng)
+            return normalise_pixels(self.family, to_pixels(im, self.size))
+
+    def load(self, index: int, augment: bool | None = None) -> torch.Tensor | None:
+        augment = self.augment if augment is None else augment
+        path = self.images_dir / self.ids[index]
+        try:
+            return self._decode(path, augment)
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            reason = "image file not found" if isinstance(exc, FileNotFoundError) else f"cannot read image: {exc}"
+            if not augment:
+                raise DataError(f"{reason} (image {self.ids[index]!r})", path=path,
+                                hint="evaluation needs every image of the split: replace the file, or "
+                                     "re-extract the split with --skip-bad-images to drop it") from None
+            if str(path) not in self.reported:
+                self.reported.add(str(path))
+                log.warning("skipping the captions of an unreadable training image: %s (%s)", path, reason)
+            return None
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | None | ImageFiles:
+        if isinstance(index, slice):
+            sub = ImageFiles(self.images_dir, self.ids[index], self.backbone, augment=self.augment)
+            sub.rng, sub.reported = self.rng, self.reported
+            return sub
+        return self.load(index)
+
+    def load_batch(self) -> torch.Tensor:
+        """Every image of this (slice of the) split, deterministic preprocessing: [n, 3, S, S]."""
+        return torch.stack([self.load(i, augment=False) for i in range(len(self))])
+
+
+def read_image_split(root: str | Path, split: str, images_dir: str | Path, backbone: str = "lite0", *,
+                     augment: bool = False, seed: int = 0) -> PrecompSplit:
+    """A split whose `images` are the files named by `{split}_ids.txt` in `images_dir` (captions from
+    `{split}_caps.txt`), for pixel-input models; no feature array is needed."""
+    images_dir = Path(images_dir)
+    if not images_dir.is_dir():
+        raise DataError("images folder not found", path=images_dir,
+                        hint="set data.images to the folder holding the files named in {split}_ids.txt")
+    ipath = ids_path(root, split)
+    ids = read_lines(ipath)
+    missing = [i for i in ids if not (images_dir / i).is_file()]
+    if missing and not augment:
+        raise DataError(f"{len(missing)} of {len(ids)} images of split {split!r} are not in {images_dir}, "
+                        f"e.g. {missing[0]!r}", path=images_dir / missing[0],
+                        hint="evaluation needs every image: check data.images")
+    captions, ids = read_text_side(root, split, len(ids))
+    files = ImageFiles(images_dir, ids, backbone, augment=augment, seed=seed)
+    return PrecompSplit(Path(root), split, files, captions, ids)
+

@@ -1,0 +1,47 @@
+"""Open a dataset split in the form a model's image encoder reads (registry.image_inputs): the precomp
+feature array, cached multi-scale stage maps, or image files for pixel-input models."""
+
+from __future__ import annotations
+
+from itmatch.config import Config
+from itmatch.data.precomp import MultiScaleArray, PrecompSplit, read_precomp
+from itmatch.errors import ConfigError
+from itmatch.models.registry import image_inputs
+
+
+def open_split(cfg: Config, split: str, *, train: bool = False, data_path: str | None = None) -> PrecompSplit:
+    """`split` of `data_path` (default cfg.data.path) for the model of `cfg`; `train` turns on the
+    training augmentation of pixel inputs (evaluation is deterministic)."""
+    root = data_path or cfg.data.path
+    inputs = image_inputs(cfg.model)
+    if inputs == ("pixels",):
+        from itmatch.data.images import read_image_split
+
+        if not cfg.data.images:
+            raise ConfigError("this model reads images: data.images (the images folder) is not set",
+                              hint="pass --set data.images=DIR (the files named in {split}_ids.txt)")
+        return read_image_split(root, split, cfg.data.images, cfg.model.save.backbone, augment=train,
+                                seed=cfg.train.seed)
+    return read_precomp(root, split, scales=inputs)
+
+
+def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
+    """Set model.img_dim (and SAVE's c3/c4 channels) from the data; a conflicting override is an error."""
+    images = split.images
+    if isinstance(images, MultiScaleArray):
+        dims = images.dims
+    elif hasattr(images, "load_batch"):  # image files: the model's own backbone fixes the channels
+        from itmatch.features.backbones import backbone_spec
+
+        dims = {"c5": backbone_spec(cfg.model.save.backbone).out_dim}
+    else:
+        dims = {"c5": int(images.shape[2])}
+    wanted = {"c5": ("img_dim", cfg.model), "c3": ("c3_dim", cfg.model.save), "c4": ("c4_dim", cfg.model.save)}
+    for scale, dim in dims.items():
+        name, holder = wanted[scale]
+        current = getattr(holder, name)
+        if current and current != dim:
+            key = "model.img_dim" if scale == "c5" else f"model.save.{name}"
+            raise ConfigError(f"{key}={current} but the {scale} features are {dim}-d",
+                              hint=f"drop the override; {key} is taken from the data")
+        setattr(holder, name, dim)
