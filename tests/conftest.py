@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from itmatch.data.precomp import write_captions, write_features
 
@@ -65,3 +66,12 @@ def tiny_search_setup(tmp_path_factory) -> dict[str, Path]:
     captions.write_text("\n".join(s["raw"] for im in data["images"] if im["split"] == "test"
                                   for s in im["sentences"]) + "\n")
     return {"checkpoint": root / "run" / "best", "photos": photos, "captions": captions, "root": root}
+
+
+@pytest.fixture
+def float64():
+    """Run a test in float64 (the slow per-pair references; the heads follow the input dtype)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

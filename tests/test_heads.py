@@ -11,14 +11,7 @@ import torch
 from itmatch.models.base import ImageEmb, TextEmb, l2norm
 from itmatch.models.heads import ScanHead, SumMaxHead
 
-
-@pytest.fixture(autouse=True)
-def float64():
-    """The references run in float64; the heads follow the input dtype."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest.py
 
 
 def random_block(n_img=3, n_txt=4, k=5, d=8, max_len=6, seed=0, normalise=True):

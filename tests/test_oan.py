@@ -25,12 +25,7 @@ OAN_PRESETS = [f"oan{suffix}" for suffix in OAN_VARIANTS]
 TOL = 1e-7  # float64; the implementation's x / (||x|| + 1e-8) normalisations differ from exact ones by ~1e-8
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64")  # conftest.py
 
 
 def vec(x):

@@ -33,14 +33,6 @@ from itmatch.models.registry import build_model, list_models, resolve_config
 M, IMG_DIM, DIM, HID, VOCAB = 49, 12, 10, 8, 30
 
 
-@pytest.fixture
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
-
-
 def small_model(preset: str = "sman", **sman):
     cfg = resolve_config(preset, {"model": {"img_dim": IMG_DIM, "vocab_size": VOCAB, "embed_size": DIM,
                                             "word_dim": 7, "sman": {"att_hidden": HID, "dropout": 0.0, **sman}}})

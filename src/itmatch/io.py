@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -45,3 +46,12 @@ def write_with(path: str | Path, writer: Callable[[Path], None]) -> None:
     """Atomically write `path` with a function that writes to a given temporary path."""
     with atomic_path(path) as tmp:
         writer(tmp)
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    """SHA-256 of a file's bytes, read in chunks (manifests of checkpoints, features and indexes)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()

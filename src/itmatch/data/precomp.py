@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from itmatch.data.captions import CAPTIONS_PER_IMAGE
 from itmatch.errors import DataError
-from itmatch.io import write_text_atomic
+from itmatch.io import file_sha256, write_text_atomic
 
 SPLITS = ("train", "dev", "test", "testall")
 
@@ -39,14 +38,6 @@ def ids_path(root: str | Path, split: str) -> Path:
 
 
 META_NAME = "meta.json"
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def split_manifest(root: Path, split: str) -> dict | None:

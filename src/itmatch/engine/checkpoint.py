@@ -11,7 +11,6 @@ between "old moved aside" and "new renamed in" leaves the complete old checkpoin
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -29,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from itmatch.config import Config, config_from_dict
 from itmatch.data.vocab import AnyVocab, load_vocab
 from itmatch.errors import CheckpointError, ConfigError
+from itmatch.io import file_sha256
 from itmatch.models.base import Matcher
 from itmatch.models.registry import build_model
 
@@ -60,14 +60,6 @@ def safe_torch_load(path: str | Path, *, allow: tuple[type, ...] = ()) -> Any:
                               hint="the file is truncated or corrupt") from None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -81,7 +73,7 @@ def _fsync(path: Path) -> None:
 def _write_manifest(directory: Path) -> None:
     # Binary files only: the JSON files are meant to be readable and editable (e.g. train.epochs before
     # --resume) and are fully validated when read.
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
              for p in sorted(directory.iterdir()) if p.is_file() and p.suffix in (".safetensors", ".pt")}
     (directory / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=2) + "\n", encoding="utf-8")
 
@@ -100,7 +92,7 @@ def verify_manifest(directory: str | Path) -> None:
         raise CheckpointError("corrupt manifest", path=file, hint="the checkpoint is damaged; use another") from None
     for name, size, digest in entries:
         p = directory / name
-        if not p.is_file() or p.stat().st_size != size or _sha256(p) != digest:
+        if not p.is_file() or p.stat().st_size != size or file_sha256(p) != digest:
             raise CheckpointError(f"{name} does not match the manifest (missing, truncated or modified)",
                                   path=p, hint="the checkpoint was damaged after it was written; use another "
                                                "(e.g. RUN/best or an older copy)")

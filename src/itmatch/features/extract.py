@@ -44,7 +44,6 @@ from itmatch.data.captions import CaptionTable
 from itmatch.data.precomp import (
     captions_path,
     features_path,
-    file_sha256,
     ids_path,
     scale_path,
     split_manifest,
@@ -52,7 +51,7 @@ from itmatch.data.precomp import (
 )
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
-from itmatch.io import write_json_atomic
+from itmatch.io import file_sha256, write_json_atomic
 
 log = logging.getLogger("itmatch.features")
 

@@ -42,7 +42,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from itmatch.errors import CheckpointError, DataError, OverwriteError
-from itmatch.io import atomic_path, write_json_atomic, write_with
+from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
 from itmatch.models.base import ImageEmb
 
 log = logging.getLogger("itmatch.retrieval")
@@ -61,14 +61,6 @@ def rebuild_hint(index_dir: Path | str, manifest: dict | None = None) -> str:
     return f"rebuild it: itmatch index {images} --model {ckpt} --out {index_dir} --force"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def model_identity(checkpoint: Path | str, backbone: str) -> dict[str, Any]:
     """What an index's encodings depend on: the model config, the backbone and the weights."""
     checkpoint = Path(checkpoint)
@@ -77,7 +69,7 @@ def model_identity(checkpoint: Path | str, backbone: str) -> dict[str, Any]:
     return {"checkpoint": str(checkpoint.resolve()), "arch": config["model"]["arch"],
             "preset": config.get("preset", ""), "backbone": backbone,
             "config_hash": hashlib.sha256(canonical.encode()).hexdigest(),
-            "weights_hash": sha256_file(checkpoint / "model.safetensors")}
+            "weights_hash": file_sha256(checkpoint / "model.safetensors")}
 
 
 def same_model(a: dict, b: dict) -> bool:
@@ -123,7 +115,7 @@ def _open_array(index_dir: Path, manifest: dict, name: str, verify: bool) -> np.
     hint = rebuild_hint(index_dir, manifest)
     if not path.is_file():
         raise DataError(f"index file {spec['file']} is missing", path=path, hint=hint)
-    if verify and sha256_file(path) != spec["sha256"]:
+    if verify and file_sha256(path) != spec["sha256"]:
         raise DataError(f"index file {spec['file']} is corrupt (its sha256 differs from the manifest's)",
                         path=path, hint=hint)
     try:
@@ -314,7 +306,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     records = []
     for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
         p = images_dir / rel
-        records.append({"id": rel, "bytes": p.stat().st_size, "sha256": sha256_file(p)})
+        records.append({"id": rel, "bytes": p.stat().st_size, "sha256": file_sha256(p)})
 
     has_regions = "regions" in old_arrays
     todo = []  # unique contents with no encodings yet
@@ -420,7 +412,7 @@ def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarr
                 arr[i] = row(name, r["sha256"])
             arr.flush()
             del arr
-        arrays[name] = {"file": file.name, "shape": list(shape), "sha256": sha256_file(file)}
+        arrays[name] = {"file": file.name, "shape": list(shape), "sha256": file_sha256(file)}
     images = []
     for r in records:
         sha = r["sha256"]
