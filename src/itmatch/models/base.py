@@ -26,6 +26,12 @@ def length_mask(lengths: torch.Tensor, max_len: int | None = None) -> torch.Tens
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
 
+def zero_padding(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x [B, L, D] with the padded steps (mask False) set to 0. Matcher.encode_* guarantee it once per
+    item, so that heads get s = 0 on padding from the block GEMM instead of a mask pass per block."""
+    return x if bool(mask.all()) else x.masked_fill(~mask[..., None], 0.0)
+
+
 @dataclass
 class Embeddings:
     """Per-item tensors, first dimension = item. `extras` holds per-item parts a head precomputes
@@ -53,7 +59,7 @@ class Embeddings:
 
 @dataclass
 class ImageEmb(Embeddings):
-    regions: torch.Tensor  # [N, k, D]
+    regions: torch.Tensor  # [N, k, D], zero on masked-out regions
     mask: torch.Tensor  # [N, k] bool, True on real regions
     vector: torch.Tensor | None = None  # [N, D] pair-independent embedding, when the model has one
 
@@ -63,7 +69,7 @@ class ImageEmb(Embeddings):
 
 @dataclass
 class TextEmb(Embeddings):
-    words: torch.Tensor  # [M, L, D]
+    words: torch.Tensor  # [M, L, D], zero beyond each caption's length
     lengths: torch.Tensor  # [M]
     vector: torch.Tensor | None = None
 
@@ -116,10 +122,14 @@ class Matcher(nn.Module):
     def encode_images(self, feats: torch.Tensor, mask: torch.Tensor | None = None) -> ImageEmb:
         if mask is None:
             mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
-        return self.head.prepare_images(self.image_encoder(feats, mask))
+        img = self.image_encoder(feats, mask)
+        img.regions = zero_padding(img.regions, img.mask)
+        return self.head.prepare_images(img)
 
     def encode_texts(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextEmb:
-        return self.head.prepare_texts(self.text_encoder(tokens, lengths))
+        txt = self.text_encoder(tokens, lengths)
+        txt.words = zero_padding(txt.words, txt.mask)
+        return self.head.prepare_texts(txt)
 
     def score(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         return self.head(img, txt)

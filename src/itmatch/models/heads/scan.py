@@ -19,23 +19,37 @@ NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 POOLS = ("avg", "lse", "max", "sum")
 
 
-def normalise_over(s: torch.Tensor, mask: torch.Tensor, dim: int, how: str,
-                   clip_slope: float) -> torch.Tensor:
-    """The region-word similarity normalisation over the *query* axis `dim` (public SCAN code).
+def attention_logits(s: torch.Tensor, query_mask: torch.Tensor, context_mask: torch.Tensor, how: str,
+                     clip_slope: float, lam: float, inplace: bool = False) -> torch.Tensor:
+    """lambda_1 * (the region-word similarity normalised over the query axis, dim 3), -inf on padded
+    context entries (dim 1): the logits of the attention softmax over dim 1 (SCAN Eq. 1-2 / 7).
 
-    clipped_l2norm: [s]_+ / sqrt(sum [s]_+^2), where [.]_+ is LeakyReLU(clip_slope) (the code uses 0.1;
-    the paper writes a plain ReLU, clip_slope=0); padding entries do not enter the norm."""
-    if how == "softmax":
-        return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=dim)
-    if how in ("clipped_l2norm", "clipped"):
-        s = F.leaky_relu(s, clip_slope)
-    if how in ("clipped_l2norm", "l2norm"):
-        s = s.masked_fill(~mask, 0.0)
-        # vector_norm: zero gradient where a whole column is zero (padded words in i-t), not NaN
-        s = s / (torch.linalg.vector_norm(s, dim=dim, keepdim=True) + EPS)
-    elif how not in ("clipped", "no_norm"):
+    clipped_l2norm: [s]_+ / (sqrt(sum [s]_+^2) + eps), where [.]_+ is LeakyReLU(clip_slope) (the code uses
+    0.1; the paper writes a plain ReLU, clip_slope=0). Padded query entries hold s = 0 (Matcher.encode_*
+    zero padded vectors) and [.]_+ keeps them at 0, so they stay out of the norm without a mask pass over
+    the block; only the softmax normalisation needs `query_mask`. `s` is never modified; with `inplace`
+    (no autograd) the intermediate buffer is reused, so the block costs one buffer, not four."""
+    if how not in NORMS:
         raise ValueError(f"unknown normalisation {how!r}; choose one of {NORMS}")
-    return s
+    if how == "softmax":
+        x = torch.softmax(s.masked_fill(~query_mask, float("-inf")), dim=3)
+    elif how in ("clipped_l2norm", "clipped"):
+        x = F.leaky_relu(s, clip_slope)
+    else:
+        x = s if how == "l2norm" else s * lam  # a copy: s is needed again for the attended dot
+    scale: torch.Tensor | float = lam
+    if how in ("clipped_l2norm", "l2norm"):
+        # vector_norm: zero gradient where a whole column is zero (padded words in i-t), not NaN
+        scale = lam / (torch.linalg.vector_norm(x, dim=3, keepdim=True) + EPS)
+    elif how == "no_norm":
+        scale = 1.0
+    if not bool(context_mask.all()):
+        bias = torch.zeros(context_mask.shape, dtype=s.dtype, device=s.device)
+        bias = bias.masked_fill_(~context_mask, float("-inf"))[:, :, None, None]
+        return torch.addcmul(bias, x, torch.as_tensor(scale, dtype=s.dtype))  # one pass: mask and scale
+    if isinstance(scale, float) and scale == 1.0:
+        return x
+    return x.mul_(scale) if inplace and x is not s else x * scale
 
 
 class ScanHead(SimilarityHead):
@@ -67,27 +81,27 @@ class ScanHead(SimilarityHead):
         return txt
 
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
-        s = region_word_dots(img, txt)  # [n, k, m, l]
-        rmask = img.mask[:, :, None, None]
-        wmask = txt.mask[None, None, :, :]
-        n, k, m, length = s.shape
+        # Both directions are one computation over a block s[B, C, b, Q]: item B's context entries C
+        # (regions for t-i, words for i-t) are attended by item b's queries Q. t-i uses the image-major
+        # layout [n, k, m, l], i-t the caption-major one [m, l, n, k], so that the softmax and the
+        # attended sums run over dim 1 and the Gram product is a plain bmm over the context items.
+        # Padded words / masked regions are zero (Matcher.encode_*), so s = 0 there.
         if self.direction == "t2i":
-            # normalise over words (the query axis), attend over regions
-            sn = normalise_over(s, wmask, 3, self.norm, self.clip_slope)
-            alpha = torch.softmax((self.lambda_softmax * sn).masked_fill(~rmask, float("-inf")), dim=1)
-            dot = (alpha * s).sum(1)  # [n, m, l] = e_l . a_l
-            g_alpha = torch.bmm(img.extras["gram"], alpha.reshape(n, k, m * length)).view(n, k, m, length)
-            sq_norm = (alpha * g_alpha).sum(1)  # ||a_l||^2
-            query_norm = txt.words.norm(dim=-1)[None]  # [1, m, l]
-            relevance = dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
-            return masked_pool(relevance, txt.mask[None], 2, self.pool, self.lambda_lse)
-        # i2t: normalise over regions (the query axis), attend over words
-        sn = normalise_over(s, rmask, 1, self.norm, self.clip_slope)
-        alpha = torch.softmax((self.lambda_softmax * sn).masked_fill(~wmask, float("-inf")), dim=3)
-        dot = (alpha * s).sum(3)  # [n, k, m] = v_k . a_k
-        per_caption = alpha.permute(2, 0, 1, 3).reshape(m, n * k, length)
-        h_alpha = torch.bmm(per_caption, txt.extras["gram"]).view(m, n, k, length).permute(1, 2, 0, 3)
-        sq_norm = (alpha * h_alpha).sum(3)  # [n, k, m]
-        query_norm = img.regions.norm(dim=-1)[:, :, None]  # [n, k, 1]
-        relevance = dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
-        return masked_pool(relevance, img.mask[:, :, None], 1, self.pool, self.lambda_lse)
+            s = region_word_dots(img, txt, "image")
+            context_mask, query_mask, gram, queries = img.mask, txt.mask, img.extras["gram"], txt.words
+        else:
+            s = region_word_dots(img, txt, "text")
+            context_mask, query_mask, gram, queries = txt.mask, img.mask, txt.extras["gram"], img.regions
+        n_ctx, c, n_q, q = s.shape
+        inplace = not s.requires_grad  # evaluation: reuse buffers, autograd needs the originals
+        logits = attention_logits(s, query_mask[None, None], context_mask, self.norm, self.clip_slope,
+                                  self.lambda_softmax, inplace)
+        alpha = torch.softmax(logits, dim=1)  # Eq. 2 / 7: attention over the context entries
+        del logits
+        dot = (s.mul_(alpha) if inplace else s * alpha).sum(1)  # [B, b, Q] = query . attended vector
+        g_alpha = torch.bmm(gram, alpha.view(n_ctx, c, n_q * q)).view(n_ctx, c, n_q, q)
+        sq_norm = (g_alpha.mul_(alpha) if inplace else g_alpha * alpha).sum(1)  # ||a||^2 = alpha^T G alpha
+        relevance = dot / (queries.norm(dim=-1)[None] * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
+        scores = masked_pool(relevance, query_mask[None], 2, self.pool, self.lambda_lse)  # Eq. 5-6 / 8
+        return scores if self.direction == "t2i" else scores.T
+
