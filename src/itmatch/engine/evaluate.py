@@ -15,7 +15,7 @@ from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import Vocab
 from itmatch.engine.metrics import average_folds, retrieval_metrics
-from itmatch.errors import DataError
+from itmatch.errors import ConfigError, DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 
 PROTOCOLS = ("1k", "full", "coco1k", "coco5k")
@@ -44,9 +44,25 @@ def concat_images(parts: list[ImageEmb]) -> ImageEmb:
                     vector=vector, extras={k: torch.cat([p.extras[k] for p in parts]) for k in parts[0].extras})
 
 
+#: Captions per block (a length bucket) and the largest block in region-word cells. The budget only
+#: bounds a block from above: blocks of ~4M cells (16 MB per float32 buffer) keep the head's elementwise
+#: passes near the caches, and larger blocks measured no faster (docs/performance.md).
+CAPTIONS_PER_BLOCK = 1024
+MAX_BLOCK_CELLS = 1 << 22
+
+TextBuckets = list[tuple[torch.Tensor, TextEmb]]  # (caption indices, their embeddings), by length
+
+
+def _require_items(count: int, what: str, path: object = None) -> None:
+    if count == 0:
+        raise DataError(f"no {what} to score: the {'gallery' if what == 'images' else 'query set'} is empty",
+                        path=path, hint=f"pass at least one {what[:-1]}")
+
+
 @torch.inference_mode()
 def encode_images(model: Matcher, features: np.ndarray, batch_size: int = 128, progress: bool = False
                   ) -> ImageEmb:
+    _require_items(len(features), "images")
     parts = []
     for start in tqdm(range(0, len(features), batch_size), desc="encode images", disable=not progress,
                       leave=False):
@@ -56,45 +72,97 @@ def encode_images(model: Matcher, features: np.ndarray, batch_size: int = 128, p
 
 
 @torch.inference_mode()
-def encode_captions(model: Matcher, captions: Sequence[str], vocab: Vocab, batch_size: int = 256,
-                    progress: bool = False) -> TextEmb:
-    """Encode captions in length-sorted batches (little padding), returned in the original order."""
+def encode_caption_buckets(model: Matcher, captions: Sequence[str], vocab: Vocab,
+                           bucket_size: int = CAPTIONS_PER_BLOCK, batch_size: int = 256,
+                           progress: bool = False) -> TextBuckets:
+    """Captions encoded in length-sorted batches and kept in buckets of `bucket_size`, each padded only to
+    its own longest caption (the evaluator's blocks): no [M, longest caption, D] tensor is ever built,
+    about 5x less memory than padding everything to the longest caption on Flickr30K/COCO."""
+    _require_items(len(captions), "captions")
     tokens = [vocab.encode(c) for c in captions]
     order = sorted(range(len(tokens)), key=lambda j: len(tokens[j]))
-    parts = []
-    for start in tqdm(range(0, len(order), batch_size), desc="encode captions", disable=not progress,
-                      leave=False):
-        batch = pad_tokens([tokens[j] for j in order[start:start + batch_size]])
-        parts.append(model.encode_texts(batch.tokens, batch.lengths))
-    merged = concat_texts(parts)
+    buckets: TextBuckets = []
+    for b0 in tqdm(range(0, len(order), bucket_size), desc="encode captions", disable=not progress,
+                   leave=False):
+        chunk = order[b0:b0 + bucket_size]
+        parts = []
+        for start in range(0, len(chunk), batch_size):
+            batch = pad_tokens([tokens[j] for j in chunk[start:start + batch_size]])
+            parts.append(model.encode_texts(batch.tokens, batch.lengths))
+        buckets.append((torch.tensor(chunk), concat_texts(parts).trimmed()))
+    return buckets
+
+
+def bucket_texts(txt: TextEmb, bucket_size: int = CAPTIONS_PER_BLOCK) -> TextBuckets:
+    """Length buckets of already-encoded captions (see encode_caption_buckets)."""
+    _require_items(len(txt), "captions")
+    order = torch.argsort(txt.lengths, stable=True)
+    return [(order[b0:b0 + bucket_size], txt.take(order[b0:b0 + bucket_size]).trimmed())
+            for b0 in range(0, len(txt), bucket_size)]
+
+
+def unbucket_texts(buckets: TextBuckets) -> TextEmb:
+    """The captions of `buckets` as one padded TextEmb in their original order."""
+    merged = concat_texts([t for _, t in buckets])
+    order = torch.cat([c for c, _ in buckets])
     inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
+    inverse[order] = torch.arange(len(order))
     return merged.take(inverse)
 
 
-def images_per_block(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: float) -> int:
-    """Images per block so that the head's temporaries for (these images x `txt`) fit the budget."""
-    per_pair = model.head.bytes_per_cell * img.regions.shape[1] * txt.words.shape[1]
-    return max(1, min(len(img), int(budget_bytes // max(1.0, per_pair * len(txt)))))
+def encode_captions(model: Matcher, captions: Sequence[str], vocab: Vocab, batch_size: int = 256,
+                    progress: bool = False) -> TextEmb:
+    """Encode captions in length-sorted batches (little padding), returned in the original order."""
+    return unbucket_texts(encode_caption_buckets(model, captions, vocab, batch_size=batch_size,
+                                                 progress=progress))
+
+
+def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float,
+                     max_cells: int = MAX_BLOCK_CELLS) -> list[int]:
+    """Images per block for each caption bucket. The budget bounds what scoring adds on top of the
+    encoded embeddings: the float32 score matrix plus the head's temporaries for one block
+    (`bytes_per_cell` per image x caption x region x word, calibrated against measured peak RSS).
+    Raises ConfigError, stating the minimum, when not even one image per block fits."""
+    n = len(img)
+    m = sum(len(c) for c, _ in buckets)
+    out_bytes = 4.0 * n * m
+    k = img.regions.shape[1]
+    cells = [k * len(t) * t.words.shape[1] for _, t in buckets]  # per image, per bucket
+    per_image = [model.head.bytes_per_cell * c for c in cells]
+    minimum = out_bytes + max(per_image)
+    if budget_bytes < minimum:
+        raise ConfigError(
+            f"memory budget {budget_bytes / 2**20:.1f} MB is too small: the minimum for {n} images x {m} "
+            f"captions is {minimum / 2**20:.1f} MB (score matrix {out_bytes / 2**20:.1f} MB + one block of "
+            f"1 image x {len(buckets[int(np.argmax(per_image))][1])} captions "
+            f"{max(per_image) / 2**20:.1f} MB)",
+            hint=f"raise the budget to at least {minimum / 2**30:.3f} GB (--budget-gb), or score fewer items")
+    if model.head.bytes_per_cell <= 0:
+        return [n for _ in buckets]
+    free = budget_bytes - out_bytes
+    return [max(1, min(n, int(free // b), max_cells // max(1, c))) for b, c in zip(per_image, cells, strict=True)]
 
 
 @torch.inference_mode()
-def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: float = DEFAULT_BUDGET,
-                 progress: bool = False, captions_per_block: int = 1024) -> torch.Tensor:
-    """All-pairs scores [n_img, n_txt] in float32. Captions are bucketed by length so that a block is
-    padded only to its own longest caption; every block is one batched call of the model's head, and
-    the number of images per block follows from the memory budget."""
-    n, m = len(img), len(txt)
+def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
+                 budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
+                 captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS) -> torch.Tensor:
+    """All-pairs scores [n_img, n_txt] in float32, exact (the head's own numbers, block by block).
+
+    Captions are bucketed by length so that a block is padded only to its own longest caption; every
+    block is one batched call of the model's head; images per block follow from the memory budget
+    (see images_per_block). Uses torch's intra-op threads (all cores unless set otherwise); the
+    progress bar shows pairs/s."""
+    _require_items(len(img), "images")
+    buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
+    n, m = len(img), sum(len(c) for c, _ in buckets)
+    rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, max_cells)
     if model.head.bytes_per_cell <= 0:  # pair-independent head: one matrix product
-        return model.score(img, txt).float()
-    order = torch.argsort(txt.lengths, stable=True)
-    sorted_txt = txt.take(order)
+        return model.score(img, unbucket_texts(buckets)).float()
     out = torch.empty(n, m)
-    bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress, leave=False)
-    for t0 in range(0, m, captions_per_block):
-        columns = order[t0:t0 + captions_per_block]
-        block_txt = sorted_txt.take(slice(t0, t0 + captions_per_block)).trimmed()
-        rows = images_per_block(model, img, block_txt, budget_bytes)
+    bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
+               leave=False)
+    for (columns, block_txt), rows in zip(buckets, rows_per_bucket, strict=True):
         for i0 in range(0, n, rows):
             out[i0:i0 + rows, columns] = model.score(img.take(slice(i0, i0 + rows)), block_txt).float()
             bar.update(min(rows, n - i0) * len(columns))
@@ -105,8 +173,8 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: floa
 def split_scores(model: Matcher, vocab: Vocab, split: PrecompSplit, budget_bytes: float = DEFAULT_BUDGET,
                  progress: bool = False) -> torch.Tensor:
     img = encode_images(model, split.images, progress=progress)
-    txt = encode_captions(model, split.captions, vocab, progress=progress)
-    return score_matrix(model, img, txt, budget_bytes, progress)
+    buckets = encode_caption_buckets(model, split.captions, vocab, progress=progress)
+    return score_matrix(model, img, buckets, budget_bytes, progress)
 
 
 def protocol_folds(split: PrecompSplit, protocol: str) -> list[PrecompSplit]:

@@ -56,7 +56,8 @@ class ScanHead(SimilarityHead):
     """direction t2i: words attend to regions, words are scored and pooled (Eq. 7-8);
     direction i2t: regions attend to words, regions are scored and pooled (Eq. 4-6)."""
 
-    bytes_per_cell = 28.0  # s, normalised s, logits/alpha, G.alpha, two products (float32)
+    # s, logits -> alpha, G.alpha (3 float32 buffers) + allocator slack: 14-25 measured (docs/performance.md)
+    bytes_per_cell = 26.0
 
     def __init__(self, direction: str = "t2i", pool: str = "avg", lambda_softmax: float = 9.0,
                  lambda_lse: float = 6.0, norm: str = "clipped_l2norm", clip_slope: float = 0.1) -> None:

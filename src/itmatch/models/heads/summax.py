@@ -10,7 +10,7 @@ from itmatch.models.heads.common import masked_pool, region_word_dots
 
 
 class SumMaxHead(SimilarityHead):
-    bytes_per_cell = 12.0
+    bytes_per_cell = 10.0  # s (+ a masked copy with padding): 5-10 measured (docs/performance.md)
 
     def __init__(self, direction: str = "t2i") -> None:
         super().__init__()
