@@ -196,16 +196,47 @@ def protocol_folds(split: PrecompSplit, protocol: str) -> list[PrecompSplit]:
     return [split.slice(1000 * f, 1000 * (f + 1)) for f in range(5)]
 
 
+def rerank_split_scores(model: Matcher, vocab: Vocab, split: PrecompSplit, k: int,
+                        first_stage: tuple[Matcher, Vocab] | None = None, index: str = "flat",
+                        progress: bool = False) -> tuple[torch.Tensor, dict]:
+    """Two-stage scores of a split (retrieval.two_stage): the first stage is `model`'s own global
+    embedding (VSE++) or that of a separate `first_stage` model (for SCAN and other pair heads)."""
+    from itmatch.retrieval.two_stage import first_stage_vectors, two_stage_scores
+
+    img = encode_images(model, split.images, progress=progress)
+    txt = encode_captions(model, split.captions, vocab, progress=progress)
+    if first_stage is None:
+        img_vec, txt_vec = first_stage_vectors(img, txt)
+    else:
+        fs_model, fs_vocab = first_stage
+        img_vec, txt_vec = first_stage_vectors(encode_images(fs_model.eval(), split.images),
+                                               encode_captions(fs_model, split.captions, fs_vocab))
+    result = two_stage_scores(model, img, txt, k, img_vec, txt_vec, index, progress)
+    info = {"k": k, "index": index, "pairs_scored": result.pairs_scored, "pairs_total": result.pairs_total,
+            "fraction_scored": round(result.fraction, 5),
+            "seconds": {key: round(v, 3) for key, v in result.timings.items()}}
+    return result.scores, info
+
+
 def evaluate_models(models: Sequence[tuple[Matcher, Vocab]], split: PrecompSplit, protocol: str = "full",
-                    budget_bytes: float = DEFAULT_BUDGET, progress: bool = False) -> dict:
-    """Metrics of one model, or of an ensemble (score matrices averaged before ranking)."""
+                    budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0,
+                    first_stage: tuple[Matcher, Vocab] | None = None, index: str = "flat") -> dict:
+    """Metrics of one model, or of an ensemble (score matrices averaged before ranking). With
+    `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model."""
+    if rerank and len(models) != 1:
+        raise ConfigError("two-stage re-ranking takes one model, not an ensemble",
+                          hint="evaluate one checkpoint with --rerank, or drop --rerank")
     start = time.perf_counter()
-    folds = []
+    folds, two_stage = [], []
     for fold in protocol_folds(split, protocol):
         total = None
         for model, vocab in models:
             model.eval()
-            scores = split_scores(model, vocab, fold, budget_bytes, progress)
+            if rerank:
+                scores, info = rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress)
+                two_stage.append(info)
+            else:
+                scores = split_scores(model, vocab, fold, budget_bytes, progress)
             total = scores if total is None else total + scores
         assert total is not None
         folds.append(retrieval_metrics(total / len(models), fold.per_image))
@@ -213,6 +244,8 @@ def evaluate_models(models: Sequence[tuple[Matcher, Vocab]], split: PrecompSplit
     result.update(protocol=protocol, split=split.split, folds=len(folds),
                   n_images=protocol_folds(split, protocol)[0].n_images,
                   eval_seconds=round(time.perf_counter() - start, 2))
+    if two_stage:
+        result["two_stage"] = two_stage[0] if len(two_stage) == 1 else two_stage
     return result
 
 
