@@ -301,14 +301,14 @@ def section_training(args) -> list[dict]:
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=2e-4)
         times = []
-        for step in range(1 + args.train_steps):
+        for step in range(1 + args.train_steps):  # train_steps = 0: the first step only (--quick)
             t0 = time.perf_counter()
             loss = model.training_loss(model.encode_images(feats), model.encode_texts(batch.tokens, batch.lengths),
                                        cfg.loss, hardest=True)
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if step:  # the first step warms up allocations
+            if step or not args.train_steps:  # the first step warms up allocations
                 times.append(time.perf_counter() - t0)
         sec = min(times)
         out.append({"preset": preset, "embed": args.train_embed, "batch": 128, "seconds_per_step": round(sec, 3),
@@ -549,7 +549,7 @@ def main() -> int:
     args.images, args.captions = args.images or images, args.captions or captions
     args.ref_images, args.ref_captions = (8, 16) if q else (100, 64)
     args.coco_images = 4 if q else 20
-    args.train_embed, args.train_steps = (128, 1) if q else (512, 1)
+    args.train_embed, args.train_steps = (128, 0) if q else (512, 1)
     args.ks = (50, 100) if q else (50, 100, 200)
     args.synthetic_embed, args.synthetic_queries, args.k_synthetic = (256, 64, 100) if q else (1024, 256, 100)
     args.presets = (pair_head_presets(args.heads) if args.heads in ("issue", "all")
@@ -568,6 +568,7 @@ def main() -> int:
         if name in sections:
             print(f"[{name}]", flush=True)
             report[name] = fn()
+            write_report(report, out_json)  # after every section: a long run interrupted keeps its figures
     report["machine"]["peak_gflops_end"] = matmul_peak_gflops()  # the machine is shared: did the load change?
     write_report(report, out_json)
     return 0
