@@ -234,6 +234,36 @@ def section_scoring(args, peak: float) -> dict:
     return {"f30k": rows, "coco5k": coco}
 
 
+def section_kernel(args) -> list[dict]:
+    """One block of each head (16 images x 256 captions of 16 words, the engine's block shape), best of
+    5, against the matmul peak measured right beside it: the head's efficiency without the evaluator's
+    bucket padding or a large gallery's memory traffic."""
+    g = torch.Generator().manual_seed(5)
+    n, m, length = 16, 256, 16
+    base_img = ImageEmb(regions=l2norm(torch.randn(n, K_REGIONS, EMBED, generator=g)),
+                        mask=torch.ones(n, K_REGIONS, dtype=torch.bool))
+    base_txt = TextEmb(words=l2norm(torch.randn(m, length, EMBED, generator=g)), lengths=torch.full((m,), length))
+    out = []
+    for preset in args.presets:
+        model, _ = make_model(preset, 10)
+        img, [(_, txt)] = prepared(model.head, base_img, [(torch.arange(m), base_txt)])
+        flops = head_flops(model.head, K_REGIONS, txt.lengths, n, EMBED)
+        with torch.inference_mode():
+            model.score(img, txt)
+            peak_before = matmul_peak_gflops(1024, 3)
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                model.score(img, txt)
+                best = min(best, time.perf_counter() - t0)
+            peak = (peak_before + matmul_peak_gflops(1024, 3)) / 2
+        out.append({"preset": preset, "block": [n, K_REGIONS, m, length], "seconds": best,
+                    "gflops": flops / best / 1e9, "peak_gflops_beside": peak, "efficiency": flops / best / 1e9 / peak})
+        print(f"  kernel {preset:<16} {flops / best / 1e9:6.1f} GFLOP/s, {100 * flops / best / 1e9 / peak:.0f}% of "
+              f"the matmul peak beside it ({peak:.1f})", flush=True)
+    return out
+
+
 def memory_child(preset: str, captions_file: str, vocab_file: str, n_img: int, n_captions: int,
                  budget: float, max_cells: int, full_images: int) -> dict:
     """One measurement (run in its own process): peak RSS added by score_matrix over the encoded
@@ -413,6 +443,13 @@ def render(report: dict) -> str:
              f"measured side by side are what to read). Raw JSON: `{report['json']}`.", "",
              f"Dense float32 matmul peak (best of 2048^3 GEMMs, {m['threads']} threads): "
              f"**{m['peak_gflops']:.1f} GFLOP/s**.", ""]
+    if report.get("kernel"):
+        lines += ["### Head kernels (one 16 x 36 x 256 x 16 block, D = 1024, best of 5)", "",
+                  "| head | GFLOP/s | matmul peak beside (GFLOP/s) | % of peak |", "|---|---|---|---|"]
+        for r in report["kernel"]:
+            lines.append(f"| {r['preset']} | {r['gflops']:.1f} | {r['peak_gflops_beside']:.1f} | "
+                         f"{100 * r['efficiency']:.0f}% |")
+        lines.append("")
     sc = report.get("scoring", {})
     if sc.get("f30k"):
         r0 = sc["f30k"][0]
@@ -496,8 +533,14 @@ def targets(report: dict) -> list[str]:
                    f"{'reached' if worst >= 20 and diff <= 1e-5 else 'NOT reached'} (slowest SCAN head {worst:.1f}x, "
                    f"max diff {diff:.1e})")
         eff = min(r["efficiency"] for r in scan)
-        out.append(f">= 50% of the matmul peak on the SCAN heads: {'reached' if eff >= 0.5 else 'NOT reached'} "
-                   f"(lowest {100 * eff:.0f}%, highest {100 * max(r['efficiency'] for r in scan):.0f}%)")
+        out.append(f">= 50% of the matmul peak on the SCAN heads, full evaluation: "
+                   f"{'reached' if eff >= 0.5 else 'NOT reached'} (lowest {100 * eff:.0f}%, highest "
+                   f"{100 * max(r['efficiency'] for r in scan):.0f}%)")
+    kern = [r for r in report.get("kernel", []) if r["preset"].startswith("scan_")]
+    if kern:
+        eff, top = min(r["efficiency"] for r in kern), max(r["efficiency"] for r in kern)
+        out.append(f">= 50% of the matmul peak on the SCAN heads, one block: "
+                   f"{'reached' if eff >= 0.5 else 'NOT reached'} (lowest {100 * eff:.0f}%, highest {100 * top:.0f}%)")
     if report.get("memory"):
         ok = all(r["within_budget"] for r in report["memory"])
         out.append(f"peak memory within the budget: {'reached' if ok else 'NOT reached'} "
@@ -530,7 +573,8 @@ def write_report(report: dict, out_json: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="reduced scale for development (~minutes)")
-    p.add_argument("--sections", default="scoring,memory,training,two_stage", help="comma-separated sections")
+    p.add_argument("--sections", default="kernel,scoring,memory,training,two_stage",
+                   help="comma-separated sections (default: all)")
     p.add_argument("--heads", default="issue", help="'issue' (SCAN AVG/LSE, Sum-Max, one per other pair "
                    "arch), 'all' pair-head presets, or a comma-separated preset list")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
@@ -563,7 +607,8 @@ def main() -> int:
               "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "platform": platform.platform(), "peak_gflops": peak}}
     print(f"matmul peak {peak:.1f} GFLOP/s with {torch.get_num_threads()} threads; heads: {', '.join(args.presets)}")
-    for name, fn in (("scoring", lambda: section_scoring(args, peak)), ("memory", lambda: section_memory(args)),
+    for name, fn in (("kernel", lambda: section_kernel(args)),
+                     ("scoring", lambda: section_scoring(args, peak)), ("memory", lambda: section_memory(args)),
                      ("training", lambda: section_training(args)), ("two_stage", lambda: section_two_stage(args))):
         if name in sections:
             print(f"[{name}]", flush=True)
