@@ -456,7 +456,7 @@ def render(report: dict) -> str:
         lines += [f"### Scoring at Flickr30K scale ({r0['images']} of 1000 images x {r0['captions']} real captions, "
                   f"36 regions, D = {EMBED}; timed on {r0['images']} images, full matrix extrapolated)", "",
                   "| head | pairs/s | GFLOP/s | % of matmul peak (measured beside) | full 1000 x 5000 (s, extrap.) "
-                  "| scoring RSS (MB) "
+                  "| RSS growth in process (MB; see memory) "
                   "| per-caption loop pairs/s | speed-up | speed-up, same subset | max abs diff |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in sc["f30k"]:
