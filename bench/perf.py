@@ -581,7 +581,8 @@ def main() -> int:
     p.add_argument("--progress", action="store_true", help="progress bars")
     p.add_argument("--images", type=int, help="images timed at Flickr30K scale (default 100; --quick 8)")
     p.add_argument("--captions", type=int, help="Flickr30K test captions used (default all 5000; --quick 1000)")
-    p.add_argument("--merge", help="a previous runs/bench/perf-*.json whose other sections the report keeps")
+    p.add_argument("--merge", action="append", default=[],
+                   help="an earlier runs/bench/perf-*.json whose sections the report keeps (repeatable)")
     p.add_argument("--memory-child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.threads:
@@ -607,10 +608,10 @@ def main() -> int:
     report = {"command": cmd, "date": stamp, "json": str(out_json.relative_to(ROOT)),
               "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                           "platform": platform.platform(), "peak_gflops": peak}}
-    if args.merge:  # sections of an earlier run (stated in the report), replaced by those run now
-        earlier = json.loads(Path(args.merge).read_text(encoding="utf-8"))
+    for path in args.merge:  # sections of earlier runs (stated in the report), replaced by those run now
+        earlier = json.loads(Path(path).read_text(encoding="utf-8"))
         report.update({k: v for k, v in earlier.items() if k not in ("command", "date", "json", "machine")})
-        report["command"] += f" (other sections: `{earlier['command']}`, {earlier['date']})"
+        report["command"] += f"` + `{earlier['command']}` ({earlier['date']}, {earlier['json']})`"
     print(f"matmul peak {peak:.1f} GFLOP/s with {torch.get_num_threads()} threads; heads: {', '.join(args.presets)}")
     for name, fn in (("kernel", lambda: section_kernel(args)),
                      ("scoring", lambda: section_scoring(args, peak)), ("memory", lambda: section_memory(args)),
