@@ -443,6 +443,9 @@ def render(report: dict) -> str:
              f"measured side by side are what to read). Raw JSON: `{report['json']}`.", "",
              f"Dense float32 matmul peak (best of 2048^3 GEMMs, {m['threads']} threads): "
              f"**{m['peak_gflops']:.1f} GFLOP/s**.", ""]
+    for e in report.get("merged", []):
+        lines += [f"Sections {', '.join(e['sections'])} come from `{e['command']}` ({e['date']}, `{e['json']}`, "
+                  f"peak then {e['peak_gflops']:.1f} GFLOP/s).", ""]
     if report.get("kernel"):
         lines += ["### Head kernels (one 16 x 36 x 256 x 16 block, D = 1024, best of 5)", "",
                   "| head | GFLOP/s | matmul peak beside (GFLOP/s) | % of peak |", "|---|---|---|---|"]
@@ -610,8 +613,11 @@ def main() -> int:
                           "platform": platform.platform(), "peak_gflops": peak}}
     for path in args.merge:  # sections of earlier runs (stated in the report), replaced by those run now
         earlier = json.loads(Path(path).read_text(encoding="utf-8"))
-        report.update({k: v for k, v in earlier.items() if k not in ("command", "date", "json", "machine")})
-        report["command"] += f"` + `{earlier['command']}` ({earlier['date']}, {earlier['json']})`"
+        kept = [k for k in earlier if k not in ("command", "date", "json", "machine", "merged")]
+        report.update({k: earlier[k] for k in kept})
+        report.setdefault("merged", []).append({"command": earlier["command"], "date": earlier["date"],
+                                                "json": earlier["json"], "sections": kept,
+                                                "peak_gflops": earlier["machine"]["peak_gflops"]})
     print(f"matmul peak {peak:.1f} GFLOP/s with {torch.get_num_threads()} threads; heads: {', '.join(args.presets)}")
     for name, fn in (("kernel", lambda: section_kernel(args)),
                      ("scoring", lambda: section_scoring(args, peak)), ("memory", lambda: section_memory(args)),
