@@ -555,6 +555,8 @@ def targets(report: dict) -> list[str]:
         out.append(f"two-stage K=100 loses <= 1 point R@1 while scoring >= 10x fewer pairs: "
                    f"{'reached' if loss <= 1 and fewer >= 10 else 'NOT reached'} (worst R@1 loss {loss:.1f}, "
                    f"{fewer:.1f}x fewer pairs)")
+    elif "two_stage" not in report:
+        out.append("two-stage K=100 on Flickr8K: section not run (or not completed) in this report")
     else:
         out.append("two-stage K=100 on Flickr8K: not measured in this run (no trained checkpoints)")
     return out
