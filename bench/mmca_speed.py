@@ -21,8 +21,8 @@ from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import read_precomp
 from itmatch.data.vocab import WordPieceVocab
 from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
-from itmatch.engine.rerank import candidate_mask, global_scores, rerank_scores
 from itmatch.models.registry import build_model, preset_config
+from itmatch.retrieval.two_stage import two_stage_scores
 
 
 def timed(fn):
@@ -42,8 +42,8 @@ def evaluation_costs(model, vocab, split, ks: list[int]) -> dict:
     full, t_full = timed(lambda: score_matrix(model, img, txt))
     out["exhaustive"] = {"pairs": n * m, "seconds": round(t_full, 1), "pairs_per_s": round(n * m / t_full, 1)}
     for k in ks:
-        scores, t_k = timed(lambda k=k: rerank_scores(model, img, txt, k))
-        pairs = int(candidate_mask(global_scores(img, txt), k).sum())
+        result, t_k = timed(lambda k=k: two_stage_scores(model, img, txt, k, img.vector, txt.vector))
+        scores, pairs = result.scores, result.pairs_scored
         same = bool(torch.allclose(scores[torch.isfinite(scores)], full[torch.isfinite(scores)], atol=1e-5))
         # the test split: each image keeps its top-K captions, each caption its top-K images; at most
         # 1000 K + 5000 K candidate pairs (fewer where the two lists overlap)

@@ -159,12 +159,14 @@ def test_cli_index_and_search(tiny_search_setup, tmp_path, capsys):
 def test_scan_attention_matches_per_pair_reference():
     """ScanHead.attention (t2i) against Sec. 3.2 written out for one image and one caption at a time:
     s_kl = v_k . e_l, clipped l2 norm over words, alpha'_kl = softmax_k(lambda_1 * s_bar_kl)."""
-    from itmatch.models.base import ImageEmb, TextEmb, l2norm
+    from itmatch.models.base import ImageEmb, TextEmb, l2norm, length_mask
     from itmatch.models.heads.scan import ScanHead
 
     g = torch.Generator().manual_seed(0)
     img = ImageEmb(regions=l2norm(torch.randn(3, 5, 8, generator=g)), mask=torch.ones(3, 5, dtype=torch.bool))
-    txt = TextEmb(words=l2norm(torch.randn(2, 4, 8, generator=g)), lengths=torch.tensor([4, 2]))
+    lengths = torch.tensor([4, 2])
+    words = l2norm(torch.randn(2, 4, 8, generator=g)) * length_mask(lengths)[..., None]  # zero padding, as encoded
+    txt = TextEmb(words=words, lengths=lengths)
     head = ScanHead("t2i", lambda_softmax=9.0)
     alpha = head.attention(head.prepare_images(img), head.prepare_texts(txt))
     for n in range(3):

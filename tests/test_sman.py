@@ -18,6 +18,7 @@ from itmatch.data.vocab import Vocab
 from itmatch.data.word_vectors import load_word_vectors, murmurhash64a, spacy_key
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.evaluate import (
+    bucket_texts,
     encode_captions,
     encode_images,
     evaluate_models,
@@ -186,9 +187,10 @@ def test_blocked_evaluation_equals_one_block():
     feats = torch.randn(5, M, IMG_DIM, generator=g).numpy()
     img = encode_images(model, feats, batch_size=2)
     txt = encode_captions(model, captions, vocab, batch_size=2)
-    per_pair = model.head.bytes_per_pair + model.head.bytes_per_cell * M * 14  # captions of <= 14 tokens
-    assert images_per_block(model, img, txt.take(slice(0, 3)), 2 * 3 * per_pair) == 2
-    blocked = score_matrix(model, img, txt, budget_bytes=2 * 3 * per_pair, captions_per_block=3)
+    per_pair = model.head.bytes_per_pair + model.head.bytes_per_cell * M * 14  # one bucket, padded to 14 tokens
+    budget = 4 * len(img) * len(txt) + 2 * len(txt) * per_pair  # the score matrix + a block of two images
+    assert images_per_block(model, img, bucket_texts(txt, len(txt)), budget) == [2]
+    blocked = score_matrix(model, img, txt, budget_bytes=budget, captions_per_block=len(txt))
     with torch.no_grad():
         direct_txt = model.encode_texts(*_pad([vocab.encode(c) for c in captions]))
         direct = model.score(model.encode_images(torch.from_numpy(feats)), direct_txt)

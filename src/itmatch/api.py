@@ -15,6 +15,7 @@ from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
 from itmatch.errors import DataError
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.models.registry import image_inputs
+from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two_stage_scores
 
 ImageInput = str | Path | Image.Image
 
@@ -88,6 +89,24 @@ class ImageTextMatcher:
         img = images if isinstance(images, ImageEmb) else self.encode_images(images)
         txt = texts if isinstance(texts, TextEmb) else self.encode_texts(texts)
         return score_matrix(self.model, img, txt)
+
+    def rerank_scores(self, images: ImageEmb | Sequence[ImageInput] | torch.Tensor,
+                      texts: TextEmb | Sequence[str], k: int = 100,
+                      first_stage: ImageTextMatcher | None = None, index: str = "flat") -> TwoStageResult:
+        """Two-stage scores: a FAISS first stage (this model's global embedding, or `first_stage`'s, e.g.
+        a VSE++ model for SCAN) proposes the top `k` per query in both directions; this model's pair head
+        re-scores them exactly. `.scores` is [n_images, n_texts] with -inf outside the candidates."""
+        img = images if isinstance(images, ImageEmb) else self.encode_images(images)
+        txt = texts if isinstance(texts, TextEmb) else self.encode_texts(texts)
+        if first_stage is None:
+            img_vec, txt_vec = first_stage_vectors(img, txt)
+        else:
+            if isinstance(images, ImageEmb) or isinstance(texts, TextEmb):
+                raise DataError("a separate first-stage model needs the raw images and texts, not embeddings",
+                                hint="pass paths / features and strings")
+            img_vec, txt_vec = first_stage_vectors(first_stage.encode_images(images),
+                                                   first_stage.encode_texts(texts))
+        return two_stage_scores(self.model, img, txt, k, img_vec, txt_vec, index)
 
     def rank(self, query: str | ImageInput, candidates: ImageEmb | TextEmb | Sequence, top_k: int = 10
              ) -> list[tuple[int, float]]:

@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from itmatch.errors import ItmatchError
+from itmatch.errors import ConfigError, ItmatchError
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
@@ -81,7 +81,6 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from itmatch.engine.evaluate import evaluate_models, format_table
     from itmatch.engine.inputs import open_split
     from itmatch.engine.results import result_row, upsert_row
-    from itmatch.errors import ConfigError
     from itmatch.io import write_json_atomic
     from itmatch.models.registry import image_inputs
 
@@ -95,15 +94,32 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.images:
         first.data.images = args.images
     split = open_split(first, args.split, data_path=data)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    first_stage = None
+    if args.first_stage:
+        if not args.rerank:
+            raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
+        fs = load_checkpoint(args.first_stage)
+        first_stage = (fs.model, fs.vocab)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
-                             args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank)
+                             args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank,
+                             first_stage=first_stage, index=args.faiss)
     result["checkpoints"] = [str(p) for p in args.checkpoints]
+    if args.first_stage:
+        result["first_stage"] = str(args.first_stage)
     truncated = sum(getattr(c.vocab, "truncated", 0) for c in checkpoints)
     if truncated:
         result["truncated_captions"] = truncated
         print(f"note: {truncated} captions were longer than the text encoder's limit and were truncated",
               file=sys.stderr)
     print(format_table(result))
+    if "two_stage" in result and not isinstance(result["two_stage"], list):
+        ts = result["two_stage"]
+        print(f"two-stage: top {ts['k']} ({ts['index']}), {ts['pairs_scored']} of {ts['pairs_total']} pairs "
+              f"scored ({100 * ts['fraction_scored']:.1f}%)")
     if args.json:
         write_json_atomic(args.json, result)
     if args.results:
@@ -254,10 +270,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--images", help="images folder, for models that read pixels (default: the checkpoint's "
                                     "data.images)")
     s.add_argument("--protocol", default="full", choices=["1k", "full", "coco1k", "coco5k"])
-    s.add_argument("--budget-gb", type=float, default=4.0, help="memory budget of a scoring block")
+    s.add_argument("--budget-gb", type=float, default=4.0,
+                   help="memory budget of scoring: score matrix + one block's temporaries (default 4)")
+    s.add_argument("--threads", type=int, default=0, help="torch threads (default 0: all cores)")
     s.add_argument("--rerank", type=int, default=0, metavar="K",
-                   help="two-stage: score only each query's top-K of the global stage (i.c) with the full "
-                        "model, others count as -inf (models with global vectors, e.g. MMCA); 0: exhaustive")
+                   help="two-stage: re-score only the first stage's top K per query, both directions "
+                        "(default 0: exhaustive)")
+    s.add_argument("--first-stage", metavar="CKPT",
+                   help="checkpoint whose global embedding proposes the candidates (e.g. VSE++ trained on "
+                        "the same data); default: the evaluated model's own, if it has one")
+    s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
+                   help="first-stage FAISS index: flat (exact inner product) or ivf (approximate)")
     s.add_argument("--json", help="write the metrics as JSON here")
     s.add_argument("--results", help="results CSV to add a row to (docs/results/<dataset>.csv)")
     s.add_argument("--name", help="row name in --results")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -14,7 +15,7 @@ from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import ImageSource, PrecompSplit, batch_tensor
 from itmatch.data.vocab import AnyVocab
 from itmatch.engine.metrics import average_folds, retrieval_metrics
-from itmatch.errors import DataError
+from itmatch.errors import ConfigError, DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 
 PROTOCOLS = ("1k", "full", "coco1k", "coco5k")
@@ -49,11 +50,27 @@ def concat_images(parts: list[ImageEmb]) -> ImageEmb:
                     vector=vector, extras={k: torch.cat([p.extras[k] for p in parts]) for k in parts[0].extras})
 
 
+#: Captions per block (a length bucket) and the largest block in region-word cells. The budget only
+#: bounds a block from above: blocks of ~4M cells (16 MB per float32 buffer) keep the head's elementwise
+#: passes near the caches, and larger blocks measured no faster (docs/performance.md).
+CAPTIONS_PER_BLOCK = 1024
+MAX_BLOCK_CELLS = 1 << 22
+
+TextBuckets = list[tuple[torch.Tensor, TextEmb]]  # (caption indices, their embeddings), by length
+
+
+def _require_items(count: int, what: str, path: object = None) -> None:
+    if count == 0:
+        raise DataError(f"no {what} to score: the {'gallery' if what == 'images' else 'query set'} is empty",
+                        path=path, hint=f"pass at least one {what[:-1]}")
+
+
 @torch.inference_mode()
 def encode_images(model: Matcher, features: ImageSource, batch_size: int = 128, progress: bool = False
                   ) -> ImageEmb:
     """Encode every image of a split's `images` (a feature array, cached multi-scale maps, or image
     files for pixel-input models) once, in batches."""
+    _require_items(len(features), "images")
     parts = []
     for start in tqdm(range(0, len(features), batch_size), desc="encode images", disable=not progress,
                       leave=False):
@@ -62,46 +79,99 @@ def encode_images(model: Matcher, features: ImageSource, batch_size: int = 128, 
 
 
 @torch.inference_mode()
-def encode_captions(model: Matcher, captions: Sequence[str], vocab: AnyVocab, batch_size: int = 256,
-                    progress: bool = False) -> TextEmb:
-    """Encode captions in length-sorted batches (little padding), returned in the original order."""
+def encode_caption_buckets(model: Matcher, captions: Sequence[str], vocab: AnyVocab,
+                           bucket_size: int = CAPTIONS_PER_BLOCK, batch_size: int = 256,
+                           progress: bool = False) -> TextBuckets:
+    """Captions encoded in length-sorted batches and kept in buckets of `bucket_size`, each padded only to
+    its own longest caption (the evaluator's blocks): no [M, longest caption, D] tensor is ever built,
+    about 5x less memory than padding everything to the longest caption on Flickr30K/COCO."""
+    _require_items(len(captions), "captions")
     tokens = [vocab.encode(c) for c in captions]
     order = sorted(range(len(tokens)), key=lambda j: len(tokens[j]))
-    parts = []
-    for start in tqdm(range(0, len(order), batch_size), desc="encode captions", disable=not progress,
-                      leave=False):
-        batch = pad_tokens([tokens[j] for j in order[start:start + batch_size]])
-        parts.append(model.encode_texts(batch.tokens, batch.lengths))
-    merged = concat_texts(parts)
+    buckets: TextBuckets = []
+    for b0 in tqdm(range(0, len(order), bucket_size), desc="encode captions", disable=not progress,
+                   leave=False):
+        chunk = order[b0:b0 + bucket_size]
+        parts = []
+        for start in range(0, len(chunk), batch_size):
+            batch = pad_tokens([tokens[j] for j in chunk[start:start + batch_size]])
+            parts.append(model.encode_texts(batch.tokens, batch.lengths))
+        buckets.append((torch.tensor(chunk), concat_texts(parts).trimmed()))
+    return buckets
+
+
+def bucket_texts(txt: TextEmb, bucket_size: int = CAPTIONS_PER_BLOCK) -> TextBuckets:
+    """Length buckets of already-encoded captions (see encode_caption_buckets)."""
+    _require_items(len(txt), "captions")
+    order = torch.argsort(txt.lengths, stable=True)
+    return [(order[b0:b0 + bucket_size], txt.take(order[b0:b0 + bucket_size]).trimmed())
+            for b0 in range(0, len(txt), bucket_size)]
+
+
+def unbucket_texts(buckets: TextBuckets) -> TextEmb:
+    """The captions of `buckets` as one padded TextEmb in their original order."""
+    merged = concat_texts([t for _, t in buckets])
+    order = torch.cat([c for c, _ in buckets])
     inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
+    inverse[order] = torch.arange(len(order))
     return merged.take(inverse)
 
 
-def images_per_block(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: float) -> int:
-    """Images per block so that the head's temporaries for (these images x `txt`) fit the budget."""
-    head = model.head
-    per_pair = head.bytes_per_cell * img.regions.shape[1] * txt.words.shape[1] + head.bytes_per_pair
-    return max(1, min(len(img), int(budget_bytes // max(1.0, per_pair * len(txt)))))
+def encode_captions(model: Matcher, captions: Sequence[str], vocab: AnyVocab, batch_size: int = 256,
+                    progress: bool = False) -> TextEmb:
+    """Encode captions in length-sorted batches (little padding), returned in the original order."""
+    return unbucket_texts(encode_caption_buckets(model, captions, vocab, batch_size=batch_size,
+                                                 progress=progress))
+
+
+def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float,
+                     max_cells: int = MAX_BLOCK_CELLS) -> list[int]:
+    """Images per block for each caption bucket. The budget bounds what scoring adds on top of the
+    encoded embeddings: the float32 score matrix plus the head's temporaries for one block
+    (`bytes_per_cell` per image x caption x region x word, calibrated against measured peak RSS).
+    Raises ConfigError, stating the minimum, when not even one image per block fits."""
+    n = len(img)
+    m = sum(len(c) for c, _ in buckets)
+    out_bytes = 4.0 * n * m
+    k = img.regions.shape[1]
+    cells = [k * len(t) * t.words.shape[1] for _, t in buckets]  # per image, per bucket
+    # + bytes_per_pair per image x caption, for heads whose temporaries scale with pairs, not cells (SMAN)
+    per_image = [model.head.bytes_per_cell * c + model.head.bytes_per_pair * len(t)
+                 for c, (_, t) in zip(cells, buckets, strict=True)]
+    minimum = out_bytes + max(per_image)
+    if budget_bytes < minimum:
+        raise ConfigError(
+            f"memory budget {budget_bytes / 2**20:.1f} MB is too small: the minimum for {n} images x {m} "
+            f"captions is {minimum / 2**20:.1f} MB (score matrix {out_bytes / 2**20:.1f} MB + one block of "
+            f"1 image x {len(buckets[int(np.argmax(per_image))][1])} captions "
+            f"{max(per_image) / 2**20:.1f} MB)",
+            hint=f"raise the budget to at least {minimum / 2**30:.3f} GB (--budget-gb), or score fewer items")
+    if model.head.bytes_per_cell <= 0 and model.head.bytes_per_pair <= 0:
+        return [n for _ in buckets]
+    free = budget_bytes - out_bytes
+    return [max(1, min(n, int(free // b), max_cells // max(1, c))) for b, c in zip(per_image, cells, strict=True)]
 
 
 @torch.inference_mode()
-def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: float = DEFAULT_BUDGET,
-                 progress: bool = False, captions_per_block: int = 1024) -> torch.Tensor:
-    """All-pairs scores [n_img, n_txt] in float32. Captions are bucketed by length so that a block is
-    padded only to its own longest caption; every block is one batched call of the model's head, and
-    the number of images per block follows from the memory budget."""
-    n, m = len(img), len(txt)
+def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
+                 budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
+                 captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS) -> torch.Tensor:
+    """All-pairs scores [n_img, n_txt] in float32, exact (the head's own numbers, block by block).
+
+    Captions are bucketed by length so that a block is padded only to its own longest caption; every
+    block is one batched call of the model's head; images per block follow from the memory budget
+    (see images_per_block). Uses torch's intra-op threads (all cores unless set otherwise); the
+    progress bar shows pairs/s."""
+    _require_items(len(img), "images")
+    buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
+    n, m = len(img), sum(len(c) for c, _ in buckets)
+    rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, max_cells)
     if model.head.bytes_per_cell <= 0 and model.head.bytes_per_pair <= 0:  # pair-independent: one product
-        return model.score(img, txt).float()
-    order = torch.argsort(txt.lengths, stable=True)
-    sorted_txt = txt.take(order)
+        return model.score(img, unbucket_texts(buckets)).float()
     out = torch.empty(n, m)
-    bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress, leave=False)
-    for t0 in range(0, m, captions_per_block):
-        columns = order[t0:t0 + captions_per_block]
-        block_txt = sorted_txt.take(slice(t0, t0 + captions_per_block)).trimmed()
-        rows = images_per_block(model, img, block_txt, budget_bytes)
+    bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
+               leave=False)
+    for (columns, block_txt), rows in zip(buckets, rows_per_bucket, strict=True):
         for i0 in range(0, n, rows):
             out[i0:i0 + rows, columns] = model.score(img.take(slice(i0, i0 + rows)), block_txt).float()
             bar.update(min(rows, n - i0) * len(columns))
@@ -110,16 +180,11 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb, budget_bytes: floa
 
 
 def split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, budget_bytes: float = DEFAULT_BUDGET,
-                 progress: bool = False, rerank: int = 0) -> torch.Tensor:
-    """The split's score matrix: exhaustive, or with `rerank` = K > 0 the two-stage matrix of
-    `engine.rerank.rerank_scores` (full scores for the global stage's top-K, -inf elsewhere)."""
+                 progress: bool = False) -> torch.Tensor:
+    """The split's exhaustive score matrix [n_img, n_txt]."""
     img = encode_images(model, split.images, progress=progress)
-    txt = encode_captions(model, split.captions, vocab, progress=progress)
-    if rerank > 0:
-        from itmatch.engine.rerank import rerank_scores
-
-        return rerank_scores(model, img, txt, rerank, budget_bytes, progress)
-    return score_matrix(model, img, txt, budget_bytes, progress)
+    buckets = encode_caption_buckets(model, split.captions, vocab, progress=progress)
+    return score_matrix(model, img, buckets, budget_bytes, progress)
 
 
 def protocol_folds(split: PrecompSplit, protocol: str) -> list[PrecompSplit]:
@@ -141,17 +206,47 @@ def protocol_folds(split: PrecompSplit, protocol: str) -> list[PrecompSplit]:
     return [split.slice(1000 * f, 1000 * (f + 1)) for f in range(5)]
 
 
+def rerank_split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, k: int,
+                        first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat",
+                        progress: bool = False) -> tuple[torch.Tensor, dict]:
+    """Two-stage scores of a split (retrieval.two_stage): the first stage is `model`'s own global
+    embedding (VSE++) or that of a separate `first_stage` model (for SCAN and other pair heads)."""
+    from itmatch.retrieval.two_stage import first_stage_vectors, two_stage_scores
+
+    img = encode_images(model, split.images, progress=progress)
+    txt = encode_captions(model, split.captions, vocab, progress=progress)
+    if first_stage is None:
+        img_vec, txt_vec = first_stage_vectors(img, txt)
+    else:
+        fs_model, fs_vocab = first_stage
+        img_vec, txt_vec = first_stage_vectors(encode_images(fs_model.eval(), split.images),
+                                               encode_captions(fs_model, split.captions, fs_vocab))
+    result = two_stage_scores(model, img, txt, k, img_vec, txt_vec, index, progress)
+    info = {"k": k, "index": index, "pairs_scored": result.pairs_scored, "pairs_total": result.pairs_total,
+            "fraction_scored": round(result.fraction, 5),
+            "seconds": {key: round(v, 3) for key, v in result.timings.items()}}
+    return result.scores, info
+
+
 def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit, protocol: str = "full",
-                    budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0) -> dict:
-    """Metrics of one model, or of an ensemble (score matrices averaged before ranking); `rerank` = K > 0
-    scores only each query's top-K of the global stage with the full model (see engine/rerank.py)."""
+                    budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0,
+                    first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat") -> dict:
+    """Metrics of one model, or of an ensemble (score matrices averaged before ranking). With
+    `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model."""
+    if rerank and len(models) != 1:
+        raise ConfigError("two-stage re-ranking takes one model, not an ensemble",
+                          hint="evaluate one checkpoint with --rerank, or drop --rerank")
     start = time.perf_counter()
-    folds = []
+    folds, two_stage = [], []
     for fold in protocol_folds(split, protocol):
         total = None
         for model, vocab in models:
             model.eval()
-            scores = split_scores(model, vocab, fold, budget_bytes, progress, rerank)
+            if rerank:
+                scores, info = rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress)
+                two_stage.append(info)
+            else:
+                scores = split_scores(model, vocab, fold, budget_bytes, progress)
             total = scores if total is None else total + scores
         assert total is not None
         folds.append(retrieval_metrics(total / len(models), fold.per_image))
@@ -161,6 +256,8 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     result.update(protocol=protocol, split=split.split, folds=len(folds),
                   n_images=protocol_folds(split, protocol)[0].n_images,
                   eval_seconds=round(time.perf_counter() - start, 2))
+    if two_stage:
+        result["two_stage"] = two_stage[0] if len(two_stage) == 1 else two_stage
     return result
 
 

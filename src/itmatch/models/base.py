@@ -44,6 +44,12 @@ def masked_pool(values: torch.Tensor, mask: torch.Tensor, dim: int, how: str, ls
     raise ValueError(f"unknown pooling {how!r}; choose avg, lse, max or sum")
 
 
+def zero_padding(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x [B, L, D] with the padded steps (mask False) set to 0. Matcher.encode_* guarantee it once per
+    item, so that heads get s = 0 on padding from the block GEMM instead of a mask pass per block."""
+    return x if bool(mask.all()) else x.masked_fill(~mask[..., None], 0.0)
+
+
 @dataclass
 class Embeddings:
     """Per-item tensors, first dimension = item. `extras` holds per-item parts a head precomputes
@@ -71,7 +77,7 @@ class Embeddings:
 
 @dataclass
 class ImageEmb(Embeddings):
-    regions: torch.Tensor  # [N, k, D]
+    regions: torch.Tensor  # [N, k, D], zero on masked-out regions
     mask: torch.Tensor  # [N, k] bool, True on real regions
     vector: torch.Tensor | None = None  # [N, D] pair-independent embedding, when the model has one
 
@@ -81,7 +87,7 @@ class ImageEmb(Embeddings):
 
 @dataclass
 class TextEmb(Embeddings):
-    words: torch.Tensor  # [M, L, D]
+    words: torch.Tensor  # [M, L, D], zero beyond each caption's length
     lengths: torch.Tensor  # [M]
     vector: torch.Tensor | None = None
     #: extras key -> its word axes (e.g. a word Gram matrix: (1, 2); per-word keys: (1,)); the evaluator
@@ -150,10 +156,14 @@ class Matcher(nn.Module):
         mask defaults to all regions real."""
         if mask is None and isinstance(feats, torch.Tensor) and feats.ndim == 3:
             mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
-        return self.head.prepare_images(self.image_encoder(feats, mask))
+        img = self.image_encoder(feats, mask)
+        img.regions = zero_padding(img.regions, img.mask)
+        return self.head.prepare_images(img)
 
     def encode_texts(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextEmb:
-        return self.head.prepare_texts(self.text_encoder(tokens, lengths))
+        txt = self.text_encoder(tokens, lengths)
+        txt.words = zero_padding(txt.words, txt.mask)
+        return self.head.prepare_texts(txt)
 
     def score(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         return self.head(img, txt)

@@ -7,12 +7,20 @@ import torch
 from itmatch.models.base import ImageEmb, TextEmb
 
 
-def region_word_dots(img: ImageEmb, txt: TextEmb) -> torch.Tensor:
-    """s[n, k, m, l] = v_nk . e_ml for a whole block in one GEMM (layout chosen so that the region
-    axis is a batch-matmul axis and the word axis is contiguous)."""
+def region_word_dots(img: ImageEmb, txt: TextEmb, layout: str = "image") -> torch.Tensor:
+    """Raw region-word dots of a whole block in one GEMM, s = v_nk . e_ml.
+
+    layout "image": [n, k, m, l] (regions of an image are a batch-matmul axis, words contiguous);
+    layout "text": [m, l, n, k] (the same numbers, caption-major), for heads whose per-item work is per
+    caption (SCAN i-t), so that no permuted copy of the block is ever made."""
     n, k, d = img.regions.shape
     m, length, _ = txt.words.shape
-    return (img.regions.reshape(n * k, d) @ txt.words.reshape(m * length, d).T).view(n, k, m, length)
+    regions, words = img.regions.reshape(n * k, d), txt.words.reshape(m * length, d)
+    if layout == "image":
+        return (regions @ words.T).view(n, k, m, length)
+    if layout == "text":
+        return (words @ regions.T).view(m, length, n, k)
+    raise ValueError(f"layout must be 'image' or 'text', not {layout!r}")
 
 
 def pair_mask(img: ImageEmb, txt: TextEmb) -> torch.Tensor:

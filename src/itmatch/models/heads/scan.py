@@ -19,6 +19,39 @@ NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 POOLS = ("avg", "lse", "max", "sum")
 
 
+def attention_logits(s: torch.Tensor, query_mask: torch.Tensor, context_mask: torch.Tensor, how: str,
+                     clip_slope: float, lam: float, inplace: bool = False) -> torch.Tensor:
+    """lambda_1 * (the region-word similarity normalised over the query axis, dim 3), -inf on padded
+    context entries (dim 1): the logits of the attention softmax over dim 1 (SCAN Eq. 1-2 / 7).
+
+    clipped_l2norm: [s]_+ / (sqrt(sum [s]_+^2) + eps), where [.]_+ is LeakyReLU(clip_slope) (the code uses
+    0.1; the paper writes a plain ReLU, clip_slope=0). Padded query entries hold s = 0 (Matcher.encode_*
+    zero padded vectors) and [.]_+ keeps them at 0, so they stay out of the norm without a mask pass over
+    the block; only the softmax normalisation needs `query_mask`. `s` is never modified; with `inplace`
+    (no autograd) the intermediate buffer is reused, so the block costs one buffer, not four."""
+    if how not in NORMS:
+        raise ValueError(f"unknown normalisation {how!r}; choose one of {NORMS}")
+    if how == "softmax":
+        x = torch.softmax(s.masked_fill(~query_mask, float("-inf")), dim=3)
+    elif how in ("clipped_l2norm", "clipped"):
+        x = F.leaky_relu(s, clip_slope)
+    else:
+        x = s if how == "l2norm" else s * lam  # a copy: s is needed again for the attended dot
+    scale: torch.Tensor | float = lam
+    if how in ("clipped_l2norm", "l2norm"):
+        # vector_norm: zero gradient where a whole column is zero (padded words in i-t), not NaN
+        scale = lam / (torch.linalg.vector_norm(x, dim=3, keepdim=True) + EPS)
+    elif how == "no_norm":
+        scale = 1.0
+    if not bool(context_mask.all()):
+        bias = torch.zeros(context_mask.shape, dtype=s.dtype, device=s.device)
+        bias = bias.masked_fill_(~context_mask, float("-inf"))[:, :, None, None]
+        return torch.addcmul(bias, x, torch.as_tensor(scale, dtype=s.dtype))  # one pass: mask and scale
+    if isinstance(scale, float) and scale == 1.0:
+        return x
+    return x.mul_(scale) if inplace and x is not s else x * scale
+
+
 def normalise_over(s: torch.Tensor, mask: torch.Tensor, dim: int, how: str,
                    clip_slope: float) -> torch.Tensor:
     """The region-word similarity normalisation over the *query* axis `dim` (public SCAN code).
@@ -71,7 +104,8 @@ class ScanHead(SimilarityHead):
     """direction t2i: words attend to regions, words are scored and pooled (Eq. 7-8);
     direction i2t: regions attend to words, regions are scored and pooled (Eq. 4-6)."""
 
-    bytes_per_cell = 28.0  # s, normalised s, logits/alpha, G.alpha, two products (float32)
+    # s, logits -> alpha, G.alpha (3 float32 buffers) + allocator slack: 14-25 measured (docs/performance.md)
+    bytes_per_cell = 26.0
 
     def __init__(self, direction: str = "t2i", pool: str = "avg", lambda_softmax: float = 9.0,
                  lambda_lse: float = 6.0, norm: str = "clipped_l2norm", clip_slope: float = 0.1) -> None:
@@ -95,18 +129,6 @@ class ScanHead(SimilarityHead):
             add_word_gram(txt)
         return txt
 
-    def _alpha(self, s: torch.Tensor, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
-        """Attention weights [n, k, m, l] from the raw region-word dots s: the query axis is normalised,
-        then lambda_1-scaled softmax over the attended axis (Eq. 3 for i-t; its t-i analogue alpha')."""
-        rmask = img.mask[:, :, None, None]
-        wmask = txt.mask[None, None, :, :]
-        if self.direction == "t2i":  # normalise over words (the query axis), attend over regions
-            sn = normalise_over(s, wmask, 3, self.norm, self.clip_slope)
-            return attention_weights(sn, self.lambda_softmax, rmask, 1)
-        # i2t: normalise over regions (the query axis), attend over words
-        sn = normalise_over(s, rmask, 1, self.norm, self.clip_slope)
-        return attention_weights(sn, self.lambda_softmax, wmask, 3)
-
     def attention(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         """The attention weights the score uses, [n_img, k, n_txt, L] (region axis 1, word axis 3).
 
@@ -114,15 +136,39 @@ class ScanHead(SimilarityHead):
         every real word's weights sum to 1 over the real regions (what SCAN Fig. 4 draws per word).
         i2t: alpha_{kl} of Eq. 3, each region's softmax over the caption's words (sums to 1 over words).
         Entries of padded words are NaN-free but meaningless; use txt.lengths to cut them."""
-        return self._alpha(region_word_dots(img, txt), img, txt)
+        if self.direction == "t2i":
+            s = region_word_dots(img, txt, "image")
+            logits = attention_logits(s, txt.mask[None, None], img.mask, self.norm, self.clip_slope,
+                                      self.lambda_softmax)
+            return torch.softmax(logits, dim=1)
+        s = region_word_dots(img, txt, "text")  # caption-major [m, l, n, k]
+        logits = attention_logits(s, img.mask[None, None], txt.mask, self.norm, self.clip_slope, self.lambda_softmax)
+        return torch.softmax(logits, dim=1).permute(2, 3, 0, 1)
 
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
-        s = region_word_dots(img, txt)  # [n, k, m, l]
-        alpha = self._alpha(s, img, txt)
-        relevance = attended_cosine(s, alpha, img, txt, self.direction)
-        if self.direction == "t2i":  # one relevance per word, pooled over the caption's words
-            return masked_pool(relevance, txt.mask[None], 2, self.pool, self.lambda_lse)
-        return masked_pool(relevance, img.mask[:, :, None], 1, self.pool, self.lambda_lse)
+        # Both directions are one computation over a block s[B, C, b, Q]: item B's context entries C
+        # (regions for t-i, words for i-t) are attended by item b's queries Q. t-i uses the image-major
+        # layout [n, k, m, l], i-t the caption-major one [m, l, n, k], so that the softmax and the
+        # attended sums run over dim 1 and the Gram product is a plain bmm over the context items.
+        # Padded words / masked regions are zero (Matcher.encode_*), so s = 0 there.
+        if self.direction == "t2i":
+            s = region_word_dots(img, txt, "image")
+            context_mask, query_mask, gram, queries = img.mask, txt.mask, img.extras["gram"], txt.words
+        else:
+            s = region_word_dots(img, txt, "text")
+            context_mask, query_mask, gram, queries = txt.mask, img.mask, txt.extras["gram"], img.regions
+        n_ctx, c, n_q, q = s.shape
+        inplace = not s.requires_grad  # evaluation: reuse buffers, autograd needs the originals
+        logits = attention_logits(s, query_mask[None, None], context_mask, self.norm, self.clip_slope,
+                                  self.lambda_softmax, inplace)
+        alpha = torch.softmax(logits, dim=1)  # Eq. 2 / 7: attention over the context entries
+        del logits
+        dot = (s.mul_(alpha) if inplace else s * alpha).sum(1)  # [B, b, Q] = query . attended vector
+        g_alpha = torch.bmm(gram, alpha.view(n_ctx, c, n_q * q)).view(n_ctx, c, n_q, q)
+        sq_norm = (g_alpha.mul_(alpha) if inplace else g_alpha * alpha).sum(1)  # ||a||^2 = alpha^T G alpha
+        relevance = dot / (queries.norm(dim=-1)[None] * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
+        scores = masked_pool(relevance, query_mask[None], 2, self.pool, self.lambda_lse)  # Eq. 5-6 / 8
+        return scores if self.direction == "t2i" else scores.T
 
 
 class TwoWayScanHead(SimilarityHead):

@@ -10,7 +10,7 @@ from itmatch.models.heads.common import region_word_dots
 
 
 class SumMaxHead(SimilarityHead):
-    bytes_per_cell = 12.0
+    bytes_per_cell = 10.0  # s (+ a masked copy with padding): 5-10 measured (docs/performance.md)
 
     def __init__(self, direction: str = "t2i") -> None:
         super().__init__()
@@ -19,11 +19,14 @@ class SumMaxHead(SimilarityHead):
         self.direction = direction
 
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
-        s = region_word_dots(img, txt)  # [n, k, m, l]
-        rmask = img.mask[:, :, None, None]
-        wmask = txt.mask[None, None, :, :]
         if self.direction == "t2i":  # S'_SM = sum_words max_regions s
-            best = s.masked_fill(~rmask, float("-inf")).amax(1)  # [n, m, l]
-            return masked_pool(best, txt.mask[None], dim=2, how="sum")
-        best = s.masked_fill(~wmask, float("-inf")).amax(3)  # [n, k, m]
-        return masked_pool(best, img.mask[:, :, None], dim=1, how="sum")
+            s = region_word_dots(img, txt, "image")  # [n, k, m, l]
+            context_mask, query_mask = img.mask, txt.mask
+        else:  # caption-major [m, l, n, k]: the max runs over dim 1 in both directions
+            s = region_word_dots(img, txt, "text")
+            context_mask, query_mask = txt.mask, img.mask
+        if not bool(context_mask.all()):
+            s = s.masked_fill(~context_mask[:, :, None, None], float("-inf"))
+        best = s.amax(1)  # [B, b, Q]
+        scores = masked_pool(best, query_mask[None], dim=2, how="sum")
+        return scores if self.direction == "t2i" else scores.T

@@ -1,0 +1,133 @@
+"""The blocked evaluator equals one-shot scoring for every preset's head and any block shape; bad budgets
+and empty inputs are clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from itmatch.data.vocab import Vocab
+from itmatch.engine.evaluate import (
+    bucket_texts,
+    encode_caption_buckets,
+    encode_captions,
+    encode_images,
+    images_per_block,
+    score_matrix,
+    unbucket_texts,
+)
+from itmatch.errors import ConfigError, DataError, ItmatchError
+from itmatch.models.base import ImageEmb
+from itmatch.models.registry import PRESETS, build_model, image_inputs, preset_config
+
+WORDS = ["a", "the", "dog", "cat", "runs", "sits", "on", "grass", "red", "ball", "man",
+         "woman", "with", "near", "water"]
+N_IMG, K, IMG_DIM = 11, 4, 12  # 4 regions: also a 2x2 grid (SAVE, SMAN)
+
+
+def tiny_model(preset: str):
+    cfg = preset_config(preset)
+    if image_inputs(cfg.model):
+        pytest.skip(f"{preset} reads multi-scale maps; its head (SCAN) is covered by the single-scale presets")
+    # MMCA's frozen encoder has 30522 WordPiece ids (the test's word ids are a subset)
+    vocab_size = 30522 if cfg.model.arch == "mmca" else 40
+    cfg.model.embed_size, cfg.model.word_dim, cfg.model.img_dim, cfg.model.vocab_size = 16, 8, IMG_DIM, vocab_size
+    cfg.model.sman.regions = K
+    try:
+        model = build_model(cfg.model).eval()
+    except (ImportError, ItmatchError) as exc:  # a head needing an optional package or weights
+        pytest.skip(f"{preset}: cannot build a tiny model here ({exc})")
+    torch.manual_seed(0)
+    with torch.no_grad():  # larger random weights: scores spread out, so a wrong block shows
+        for p in model.parameters():
+            p.uniform_(-0.5, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    feats = rng.standard_normal((N_IMG, K, IMG_DIM)).astype(np.float32)
+    lengths = rng.integers(1, 9, size=23)  # caption lengths 1..8 words (+ <start>/<end>)
+    captions = [" ".join(rng.choice(WORDS, int(n))) for n in lengths]
+    return feats, captions, Vocab(WORDS)
+
+
+@pytest.mark.parametrize("preset", sorted(p for p in PRESETS if not p.endswith("_coco")))
+def test_blocked_equals_one_shot_for_every_head(preset, data):
+    feats, captions, vocab = data
+    model = tiny_model(preset)
+    img = encode_images(model, feats)
+    txt = encode_captions(model, captions, vocab)
+    with torch.inference_mode():
+        one_shot = model.score(img, txt).float()
+    assert one_shot.shape == (N_IMG, len(captions))
+    assert one_shot.std() > 1e-3  # a meaningful comparison, not all scores alike
+    max_len = int(txt.lengths.max())
+    # blocks of 1 image, 3 images (does not divide 11), everything; caption buckets of 1, 4, 7, all
+    for captions_per_block in (1, 4, 7, len(captions)):
+        for rows in (1, 3, N_IMG):
+            blocked = score_matrix(model, img, txt, budget_bytes=2**30, captions_per_block=captions_per_block,
+                                   max_cells=rows * K * captions_per_block * max_len)
+            assert (blocked - one_shot).abs().max() <= 1e-5, (captions_per_block, rows)
+    # the evaluator's own path: captions encoded straight into length buckets
+    buckets = encode_caption_buckets(model, captions, vocab, bucket_size=5)
+    assert (score_matrix(model, img, buckets) - one_shot).abs().max() <= 1e-5
+
+
+def test_rows_follow_the_budget_and_blocks_do_not_divide(data):
+    feats, captions, vocab = data
+    model = tiny_model("scan_t2i_avg")
+    img = encode_images(model, feats)
+    buckets = bucket_texts(encode_captions(model, captions, vocab), 6)
+    per_image = [model.head.bytes_per_cell * K * len(t) * t.words.shape[1] for _, t in buckets]
+    out_bytes = 4 * N_IMG * len(captions)
+    budget = out_bytes + 3.5 * max(per_image)
+    rows = images_per_block(model, img, buckets, budget, max_cells=10**9)
+    assert rows[int(np.argmax(per_image))] == 3  # 3 images fit the largest bucket, 11 = 3 + 3 + 3 + 2
+    assert all(r * b <= budget - out_bytes for r, b in zip(rows, per_image, strict=True))
+    one_shot = model.score(img, unbucket_texts(buckets))
+    blocked = score_matrix(model, img, buckets, budget_bytes=budget, max_cells=10**9)
+    assert (blocked - one_shot).abs().max() <= 1e-5
+
+
+def test_budget_too_small_states_the_minimum(data):
+    feats, captions, vocab = data
+    model = tiny_model("scan_i2t_lse")
+    img = encode_images(model, feats)
+    buckets = bucket_texts(encode_captions(model, captions, vocab), 8)
+    minimum = 4 * N_IMG * len(captions) + max(model.head.bytes_per_cell * K * len(t) * t.words.shape[1]
+                                              for _, t in buckets)
+    score_matrix(model, img, buckets, budget_bytes=minimum)  # exactly the minimum works
+    with pytest.raises(ConfigError, match=rf"too small: the minimum .* is {minimum / 2**20:.1f} MB") as err:
+        score_matrix(model, img, buckets, budget_bytes=minimum - 1)
+    assert "--budget-gb" in str(err.value)
+    # a pair-independent head still needs room for the score matrix
+    vsepp = tiny_model("vsepp")
+    with pytest.raises(ConfigError, match="score matrix"):
+        score_matrix(vsepp, encode_images(vsepp, feats), encode_captions(vsepp, captions, vocab), budget_bytes=100)
+
+
+def test_empty_gallery_or_query_set_is_a_data_error(data):
+    feats, captions, vocab = data
+    model = tiny_model("scan_t2i_avg")
+    with pytest.raises(DataError, match="gallery is empty"):
+        encode_images(model, feats[:0])
+    with pytest.raises(DataError, match="query set is empty"):
+        encode_captions(model, [], vocab)
+    empty = ImageEmb(regions=torch.zeros(0, K, 16), mask=torch.zeros(0, K, dtype=torch.bool))
+    with pytest.raises(DataError, match="gallery is empty"):
+        score_matrix(model, empty, encode_captions(model, captions, vocab))
+
+
+def test_encoders_zero_the_padding(data):
+    """Heads rely on zero padded words / masked regions (s = 0 there without a mask pass)."""
+    feats, captions, vocab = data
+    model = tiny_model("scan_i2t_avg")
+    txt = encode_captions(model, captions, vocab)
+    assert (txt.mask.sum() < txt.mask.numel()) and txt.words[~txt.mask].abs().max() == 0
+    mask = torch.ones(2, K, dtype=torch.bool)
+    mask[0, 3:] = False
+    img = model.encode_images(torch.from_numpy(feats[:2]), mask)
+    assert img.regions[~mask].abs().max() == 0
