@@ -279,17 +279,17 @@ def test_train_checkpoint_and_load_end_to_end(tiny_precomp, tmp_path, vocab):
                  "--json", str(tmp_path / "test.json")]) == 0
     assert json.loads((tmp_path / "test.json").read_text())["rerank"] == 5
 
-    # a checkpoint trained with another frozen encoder than the one installed now is refused
-    from safetensors.torch import load_file, save_file
-
-    from itmatch.engine.checkpoint import load_checkpoint
+    # a (valid, manifest-consistent) checkpoint trained with another frozen encoder than the one installed
+    # now is refused
+    from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
     from itmatch.errors import CheckpointError
 
-    weights = load_file(str(tmp_path / "run" / "best" / "model.safetensors"))
-    weights["text_encoder.encoder.fingerprint"] += 1.0
-    save_file(weights, str(tmp_path / "run" / "best" / "model.safetensors"))
+    ckpt = load_checkpoint(tmp_path / "run" / "best")
+    with torch.no_grad():
+        ckpt.model.state_dict()["text_encoder.encoder.fingerprint"].add_(1.0)
+    save_checkpoint(tmp_path / "other", ckpt.model, ckpt.config, ckpt.vocab)
     with pytest.raises(CheckpointError, match="another frozen text encoder"):
-        load_checkpoint(tmp_path / "run" / "best")
+        load_checkpoint(tmp_path / "other")
 
 
 def test_train_negatives_scores_candidate_pairs_like_the_full_block():

@@ -146,6 +146,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
         print("captions left without a word (kept, trained as <start> [punctuation] <end>): "
               + ", ".join(f"{k} {v}" for k, v in empty.items()))
     print(f"wrote {args.out}/perturb.json, .csv, .md, .png")
+    return 0
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
