@@ -15,7 +15,7 @@ import itmatch
 from itmatch.cli import main
 from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
 from itmatch.errors import CheckpointError, DataError, OverwriteError
-from itmatch.retrieval.index import MANIFEST, PARTS, build_index, load_index
+from itmatch.retrieval.index import MANIFEST, PARTS, build_index, load_index, scan_images
 from itmatch.retrieval.search import QueryError, Searcher
 
 
@@ -201,3 +201,17 @@ def test_global_vector_model_stores_vectors(tiny_search_setup, tmp_path):
     with pytest.raises(QueryError, match="no attention") as err:
         searcher.explain("a red circle", searcher.ids[0])
     assert err.value.status == 409
+
+
+def test_links_to_files_outside_the_folder_are_not_indexed(tmp_path, caplog):
+    """The service serves only files inside the photo folder; the index must not list others."""
+    photos, elsewhere = tmp_path / "photos", tmp_path / "elsewhere"
+    (photos / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    Image.new("RGB", (8, 8)).save(photos / "inside.jpg")
+    Image.new("RGB", (8, 8)).save(elsewhere / "outside.jpg")
+    (photos / "sub" / "link_in.jpg").symlink_to(photos / "inside.jpg")  # stays inside: kept
+    (photos / "link_out.jpg").symlink_to(elsewhere / "outside.jpg")
+    with caplog.at_level("WARNING", logger="itmatch.retrieval"):
+        assert scan_images(photos) == ["inside.jpg", "sub/link_in.jpg"]
+    assert "link_out.jpg" in caplog.text and "outside" in caplog.text

@@ -79,15 +79,23 @@ def same_model(a: dict, b: dict) -> bool:
 def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
     """Relative POSIX paths of the image files under `root` (recursive, sorted; hidden files and
     folders and the folder `exclude`, e.g. an index kept inside the photo folder, are left out)."""
-    found = []
+    found, outside = [], []
     exclude = exclude.resolve() if exclude is not None else None
+    real_root = root.resolve()
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
                              and (exclude is None or (here / d).resolve() != exclude))
         for name in filenames:
             if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_SUFFIXES:
-                found.append((here / name).relative_to(root).as_posix())
+                rel = (here / name).relative_to(root).as_posix()
+                # a link to a file outside the folder: the service never serves such files
+                # (Searcher.image_path), so indexing it would give results that cannot be shown
+                (found if (here / name).resolve().is_relative_to(real_root) else outside).append(rel)
+    if outside:
+        log.warning("%d image(s) in %s are links to files outside it and are not indexed (the server only "
+                    "serves files inside the photo folder), e.g. %s; copy them in instead",
+                    len(outside), root, outside[0])
     return sorted(found)
 
 
