@@ -109,7 +109,3 @@ class LengthBucketSampler(torch.utils.data.Sampler[list[int]]):
         batches = [b for b in batches if len(b) == self.batch_size]  # drop_last
         for i in torch.randperm(len(batches), generator=self.generator).tolist():
             yield batches[i]
-
-
-def encode_all_captions(captions: list[str], vocab: Vocab) -> list[list[int]]:
-    return [vocab.encode(c) for c in captions]

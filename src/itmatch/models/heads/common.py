@@ -23,11 +23,6 @@ def region_word_dots(img: ImageEmb, txt: TextEmb, layout: str = "image") -> torc
     raise ValueError(f"layout must be 'image' or 'text', not {layout!r}")
 
 
-def pair_mask(img: ImageEmb, txt: TextEmb) -> torch.Tensor:
-    """[n, k, m, l] bool: region k of image n and word l of caption m are both real."""
-    return img.mask[:, :, None, None] & txt.mask[None, None, :, :]
-
-
 def add_region_gram(img: ImageEmb) -> ImageEmb:
     """extras["gram"] = V V^T [N, k, k], once per image: ||sum_k alpha_k v_k||^2 = alpha^T G alpha."""
     img.extras["gram"] = img.regions @ img.regions.transpose(1, 2)
