@@ -131,7 +131,8 @@ def oan_ref(head: OANHead, regions, words, gamma):
 
 
 def random_block(n_img=3, n_txt=4, k=5, d=6, max_len=6, seed=0):
-    """tanh-range objects, variable caption lengths (zero padding) and one image with a masked region."""
+    """tanh-range objects, variable caption lengths and one image with masked regions, padding zeroed as
+    Matcher.encode_* guarantees."""
     g = torch.Generator().manual_seed(seed)
     regions = torch.tanh(torch.randn(n_img, k, d, generator=g))
     lengths = torch.tensor([max_len, 2, 4, 5][:n_txt])
@@ -139,7 +140,7 @@ def random_block(n_img=3, n_txt=4, k=5, d=6, max_len=6, seed=0):
     words = words * (torch.arange(max_len)[None, :, None] < lengths[:, None, None])
     mask = torch.ones(n_img, k, dtype=torch.bool)
     mask[1, -2:] = False
-    return ImageEmb(regions=regions, mask=mask), TextEmb(words=words, lengths=lengths)
+    return ImageEmb(regions=regions * mask[..., None], mask=mask), TextEmb(words=words, lengths=lengths)
 
 
 def real_objects(img, txt, i, j):
@@ -215,7 +216,7 @@ def test_attention_weights_sum_to_one_over_the_attended_set():
     head = OANHead(k_heads=4, embed_size=6)
     img, txt = random_block()
     img, txt = head.prepare_images(img), head.prepare_texts(txt)
-    _, alpha_tv, alpha_vt = head.inter_attention(img, txt)
+    alpha_tv, alpha_vt = head.attention(img, txt)
     rmask, wmask = img.mask[:, :, None, None], txt.mask[None, None]
     sums_tv = alpha_tv.sum(1)  # over regions, for every (image, caption, word)
     assert torch.allclose(sums_tv, torch.ones_like(sums_tv))

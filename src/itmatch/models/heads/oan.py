@@ -28,7 +28,7 @@ from torch import nn
 from itmatch.config import LossConfig
 from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, l2norm, masked_pool
 from itmatch.models.heads.common import add_region_gram, add_word_gram, region_word_dots
-from itmatch.models.heads.scan import attended_cosine, attention_weights, normalise_over
+from itmatch.models.heads.scan import attended_relevance, context_attention
 from itmatch.models.losses import oan_triplet_loss
 
 INTRA = ("attention", "mean", "none")
@@ -82,7 +82,9 @@ class OANHead(SimilarityHead):
     "no attention"). When one side is off, the other takes the whole weight (1 instead of 1 - gamma or
     gamma), so the loss scale and margins keep their meaning."""
 
-    bytes_per_cell = 56.0  # dots, cosines, and per direction: normalised s, alpha, G.alpha, products
+    # per direction: dots, cosines, logits -> alpha, G.alpha; 8-12 measured on a 64 x 128 block (one
+    # process per measurement, peak RSS), SCAN's calibrated bound kept
+    bytes_per_cell = 26.0
 
     def __init__(self, *, k_heads: int = 6, embed_size: int = 512, lambda_tt: float = 1.0, lambda_vv: float = 1.0,
                  lambda_tv: float = 0.9, lambda_vt: float = 0.5, gamma: float = 0.3, inter: bool = True,
@@ -128,28 +130,44 @@ class OANHead(SimilarityHead):
         return txt
 
     # ---- pair scores ----------------------------------------------------------------------------------
-    def inter_attention(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Raw dots e_i.v_j and the inter-modal attention weights of a block, each [n, k, m, l]:
-        T-V weights sum to 1 over regions k (Eq. 4 with s-bar), V-T weights over words l (Eq. 4 with s-hat)."""
-        dots = region_word_dots(img, txt)
-        norms = img.regions.norm(dim=-1)[:, :, None, None] * txt.words.norm(dim=-1)[None, None]
-        cos = dots / norms.clamp(min=EPS)
-        rmask, wmask = img.mask[:, :, None, None], txt.mask[None, None]
-        # s_ij = [cos]_+, then l2 over the query axis = SCAN's clipped_l2norm with a plain ReLU
-        s_bar = normalise_over(cos, wmask, 3, "clipped_l2norm", 0.0)  # s_ij / ||s_:j|| (over words)
-        s_hat = normalise_over(cos, rmask, 1, "clipped_l2norm", 0.0)  # s_ij / ||s_i:|| (over regions)
-        alpha_tv = attention_weights(s_bar, self.lambda_tv, rmask, 1)  # word i attends to regions
-        alpha_vt = attention_weights(s_hat, self.lambda_vt, wmask, 3)  # region j attends to words
-        return dots, alpha_tv, alpha_vt
+    # T-V is SCAN t-i (image-major block [n, k, m, l], words attend to regions), V-T is SCAN i-t
+    # (caption-major block [m, l, n, k], regions attend to words), through the same attention core;
+    # OAN's logits come from cosines with a plain ReLU: s_ij = [cos]_+, l2-normalised over the query axis.
+    def _cosines(self, dots: torch.Tensor, img: ImageEmb, txt: TextEmb, layout: str) -> torch.Tensor:
+        """cos(e_i, v_j) of a block of raw dots in `layout` ("image" [n, k, m, l] or "text" [m, l, n, k])."""
+        r, w = img.regions.norm(dim=-1), txt.words.norm(dim=-1)
+        norms = r[:, :, None, None] * w[None, None] if layout == "image" else w[:, :, None, None] * r[None, None]
+        return dots / norms.clamp(min=EPS)
+
+    def inter_relevance(self, img: ImageEmb, txt: TextEmb, direction: str) -> torch.Tensor:
+        """cos(query, attended vector): "tv" [n, m, l] per word (attending to regions, lambda_TV),
+        "vt" [m, n, k] per region (attending to words, lambda_VT) (Eq. 4-5)."""
+        if direction == "tv":
+            dots = region_word_dots(img, txt, "image")
+            return attended_relevance(dots, txt.mask, img.mask, img.extras["gram"], txt.words, "clipped_l2norm",
+                                      0.0, self.lambda_tv, sim=self._cosines(dots, img, txt, "image"))
+        dots = region_word_dots(img, txt, "text")
+        return attended_relevance(dots, img.mask, txt.mask, txt.extras["gram"], img.regions, "clipped_l2norm",
+                                  0.0, self.lambda_vt, sim=self._cosines(dots, img, txt, "text"))
+
+    def attention(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inter-modal attention weights of a block, each [n, k, m, l]: T-V weights sum to 1 over
+        regions k (Eq. 4 with s-bar), V-T weights over words l (Eq. 4 with s-hat)."""
+        dots = region_word_dots(img, txt, "image")
+        alpha_tv = context_attention(self._cosines(dots, img, txt, "image"), txt.mask, img.mask, "clipped_l2norm",
+                                     0.0, self.lambda_tv)
+        dots = region_word_dots(img, txt, "text")
+        alpha_vt = context_attention(self._cosines(dots, img, txt, "text"), img.mask, txt.mask, "clipped_l2norm",
+                                     0.0, self.lambda_vt)
+        return alpha_tv, alpha_vt.permute(2, 3, 0, 1)
 
     def components(self, img: ImageEmb, txt: TextEmb) -> dict[str, torch.Tensor]:
         """The set-wise similarities of every pair, [n_img, n_txt] each: "vt" = S(v_VT, e_VT),
         "tv" = S(v_TV, e_TV), "intra" = S(v_VV, e_TT); only the enabled ones."""
         out: dict[str, torch.Tensor] = {}
         if self.inter:
-            dots, alpha_tv, alpha_vt = self.inter_attention(img, txt)
-            out["tv"] = masked_pool(attended_cosine(dots, alpha_tv, img, txt, "t2i"), txt.mask[None], 2, "avg")
-            out["vt"] = masked_pool(attended_cosine(dots, alpha_vt, img, txt, "i2t"), img.mask[:, :, None], 1, "avg")
+            out["tv"] = masked_pool(self.inter_relevance(img, txt, "tv"), txt.mask[None], 2, "avg")
+            out["vt"] = masked_pool(self.inter_relevance(img, txt, "vt"), img.mask[None], 2, "avg").T
         if self.intra != "none":
             out["intra"] = img.vector @ txt.vector.T
         return out

@@ -52,52 +52,36 @@ def attention_logits(s: torch.Tensor, query_mask: torch.Tensor, context_mask: to
     return x.mul_(scale) if inplace and x is not s else x * scale
 
 
-def normalise_over(s: torch.Tensor, mask: torch.Tensor, dim: int, how: str,
-                   clip_slope: float) -> torch.Tensor:
-    """The region-word similarity normalisation over the *query* axis `dim` (public SCAN code).
-
-    clipped_l2norm: [s]_+ / sqrt(sum [s]_+^2), where [.]_+ is LeakyReLU(clip_slope) (the code uses 0.1;
-    the paper writes a plain ReLU, clip_slope=0); padding entries do not enter the norm."""
-    if how == "softmax":
-        return torch.softmax(s.masked_fill(~mask, float("-inf")), dim=dim)
-    if how in ("clipped_l2norm", "clipped"):
-        s = F.leaky_relu(s, clip_slope)
-    if how in ("clipped_l2norm", "l2norm"):
-        s = s.masked_fill(~mask, 0.0)
-        # vector_norm: zero gradient where a whole column is zero (padded words in i-t), not NaN
-        s = s / (torch.linalg.vector_norm(s, dim=dim, keepdim=True) + EPS)
-    elif how not in ("clipped", "no_norm"):
-        raise ValueError(f"unknown normalisation {how!r}; choose one of {NORMS}")
-    return s
+def context_attention(sim: torch.Tensor, query_mask: torch.Tensor, context_mask: torch.Tensor, norm: str,
+                      clip_slope: float, lam: float, inplace: bool = False) -> torch.Tensor:
+    """The attention weights of a block [B, C, b, Q] over its context axis (dim 1), 0 on padded context
+    entries: softmax_C(attention_logits(sim)) (SCAN Eq. 2 / 7, OAN Eq. 4)."""
+    return torch.softmax(attention_logits(sim, query_mask[None, None], context_mask, norm, clip_slope, lam, inplace),
+                         dim=1)
 
 
-def attention_weights(sn: torch.Tensor, lam: float, mask: torch.Tensor, dim: int) -> torch.Tensor:
-    """softmax over the attended axis `dim` of lam * sn, padding excluded (SCAN Eq. 2, OAN Eq. 4)."""
-    return torch.softmax((lam * sn).masked_fill(~mask, float("-inf")), dim=dim)
+def attended_relevance(s: torch.Tensor, query_mask: torch.Tensor, context_mask: torch.Tensor, gram: torch.Tensor,
+                       queries: torch.Tensor, norm: str, clip_slope: float, lam: float,
+                       sim: torch.Tensor | None = None) -> torch.Tensor:
+    """cos(query, attended vector) for every query of every pair of a block (SCAN Eq. 1-3 / 7-8, OAN Eq. 4-5).
 
+    s [B, C, b, Q]: raw dots between item B's context entries C (regions for t-i, words for i-t) and item
+    b's queries Q, with the attended axis at dim 1 (image-major [n, k, m, l] for t-i, caption-major
+    [m, l, n, k] for i-t: then the softmax and the attended sums run over dim 1 and the Gram product is a
+    plain bmm over the context items). gram [B, C, C]: the context items' Gram matrices; queries [b, Q, D].
+    `sim`: what the attention logits are computed from when it is not s itself (OAN: cosines). Padded
+    queries / context entries are zero vectors (Matcher.encode_*), so s = 0 there.
 
-def attended_cosine(s: torch.Tensor, alpha: torch.Tensor, img: ImageEmb, txt: TextEmb, direction: str
-                    ) -> torch.Tensor:
-    """cos(query, attended vector) for every query of every pair of a block (SCAN Eq. 3, 8).
-
-    s: raw region-word dots [n, k, m, l]; alpha: attention weights of the same shape.
-    t2i: word l attends to regions (alpha sums to 1 over k), a_l = sum_k alpha_kl v_k -> [n, m, l].
-    i2t: region k attends to words (alpha sums to 1 over l), a_k = sum_l alpha_kl e_l -> [n, k, m].
-    a is never built: q.a = sum alpha s and ||a||^2 = alpha^T G alpha with the attended item's Gram matrix
-    (extras["gram"] of the images for t2i, of the captions for i2t). Queries are not assumed unit-norm."""
-    n, k, m, length = s.shape
-    if direction == "t2i":
-        dot = (alpha * s).sum(1)  # [n, m, l] = e_l . a_l
-        g_alpha = torch.bmm(img.extras["gram"], alpha.reshape(n, k, m * length)).view(n, k, m, length)
-        sq_norm = (alpha * g_alpha).sum(1)  # ||a_l||^2
-        query_norm = txt.words.norm(dim=-1)[None]  # [1, m, l]
-    else:
-        dot = (alpha * s).sum(3)  # [n, k, m] = v_k . a_k
-        per_caption = alpha.permute(2, 0, 1, 3).reshape(m, n * k, length)
-        h_alpha = torch.bmm(per_caption, txt.extras["gram"]).view(m, n, k, length).permute(1, 2, 0, 3)
-        sq_norm = (alpha * h_alpha).sum(3)  # [n, k, m]
-        query_norm = img.regions.norm(dim=-1)[:, :, None]  # [n, k, 1]
-    return dot / (query_norm * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
+    The attended vector a = sum_c alpha_c x_c is never materialised: its dot with the query is
+    sum_c alpha_c s_c, its squared norm alpha^T G alpha. Without autograd the block's buffers are reused
+    (s is consumed). Returns [B, b, Q]."""
+    n_ctx, c, n_q, q = s.shape
+    inplace = not s.requires_grad  # evaluation: reuse buffers, autograd needs the originals
+    alpha = context_attention(s if sim is None else sim, query_mask, context_mask, norm, clip_slope, lam, inplace)
+    dot = (s.mul_(alpha) if inplace else s * alpha).sum(1)  # [B, b, Q] = query . attended vector
+    g_alpha = torch.bmm(gram, alpha.view(n_ctx, c, n_q * q)).view(n_ctx, c, n_q, q)
+    sq_norm = (g_alpha.mul_(alpha) if inplace else g_alpha * alpha).sum(1)  # ||a||^2 = alpha^T G alpha
+    return dot / (queries.norm(dim=-1)[None] * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
 
 
 class ScanHead(SimilarityHead):
@@ -138,35 +122,24 @@ class ScanHead(SimilarityHead):
         Entries of padded words are NaN-free but meaningless; use txt.lengths to cut them."""
         if self.direction == "t2i":
             s = region_word_dots(img, txt, "image")
-            logits = attention_logits(s, txt.mask[None, None], img.mask, self.norm, self.clip_slope,
-                                      self.lambda_softmax)
-            return torch.softmax(logits, dim=1)
+            return context_attention(s, txt.mask, img.mask, self.norm, self.clip_slope, self.lambda_softmax)
         s = region_word_dots(img, txt, "text")  # caption-major [m, l, n, k]
-        logits = attention_logits(s, img.mask[None, None], txt.mask, self.norm, self.clip_slope, self.lambda_softmax)
-        return torch.softmax(logits, dim=1).permute(2, 3, 0, 1)
+        alpha = context_attention(s, img.mask, txt.mask, self.norm, self.clip_slope, self.lambda_softmax)
+        return alpha.permute(2, 3, 0, 1)
 
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
-        # Both directions are one computation over a block s[B, C, b, Q]: item B's context entries C
-        # (regions for t-i, words for i-t) are attended by item b's queries Q. t-i uses the image-major
-        # layout [n, k, m, l], i-t the caption-major one [m, l, n, k], so that the softmax and the
-        # attended sums run over dim 1 and the Gram product is a plain bmm over the context items.
-        # Padded words / masked regions are zero (Matcher.encode_*), so s = 0 there.
+        # Both directions are one computation (attended_relevance): t-i in the image-major layout
+        # (regions attended by words), i-t in the caption-major one (words attended by regions).
         if self.direction == "t2i":
             s = region_word_dots(img, txt, "image")
-            context_mask, query_mask, gram, queries = img.mask, txt.mask, img.extras["gram"], txt.words
+            relevance = attended_relevance(s, txt.mask, img.mask, img.extras["gram"], txt.words, self.norm,
+                                           self.clip_slope, self.lambda_softmax)
+            query_mask = txt.mask
         else:
             s = region_word_dots(img, txt, "text")
-            context_mask, query_mask, gram, queries = txt.mask, img.mask, txt.extras["gram"], img.regions
-        n_ctx, c, n_q, q = s.shape
-        inplace = not s.requires_grad  # evaluation: reuse buffers, autograd needs the originals
-        logits = attention_logits(s, query_mask[None, None], context_mask, self.norm, self.clip_slope,
-                                  self.lambda_softmax, inplace)
-        alpha = torch.softmax(logits, dim=1)  # Eq. 2 / 7: attention over the context entries
-        del logits
-        dot = (s.mul_(alpha) if inplace else s * alpha).sum(1)  # [B, b, Q] = query . attended vector
-        g_alpha = torch.bmm(gram, alpha.view(n_ctx, c, n_q * q)).view(n_ctx, c, n_q, q)
-        sq_norm = (g_alpha.mul_(alpha) if inplace else g_alpha * alpha).sum(1)  # ||a||^2 = alpha^T G alpha
-        relevance = dot / (queries.norm(dim=-1)[None] * sq_norm.clamp(min=EPS * EPS).sqrt()).clamp(min=EPS)
+            relevance = attended_relevance(s, img.mask, txt.mask, txt.extras["gram"], img.regions, self.norm,
+                                           self.clip_slope, self.lambda_softmax)
+            query_mask = img.mask
         scores = masked_pool(relevance, query_mask[None], 2, self.pool, self.lambda_lse)  # Eq. 5-6 / 8
         return scores if self.direction == "t2i" else scores.T
 
