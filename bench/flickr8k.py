@@ -98,7 +98,7 @@ def run_perturb(preset: str, threads: int) -> None:
          "--split", "test", "--protocol", "1k", "--tag-cache", "runs/flickr8k/perturb/cache",
          "--set", f"train.threads={threads}", "--quiet"])
     for ext in ("md", "csv", "png"):
-        shutil.copyfile(ROOT / out / f"perturb.{ext}", ROOT / f"docs/results/flickr8k_perturb_{preset}.{ext}")
+        shutil.copyfile(ROOT / out / f"perturb.{ext}", ROOT / f"docs/results/perturb/flickr8k_{preset}.{ext}")
 
 
 def main() -> int:
