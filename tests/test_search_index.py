@@ -105,7 +105,7 @@ def test_search_ranks_by_the_models_scores(tiny_search_setup, tmp_path):
         searcher.search("red", k=0)
 
 
-def test_first_stage_shortlist_reranks_the_top_n(tiny_search_setup, tmp_path):
+def test_first_stage_shortlist_reranks_the_top_n(tiny_search_setup, tmp_path, capsys):
     """shortlist=N: only the FAISS top N by the global embedding are scored. For VSE++ the head's score is
     that embedding's cosine, so the shortlist's ranking is the exhaustive one cut at N."""
     pytest.importorskip("faiss", reason="faiss-cpu (the `index` extra) is not installed")
@@ -130,6 +130,11 @@ def test_first_stage_shortlist_reranks_the_top_n(tiny_search_setup, tmp_path):
     _build(tiny_search_setup, tiny_search_setup["photos"], scan_index)
     with pytest.raises(ConfigError, match="no global embedding"):
         Searcher(scan_index, shortlist=5)  # SCAN has none: exhaustive only
+    # the CLI flag
+    assert main(["search", str(out), query, "-k", "10", "--shortlist", "3", "--json"]) == 0
+    assert [r["id"] for r in json.loads(capsys.readouterr().out)] == [h.id for h in full[:3]]
+    assert main(["search", str(scan_index), query, "--shortlist", "3"]) == 2
+    assert "no global embedding" in capsys.readouterr().err
 
 
 def test_refuses_corrupt_index_and_other_model(tiny_search_setup, tmp_path):
