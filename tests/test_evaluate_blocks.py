@@ -14,7 +14,9 @@ from itmatch.engine.evaluate import (
     encode_captions,
     encode_images,
     images_per_block,
+    item_bytes,
     score_matrix,
+    score_pairs,
     unbucket_texts,
 )
 from itmatch.errors import ConfigError, DataError, ItmatchError
@@ -74,6 +76,63 @@ def test_blocked_equals_one_shot_for_every_head(preset, data):
     # the evaluator's own path: captions encoded straight into length buckets
     buckets = encode_caption_buckets(model, captions, vocab, bucket_size=5)
     assert (score_matrix(model, img, buckets) - one_shot).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("preset", sorted(p for p in PRESETS if not p.endswith("_coco")))
+def test_listed_pairs_equal_the_exhaustive_scores_for_every_head(preset, data):
+    """score_pairs (the re-ranking engine) gives the all-pairs scores on any list of pairs: repeated
+    images and captions, captions of different lengths, blocks of a size that does not divide the list."""
+    feats, captions, vocab = data
+    model = tiny_model(preset)
+    img, txt = encode_images(model, feats), encode_captions(model, captions, vocab)
+    with torch.inference_mode():
+        one_shot = model.score(img, txt).float()
+    g = torch.Generator().manual_seed(1)
+    images = torch.randint(0, N_IMG, (97,), generator=g)
+    captions_idx = torch.randint(0, len(captions), (97,), generator=g)
+    assert len(set(txt.lengths[captions_idx].tolist())) >= 5  # several caption lengths in the list
+    expected = one_shot[images, captions_idx]
+    max_len = int(txt.lengths.max())
+    for per_block in (1, 3, 1000):  # captions per block at the longest length: 1, 3 (divides nothing), all
+        got = score_pairs(model, img, txt, images, captions_idx, max_cells=per_block * K * max_len)
+        assert got.shape == (97,) and (got - expected).abs().max() <= 1e-5, per_block
+    # every pair of the gallery, in a shuffled order, is the whole matrix
+    grid = torch.randperm(N_IMG * len(captions), generator=g)
+    every = score_pairs(model, img, txt, grid // len(captions), grid % len(captions))
+    assert (every - one_shot.flatten()[grid]).abs().max() <= 1e-5
+
+
+def test_listed_pairs_bad_input_and_budget(data):
+    feats, captions, vocab = data
+    model = tiny_model("scan_t2i_avg")
+    img, txt = encode_images(model, feats), encode_captions(model, captions, vocab)
+    assert score_pairs(model, img, txt, torch.zeros(0), torch.zeros(0)).shape == (0,)
+    with pytest.raises(ConfigError, match="one of each"):
+        score_pairs(model, img, txt, torch.tensor([0, 1]), torch.tensor([0]))
+    with pytest.raises(ConfigError, match="out of range"):
+        score_pairs(model, img, txt, torch.tensor([N_IMG]), torch.tensor([0]))
+    longest = int(txt.lengths.max())
+    minimum = 4 * 3 + model.head.bytes_per_cell * K * longest + item_bytes(txt.narrowed(longest))
+    pairs = torch.tensor([0, 1, 2]), torch.argsort(txt.lengths)[-3:]
+    score_pairs(model, img, txt, *pairs, budget_bytes=minimum)  # exactly the minimum works: 1 caption per block
+    with pytest.raises(ConfigError, match="too small") as err:
+        score_pairs(model, img, txt, *pairs, budget_bytes=minimum - 1)
+    assert "--budget-gb" in str(err.value)
+
+
+def test_take_gathers_and_trims_like_indexing(data):
+    feats, captions, vocab = data
+    model = tiny_model("scan_i2t_avg")  # word Gram matrices in extras: two word axes to trim
+    txt = encode_captions(model, captions, vocab)
+    index = torch.argsort(txt.lengths)[:6]  # the shortest captions: trimming cuts columns
+    taken, reference = txt.take_trimmed(index), txt.take(index).trimmed()
+    assert taken.words.shape[1] == int(txt.lengths[index].max()) < txt.words.shape[1]
+    assert torch.equal(taken.words, txt.words[index][:, :taken.words.shape[1]])
+    assert torch.equal(taken.words, reference.words) and torch.equal(taken.lengths, reference.lengths)
+    assert torch.equal(taken.extras["gram"], reference.extras["gram"])
+    mask = torch.zeros(len(txt), dtype=torch.bool)
+    mask[index] = True  # a bool mask still selects (advanced indexing)
+    assert torch.equal(txt.take(mask).lengths, txt.lengths[mask])
 
 
 def test_rows_follow_the_budget_and_blocks_do_not_divide(data):

@@ -3,6 +3,7 @@ search ranks exactly as the model scores; SCAN's attention weights against a per
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 
@@ -14,7 +15,8 @@ from PIL import Image
 import itmatch
 from itmatch.cli import main
 from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
-from itmatch.errors import CheckpointError, DataError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
+from itmatch.models.registry import build_model
 from itmatch.retrieval.index import MANIFEST, PARTS, build_index, load_index, scan_images
 from itmatch.retrieval.search import QueryError, Searcher
 
@@ -101,6 +103,38 @@ def test_search_ranks_by_the_models_scores(tiny_search_setup, tmp_path):
             searcher.search(bad)
     with pytest.raises(QueryError):
         searcher.search("red", k=0)
+
+
+def test_first_stage_shortlist_reranks_the_top_n(tiny_search_setup, tmp_path, capsys):
+    """shortlist=N: only the FAISS top N by the global embedding are scored. For VSE++ the head's score is
+    that embedding's cosine, so the shortlist's ranking is the exhaustive one cut at N."""
+    pytest.importorskip("faiss", reason="faiss-cpu (the `index` extra) is not installed")
+    scan = load_checkpoint(tiny_search_setup["checkpoint"])
+    cfg = copy.deepcopy(scan.config)
+    cfg.model.arch, cfg.preset = "vsepp", "vsepp"
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "vsepp", build_model(cfg.model).eval(), cfg, scan.vocab)
+    out = tmp_path / "index"
+    build_index(tiny_search_setup["photos"], tmp_path / "vsepp", out, progress=False)
+    exhaustive, short = Searcher(out), Searcher(out, shortlist=5)
+    query = "a large red circle in the center"
+    full = exhaustive.search(query, k=12)
+    rows = short.candidates(short.encode_query(query))
+    assert len(rows) == 5 and [short.ids[r] for r in rows] == [h.id for h in full[:5]]
+    hits = short.search(query, k=10)  # k > shortlist: the shortlist is all there is
+    assert [(h.id, h.rank) for h in hits] == [(h.id, h.rank) for h in full[:5]]
+    assert np.allclose([h.score for h in hits], [h.score for h in full[:5]], atol=1e-5)
+    assert len(Searcher(out, shortlist=5, shortlist_index="ivf").search(query, k=3)) == 3
+    assert Searcher(out, shortlist=50).candidates(short.encode_query(query)) == list(range(12))  # N >= images
+    scan_index = tmp_path / "scan_index"
+    _build(tiny_search_setup, tiny_search_setup["photos"], scan_index)
+    with pytest.raises(ConfigError, match="no global embedding"):
+        Searcher(scan_index, shortlist=5)  # SCAN has none: exhaustive only
+    # the CLI flag
+    assert main(["search", str(out), query, "-k", "10", "--shortlist", "3", "--json"]) == 0
+    assert [r["id"] for r in json.loads(capsys.readouterr().out)] == [h.id for h in full[:3]]
+    assert main(["search", str(scan_index), query, "--shortlist", "3"]) == 2
+    assert "no global embedding" in capsys.readouterr().err
 
 
 def test_refuses_corrupt_index_and_other_model(tiny_search_setup, tmp_path):

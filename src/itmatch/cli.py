@@ -192,7 +192,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
 
         raise ConfigError("give either a text QUERY or --image PHOTO", hint="itmatch search INDEX 'a dog' -k 10")
     captions = read_captions_file(args.captions) if args.captions else None
-    searcher = Searcher(Path(args.index), args.model, captions=captions)
+    searcher = Searcher(Path(args.index), args.model, captions=captions, shortlist=args.shortlist,
+                        shortlist_index=args.faiss)
     if args.image is not None:
         results = searcher.search_image(Path(args.image), args.k)
     else:
@@ -217,7 +218,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           hint='pip install "itmatch[serve]"') from None
 
     serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
-          images_dir=args.images, log_level=args.log_level)
+          images_dir=args.images, log_level=args.log_level, shortlist=args.shortlist, shortlist_index=args.faiss)
     return 0
 
 
@@ -345,6 +346,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--captions", help="caption collection for --image: a text file, one caption a line")
     s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
+    s.add_argument("--shortlist", type=int, default=0, metavar="N",
+                   help="score only the top N photos of a FAISS first stage over the model's global embedding "
+                        "(VSE++, OAN, MMCA, SMAN; not SCAN), re-ranked exactly; default 0 = every photo")
+    s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
+                   help="first-stage index for --shortlist: flat (exact top N, default) or ivf (approximate)")
     s.set_defaults(func=_cmd_search)
 
     s = sub.add_parser("serve", help="HTTP API and web page over an index (needs the `serve` extra)")
@@ -356,6 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--images", help="photo folder, if it moved since indexing (default: the indexed one)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (info logs every request)")
+    s.add_argument("--shortlist", type=int, default=0, metavar="N",
+                   help="score only the top N photos of a FAISS first stage over the model's global embedding "
+                        "(VSE++, OAN, MMCA, SMAN; not SCAN), re-ranked exactly; default 0 = every photo")
+    s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
+                   help="first-stage index for --shortlist: flat (exact top N, default) or ivf (approximate)")
     s.set_defaults(func=_cmd_serve)
     return p
 

@@ -3,8 +3,10 @@ then apply the protocol of DESIGN.md section 3 (1K, COCO 5-fold 1K, COCO 5K, any
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -55,6 +57,10 @@ def concat_images(parts: list[ImageEmb]) -> ImageEmb:
 #: passes near the caches, and larger blocks measured no faster (docs/performance.md).
 CAPTIONS_PER_BLOCK = 1024
 MAX_BLOCK_CELLS = 1 << 22
+#: Largest copy of gathered captions per block (score_pairs): well under glibc's 32 MB mmap threshold, so
+#: block copies reuse heap memory; fresh large allocations page-fault on every call (measured: a fresh
+#: 34 MB gather 150-230 ms, the same gather into reused memory 3 ms, docs/performance.md).
+MAX_GATHER_BYTES = 8 << 20
 
 TextBuckets = list[tuple[torch.Tensor, TextEmb]]  # (caption indices, their embeddings), by length
 
@@ -175,6 +181,79 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
         for i0 in range(0, n, rows):
             out[i0:i0 + rows, columns] = model.score(img.take(slice(i0, i0 + rows)), block_txt).float()
             bar.update(min(rows, n - i0) * len(columns))
+    bar.close()
+    return out
+
+
+def item_bytes(emb: ImageEmb | TextEmb) -> int:
+    """Bytes of one item's tensors (what take() copies per item)."""
+    tensors = [v for f in fields(emb) if isinstance(v := getattr(emb, f.name), torch.Tensor)]
+    return sum(t[0].numel() * t.element_size() for t in [*tensors, *emb.extras.values()])
+
+
+def captions_per_block(model: Matcher, txt: TextEmb, regions: int, length: int, free_bytes: float,
+                       max_cells: int = MAX_BLOCK_CELLS) -> int:
+    """Captions of length <= `length` that one block of 1 image x c captions taken from `txt` may hold:
+    the head's temporaries (`bytes_per_cell` per region x word cell, `bytes_per_pair` per caption) plus
+    the gathered captions within `free_bytes`, at most `max_cells` region-word cells (the cache-sized cap
+    of score_matrix) and at most MAX_GATHER_BYTES of gathered captions."""
+    copy = item_bytes(txt.narrowed(length))
+    per_caption = model.head.bytes_per_cell * regions * length + model.head.bytes_per_pair + copy
+    return max(1, min(max_cells // max(1, regions * length), MAX_GATHER_BYTES // copy, int(free_bytes // per_caption)))
+
+
+@torch.inference_mode()
+def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tensor, captions: torch.Tensor,
+                budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
+                max_cells: int = MAX_BLOCK_CELLS) -> torch.Tensor:
+    """Exact head scores [P] of the listed pairs (images[p], captions[p]), e.g. two-stage candidates.
+
+    The pairs are grouped by image and, within an image, sorted by caption length; each block is one
+    call of the model's ordinary all-pairs head on 1 image x up to `captions_per_block` of its listed
+    captions (padded only to the block's own longest caption), so every head is scored by the same code
+    as score_matrix, and no pair outside the list is computed. Grouping by image means the image side
+    (regions, Gram matrices: k x D per image, the larger side) is never copied; only the listed
+    captions' words are gathered, once per pair (docs/performance.md, "re-ranking engine")."""
+    _require_items(len(img), "images")
+    _require_items(len(txt), "captions")
+    images, captions = images.long().reshape(-1), captions.long().reshape(-1)
+    if len(images) != len(captions):
+        raise ConfigError(f"{len(images)} image indices but {len(captions)} caption indices: pairs need one of each")
+    out = torch.empty(len(images))
+    if len(images) == 0:
+        return out
+    if int(images.min()) < 0 or int(images.max()) >= len(img) or int(captions.min()) < 0 \
+            or int(captions.max()) >= len(txt):
+        raise ConfigError(f"pair indices out of range for {len(img)} images x {len(txt)} captions")
+    lengths = txt.lengths[captions]
+    k, longest = img.regions.shape[1], int(lengths.max())
+    free = budget_bytes - 4.0 * len(images)  # the [P] result, then one block's temporaries and copies
+    needed = (model.head.bytes_per_cell * k * longest + model.head.bytes_per_pair
+              + item_bytes(txt.narrowed(longest)))
+    if free < needed:
+        raise ConfigError(f"memory budget {budget_bytes / 2**20:.1f} MB is too small for {len(images)} pairs: "
+                          f"the minimum is {(4.0 * len(images) + needed) / 2**20:.1f} MB",
+                          hint="raise the budget (--budget-gb), or score fewer pairs")
+    fit = functools.cache(lambda length: captions_per_block(model, txt, k, length, free, max_cells))
+    # image-major, then by caption length: a block of consecutive pairs shares one image and has
+    # captions of similar lengths
+    order = torch.argsort(images * (longest + 1) + lengths, stable=True)
+    images, captions, lengths = images[order], captions[order], lengths[order].tolist()
+    firsts, counts = torch.unique_consecutive(images, return_counts=True)
+    bar = tqdm(total=len(images), desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
+               leave=False)
+    start = 0
+    for i, count in zip(firsts.tolist(), counts.tolist(), strict=True):
+        one_image = img.take(slice(i, i + 1))
+        end_of_image = start + count
+        while start < end_of_image:
+            # the block's longest caption is its last (sorted): shrink the block until it fits
+            end = min(end_of_image, start + fit(lengths[start]))
+            while fit(lengths[end - 1]) < end - start:
+                end = start + fit(lengths[end - 1])
+            out[order[start:end]] = model.score(one_image, txt.take_trimmed(captions[start:end]))[0].float()
+            bar.update(end - start)
+            start = end
     bar.close()
     return out
 

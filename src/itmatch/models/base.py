@@ -58,14 +58,22 @@ class Embeddings:
     extras: dict[str, torch.Tensor] = field(default_factory=dict, kw_only=True)
 
     def take(self, index: torch.Tensor | slice) -> Embeddings:
-        """The same embeddings restricted to some items (a block of the evaluator, a batch)."""
+        """The same embeddings restricted to some items (a block of the evaluator, a batch): views for a
+        slice, copies for indices (or a bool mask)."""
+        # index_select, not value[index], for a list of indices: advanced indexing measured ~10x slower
+        # on CPU for a [540, 30, 512] gather (torch 2.13), and the re-ranker gathers captions per block
+        select = isinstance(index, torch.Tensor) and index.ndim == 1 and index.dtype != torch.bool
+
+        def pick(value: torch.Tensor) -> torch.Tensor:
+            return value.index_select(0, index) if select else value[index]  # type: ignore[arg-type]
+
         changes = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "extras":
-                changes["extras"] = {k: v[index] for k, v in value.items()}
+                changes["extras"] = {k: pick(v) for k, v in value.items()}
             elif isinstance(value, torch.Tensor):
-                changes[f.name] = value[index]
+                changes[f.name] = pick(value)
         return replace(self, **changes)
 
     def to(self, device: torch.device | str) -> Embeddings:
@@ -101,17 +109,25 @@ class TextEmb(Embeddings):
     def mask(self) -> torch.Tensor:
         return length_mask(self.lengths, self.words.shape[1])
 
-    def trimmed(self) -> TextEmb:
-        """Drop padding columns beyond the longest caption present (after taking a block)."""
-        longest = int(self.lengths.max())
-        if longest == self.words.shape[1]:
+    def narrowed(self, length: int) -> TextEmb:
+        """Views of the words and of the word axes of extras cut to `length` columns (no copy)."""
+        if length == self.words.shape[1]:
             return self
         extras = {}
         for key, value in self.extras.items():
             for axis in self.word_axes.get(key, ()):
-                value = value.narrow(axis, 0, longest)
+                value = value.narrow(axis, 0, length)
             extras[key] = value
-        return replace(self, words=self.words[:, :longest], extras=extras)
+        return replace(self, words=self.words[:, :length], extras=extras)
+
+    def trimmed(self) -> TextEmb:
+        """Drop padding columns beyond the longest caption present (after taking a block)."""
+        return self.narrowed(int(self.lengths.max()))
+
+    def take_trimmed(self, index: torch.Tensor) -> TextEmb:
+        """take(index).trimmed(), but the padding columns are cut before the gather, so they are never
+        copied (a block of short captions taken from a tensor padded to the longest caption)."""
+        return self.narrowed(int(self.lengths[index].max())).take(index)
 
 
 class SimilarityHead(nn.Module):

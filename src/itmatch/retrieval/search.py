@@ -2,9 +2,10 @@
 
 Ranking is exact: every candidate is scored with the model's own head through `score_matrix` (the
 evaluator's blocked, memory-bounded scorer). `Searcher.candidates` is the one place that chooses which
-images are scored; today it returns the whole collection (fine for thousands of photos; Flickr8K's 8091
-images take well under a second for SCAN t-i on 2 cores). A global first stage (FAISS over
-`ImageEmb.vector`, or any cheaper shortlist) plugs in there and the rest stays unchanged.
+images are scored: by default the whole collection (fine for thousands of photos; Flickr8K's 8091
+images take well under a second for SCAN t-i on 2 cores); with `shortlist=N` the top N of a FAISS
+first stage over the model's global embedding (`ImageEmb.vector`, e.g. VSE++, OAN, MMCA, SMAN), which
+the head then re-scores exactly, as two-stage evaluation does (docs/performance.md).
 
 Every user input is checked here, once, for the CLI and the HTTP service alike: `QueryError` carries
 the HTTP status the service answers with.
@@ -25,8 +26,9 @@ import torch
 from PIL import Image
 
 from itmatch.engine.evaluate import encode_captions, score_matrix
-from itmatch.errors import DataError, ItmatchError
+from itmatch.errors import ConfigError, DataError, ItmatchError
 from itmatch.models.base import ImageEmb, TextEmb
+from itmatch.retrieval.first_stage import FirstStageIndex
 
 MAX_QUERY_CHARS = 300
 MAX_QUERY_WORDS = 40
@@ -107,7 +109,9 @@ class Searcher:
 
     def __init__(self, index_dir: Path | str, checkpoint: Path | str | None = None, *,
                  images_dir: Path | str | None = None, captions: Sequence[str] | None = None,
-                 verify: bool = True) -> None:
+                 verify: bool = True, shortlist: int = 0, shortlist_index: str = "flat") -> None:
+        """`shortlist` N > 0: text queries score only the first stage's top N images (FAISS `shortlist_index`,
+        flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive."""
         from itmatch.api import load
         from itmatch.retrieval.index import load_index, model_identity
 
@@ -121,6 +125,15 @@ class Searcher:
         self.position = {i: n for n, i in enumerate(self.ids)}
         with torch.inference_mode():
             self.images: ImageEmb = self.model.head.prepare_images(self.index.image_emb())
+        self.shortlist = shortlist
+        self.first_stage: FirstStageIndex | None = None
+        if shortlist < 0:
+            raise ConfigError(f"shortlist must be >= 0 (0 = score every image), got {shortlist}")
+        if shortlist:
+            if self.images.vector is None:
+                raise ConfigError(f"the {self.index.manifest['model']['arch']} model has no global embedding for a "
+                                  "first-stage shortlist", hint="search exhaustively (shortlist 0)")
+            self.first_stage = FirstStageIndex(shortlist_index).build(self.images.vector)
         self.captions = list(captions or [])
         self._caption_emb: TextEmb | None = None
         # One model computation at a time: concurrent requests would only fight over the same cores and
@@ -149,9 +162,14 @@ class Searcher:
         return encode_captions(self.model, [query], self.vocab)
 
     def candidates(self, query: TextEmb) -> list[int]:
-        """Rows of the index to score exactly for `query`. The seam for a first stage: this returns
-        every row (exhaustive); a FAISS shortlist over the global vectors replaces it here."""
-        return list(range(len(self.ids)))
+        """Rows of the index to score exactly for `query`: every row (exhaustive, the default), or the
+        first stage's top `shortlist` rows by the global embedding (best first)."""
+        if self.first_stage is None or self.shortlist >= len(self.ids):
+            return list(range(len(self.ids)))
+        if query.vector is None:
+            raise ConfigError("the query has no global embedding for the first-stage shortlist")
+        _, rows = self.first_stage.search(query.vector, self.shortlist)
+        return [int(r) for r in rows[0] if r >= 0]  # IVF: -1 where the probed cells hold fewer
 
     def search(self, query: str, k: int = 10) -> list[Hit]:
         """Text -> the k best images of the index, best first."""

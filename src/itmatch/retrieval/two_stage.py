@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from tqdm.auto import tqdm
 
+from itmatch.engine.evaluate import DEFAULT_BUDGET, score_pairs
 from itmatch.errors import ConfigError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
@@ -38,13 +38,16 @@ def first_stage_vectors(img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, torc
 
 @torch.inference_mode()
 def two_stage_scores(model: Matcher, img: ImageEmb, txt: TextEmb, k: int, img_vectors: torch.Tensor,
-                     txt_vectors: torch.Tensor, index: str = "flat", progress: bool = False) -> TwoStageResult:
+                     txt_vectors: torch.Tensor, index: str = "flat", progress: bool = False,
+                     budget_bytes: float = DEFAULT_BUDGET) -> TwoStageResult:
     """Re-rank the first stage's top `k` captions of every image and top `k` images of every caption with
     `model`'s exact pair head. `img_vectors` [n_img, D'] / `txt_vectors` [n_txt, D'] come from any model
     with a global embedding (the same one for VSE++, a separate first-stage model for SCAN).
 
-    A pair proposed by both directions is scored once. Each query's candidates are one batched head call
-    (1 x K pairs): the work is K (n_img + n_txt) pairs at most, instead of n_img x n_txt."""
+    A pair proposed by both directions is scored once: the work is K (n_img + n_txt) pairs at most, instead
+    of n_img x n_txt. The candidate pairs of all queries go through the engine's score_pairs together
+    (blocks of one image x its candidate captions, the ordinary head call), not one head call per query;
+    `budget_bytes` bounds the score matrix plus one block, as for score_matrix."""
     n, m = len(img), len(txt)
     if len(img_vectors) != n or len(txt_vectors) != m:
         raise ConfigError(f"first-stage vectors ({len(img_vectors)} images, {len(txt_vectors)} captions) do "
@@ -62,21 +65,14 @@ def two_stage_scores(model: Matcher, img: ImageEmb, txt: TextEmb, k: int, img_ve
     timings["search"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    # the union of both directions' candidates, each pair once (image-major, as score_pairs groups them)
+    rows = torch.cat([torch.arange(n)[:, None].expand_as(txt_of_img).reshape(-1), img_of_txt.reshape(-1)])
+    cols = torch.cat([txt_of_img.reshape(-1), torch.arange(m)[:, None].expand_as(img_of_txt).reshape(-1)])
+    found = (rows >= 0) & (cols >= 0)  # IVF may return -1 when a query's probed lists hold < k items
+    pairs = torch.unique(rows[found].long() * m + cols[found].long())
+    images, captions = pairs // m, pairs % m
     scores = torch.full((n, m), float("-inf"))
-    scored = torch.zeros(n, m, dtype=torch.bool)
-    bar = tqdm(total=n + m, desc=f"re-rank top {k}", unit="query", disable=not progress, leave=False)
-    for i in range(n):  # image queries: 1 image x its candidate captions
-        cand = txt_of_img[i][txt_of_img[i] >= 0]
-        scores[i, cand] = model.score(img.take(slice(i, i + 1)), txt.take(cand).trimmed())[0].float()
-        scored[i, cand] = True
-        bar.update()
-    for j in range(m):  # caption queries: candidate images not scored yet x 1 caption
-        cand = img_of_txt[j][img_of_txt[j] >= 0]
-        cand = cand[~scored[cand, j]]
-        if len(cand):
-            scores[cand, j] = model.score(img.take(cand), txt.take(slice(j, j + 1)).trimmed())[:, 0].float()
-            scored[cand, j] = True
-        bar.update()
-    bar.close()
+    # the budget covers the [n, m] matrix too, as in score_matrix
+    scores[images, captions] = score_pairs(model, img, txt, images, captions, budget_bytes - 4.0 * n * m, progress)
     timings["rerank"] = time.perf_counter() - t0
-    return TwoStageResult(scores, int(scored.sum()), n * m, timings)
+    return TwoStageResult(scores, len(pairs), n * m, timings)
