@@ -16,6 +16,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,6 +63,14 @@ def tiny_config(data: Path, **train) -> Config:
         "model": {"embed_size": 32, "word_dim": 32}, "data": {"path": str(data)},
         "train": {"epochs": 1, "batch_size": 16, "val_images": 20, "log_every": 5, "threads": 1,
                   "max_batches": 24, **train}})
+
+
+def assert_close_records(got: list[dict], expected: list[dict]) -> None:
+    """The same lines, keys and values; floats (losses, averaged ranks) within 1e-5 relative."""
+    assert [sorted(r) for r in got] == [sorted(r) for r in expected]
+    for a, b in zip(got, expected, strict=True):
+        for k, v in b.items():
+            assert a[k] == (pytest.approx(v, rel=1e-5) if isinstance(v, float) else v), (k, a, b)
 
 
 def weights(run: Path) -> dict[str, torch.Tensor]:
@@ -151,6 +160,15 @@ for ckpt_dir in job["eval"]:
         torch.save(scores, ckpt_dir + "/sharded_scores.pt")
     with open(ckpt_dir + f"/result{rank}.json", "w") as fh:
         json.dump(result, fh)
+
+from itmatch.data.captions import CaptionTable
+from itmatch.features.extract import extract_precomp
+
+table = CaptionTable(source="captions")
+for name, caption, split in job["table"]:
+    table.add(name, caption, split)
+extract_precomp(job["images"], table, job["out"] + "/extracted", batch_size=1, progress=False,
+                skip_bad_images=True, num_threads=1)
 distributed.shutdown()
 """
 BUDGET = 1e6  # small: SCAN scores the 40 test images x 200 captions in 10 blocks of 4 images
@@ -168,6 +186,23 @@ def eval_checkpoint(root: Path, data: Path, preset: str) -> Path:
     return root / preset
 
 
+def photo_folder(root: Path) -> tuple[Path, list[tuple[str, str, str]]]:
+    """7 small photos (one of them truncated, in the second rank's share of train) and their captions."""
+    from PIL import Image
+
+    images = root / "photos"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(7):
+        name = f"p{i}.png"
+        Image.fromarray(rng.integers(0, 255, (40 + 4 * i, 48, 3), dtype=np.uint8)).save(images / name)
+        rows += [(name, f"photo {i} caption {c}", "train" if i < 5 else "dev") for c in range(5)]
+    data = (images / "p3.png").read_bytes()
+    (images / "p3.png").write_bytes(data[:len(data) // 2])
+    return images, rows
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_precomp, tmp_path_factory) -> dict[str, Path]:
     """Single-process reference runs and the 2-rank runs of WORKER (about 10 s of CPU per rank)."""
@@ -182,16 +217,18 @@ def runs(tiny_precomp, tmp_path_factory) -> dict[str, Path]:
     job = {"out": str(root), "gather": tiny_config(tiny_precomp, gather_negatives=True).to_dict(),
            "local": tiny_config(tiny_precomp).to_dict(), "resume": resume_cfg.to_dict(), "budget": BUDGET,
            "eval": [str(eval_checkpoint(root, tiny_precomp, p)) for p in ("scan_t2i_avg", "vsepp")]}
+    images, rows = photo_folder(root)
+    job.update(images=str(images), table=rows)
     run_ranks(WORKER, json.dumps(job))
     return {**out, **{k: root / k for k in ("gather", "local", "resumed")}, "root": root,
-            "data": tiny_precomp}
+            "data": tiny_precomp, "table": rows}
 
 
 def test_two_processes_with_gathered_negatives_equal_one_process(runs):
     """Hardest negatives over the global batch of 16 (8 per rank): the same parameters as one process
     with batches of 16, the same logged losses and the same validation."""
     assert max_diff(weights(runs["gather"]), weights(runs["single"])) <= 1e-6
-    assert records(runs["gather"]) == [pytest.approx(r, rel=1e-5) for r in records(runs["single"])]
+    assert_close_records(records(runs["gather"]), records(runs["single"]))
 
 
 def test_two_processes_without_gather_equal_the_mean_of_the_per_rank_losses(runs):
@@ -227,7 +264,7 @@ def test_resume_in_two_processes_equals_an_uninterrupted_run(runs):
         state = json.loads((runs["root"] / f"state{rank}.json").read_text())
         assert (state["epoch"], state["batch"]) == (1, 4)
     assert max_diff(weights(runs["resumed"]), weights(runs["straight"])) <= 1e-6
-    assert records(runs["resumed"]) == [pytest.approx(r, rel=1e-5) for r in records(runs["straight"])]
+    assert_close_records(records(runs["resumed"]), records(runs["straight"]))
 
 
 def test_only_rank_0_writes_and_batch_size_must_split_evenly(runs):
@@ -256,6 +293,31 @@ def test_sharded_evaluation_equals_single_process_exactly(runs, preset):
         result = json.loads((runs["root"] / preset / f"result{rank}.json").read_text())
         result.pop("eval_seconds")
         assert result == metrics
+
+
+def test_extraction_in_two_processes_equals_one_process(runs):
+    """Each rank extracts its share (train: 3 + 2 images, the truncated one skipped in the second share;
+    dev: 1 + 1), rank 0 merges: the arrays (batch size 1: the same kernels), ids, captions and manifest of
+    a single-process extraction, and no shard directory left."""
+    from itmatch.data.captions import CaptionTable
+    from itmatch.data.precomp import read_precomp
+    from itmatch.features.extract import extract_precomp
+
+    images, table = runs["root"] / "photos", CaptionTable(source="captions")
+    for name, caption, split in runs["table"]:
+        table.add(name, caption, split)
+    single, merged = runs["root"] / "extracted_single", runs["root"] / "extracted"
+    meta = extract_precomp(images, table, single, batch_size=1, progress=False, skip_bad_images=True,
+                           num_threads=1)
+    assert sorted(p.name for p in merged.iterdir()) == sorted(p.name for p in single.iterdir())
+    merged_meta = json.loads((merged / "meta.json").read_text())
+    for split in ("train", "dev"):
+        a, b = read_precomp(single, split), read_precomp(merged, split)
+        assert np.array_equal(np.asarray(a.images), np.asarray(b.images))
+        assert (a.ids, a.captions) == (b.ids, b.captions)
+        keys = ("images", "captions", "listed_images", "features_sha256", "skipped", "fingerprint")
+        assert {k: merged_meta["splits"][split][k] for k in keys} == {k: meta["splits"][split][k] for k in keys}
+    assert meta["splits"]["train"]["skipped"][0]["image_id"] == "p3.png"
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:

@@ -42,7 +42,10 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
                            scales=args.scales)
-    print(json.dumps(meta, indent=2))
+    from itmatch.engine.distributed import is_main
+
+    if is_main():  # (under torchrun: rank 0 reports)
+        print(json.dumps(meta, indent=2))
     return 0
 
 

@@ -147,7 +147,7 @@ class TrainConfig:
     threads: int = 0  # 0: all cores
     # >0: also save run/last every N batches (mid-epoch), so a killed run loses at most N batches of work
     checkpoint_every: int = 0
-    # torchrun runs (docs/distributed.md): process-group backend (auto: nccl with CUDA, gloo otherwise) and
+    # torchrun runs (docs/distributed.md): process-group backend (auto: nccl for GPU tensors, gloo for CPU ones) and
     # whether the loss sees the negatives of the whole global batch (embeddings all-gathered) or only the
     # rank's own share of it
     backend: str = "auto"

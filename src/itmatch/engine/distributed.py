@@ -31,10 +31,11 @@ def env_world_size() -> int:
                           hint="launch with torchrun, or unset WORLD_SIZE") from None
 
 
-def init_from_env(backend: str = "auto", timeout_minutes: float = 30.0) -> bool:
+def init_from_env(backend: str = "auto", device_type: str = "cpu", timeout_minutes: float = 30.0) -> bool:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
-    Returns True when running distributed (world size > 1). backend auto: NCCL when CUDA is available,
-    gloo otherwise. Idempotent: a second call (evaluation inside training) reuses the group."""
+    Returns True when running distributed (world size > 1). backend auto: NCCL when the tensors live on
+    GPUs (`device_type` cuda), gloo on the CPU; the engine runs on the CPU today, hence gloo (NCCL cannot
+    reduce CPU tensors). Idempotent: a second call (evaluation inside training) reuses the group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
     if env_world_size() <= 1:
@@ -44,8 +45,11 @@ def init_from_env(backend: str = "auto", timeout_minutes: float = 30.0) -> bool:
     if not dist.is_available():
         raise ConfigError("this torch build has no torch.distributed", hint="run a single process")
     if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl":
+        if device_type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError("train.backend nccl reduces GPU tensors, but this run keeps its tensors on the CPU",
+                              hint="set train.backend=gloo (or auto)")
         torch.cuda.set_device(local_rank())
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
     return dist.get_world_size() > 1
