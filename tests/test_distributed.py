@@ -169,6 +169,12 @@ for name, caption, split in job["table"]:
     table.add(name, caption, split)
 extract_precomp(job["images"], table, job["out"] + "/extracted", batch_size=1, progress=False,
                 skip_bad_images=True, num_threads=1)
+
+from itmatch.retrieval.index import build_index
+summary = build_index(job["photos"], job["checkpoint"], job["out"] + "/index", batch_size=1, chunk=4,
+                      progress=False)
+with open(job["out"] + f"/index_summary{rank}.json", "w") as fh:
+    json.dump(summary, fh)
 distributed.shutdown()
 """
 BUDGET = 1e6  # small: SCAN scores the 40 test images x 200 captions in 10 blocks of 4 images
@@ -204,7 +210,7 @@ def photo_folder(root: Path) -> tuple[Path, list[tuple[str, str, str]]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_precomp, tmp_path_factory) -> dict[str, Path]:
+def runs(tiny_precomp, tiny_search_setup, tmp_path_factory) -> dict[str, Path]:
     """Single-process reference runs and the 2-rank runs of WORKER (about 10 s of CPU per rank)."""
     from itmatch.engine.train import train
 
@@ -218,10 +224,11 @@ def runs(tiny_precomp, tmp_path_factory) -> dict[str, Path]:
            "local": tiny_config(tiny_precomp).to_dict(), "resume": resume_cfg.to_dict(), "budget": BUDGET,
            "eval": [str(eval_checkpoint(root, tiny_precomp, p)) for p in ("scan_t2i_avg", "vsepp")]}
     images, rows = photo_folder(root)
-    job.update(images=str(images), table=rows)
+    job.update(images=str(images), table=rows, photos=str(tiny_search_setup["photos"]),
+               checkpoint=str(tiny_search_setup["checkpoint"]))
     run_ranks(WORKER, json.dumps(job))
     return {**out, **{k: root / k for k in ("gather", "local", "resumed")}, "root": root,
-            "data": tiny_precomp, "table": rows}
+            "data": tiny_precomp, "table": rows, **tiny_search_setup}
 
 
 def test_two_processes_with_gathered_negatives_equal_one_process(runs):
@@ -318,6 +325,24 @@ def test_extraction_in_two_processes_equals_one_process(runs):
         keys = ("images", "captions", "listed_images", "features_sha256", "skipped", "fingerprint")
         assert {k: merged_meta["splits"][split][k] for k in keys} == {k: meta["splits"][split][k] for k in keys}
     assert meta["splits"]["train"]["skipped"][0]["image_id"] == "p3.png"
+
+
+def test_index_in_two_processes_equals_one_process(runs):
+    """Each rank encodes half of the 12 photos into its own chunk files, rank 0 writes the index: the
+    same manifest and arrays as a single-process index (batch size 1: the same backbone kernels)."""
+    from itmatch.retrieval.index import build_index, load_index
+
+    single = build_index(runs["photos"], runs["checkpoint"], runs["root"] / "index_single", batch_size=1,
+                         progress=False)
+    for rank in (0, 1):
+        summary = json.loads((runs["root"] / f"index_summary{rank}.json").read_text())
+        assert {k: v for k, v in summary.items() if k not in ("seconds", "index")} == \
+               {k: v for k, v in single.items() if k not in ("seconds", "index")}
+    a, b = load_index(runs["root"] / "index_single"), load_index(runs["root"] / "index")
+    assert a.ids == b.ids and a.images == b.images
+    assert np.array_equal(a.features(), b.features())
+    assert torch.allclose(a.image_emb().regions, b.image_emb().regions, atol=1e-6)
+    assert not (runs["root"] / "index" / "parts").exists() or not any((runs["root"] / "index" / "parts").iterdir())
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:

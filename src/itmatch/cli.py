@@ -186,6 +186,10 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
     summary = build_index(Path(args.images), Path(args.model), Path(args.out), force=args.force,
                           batch_size=args.batch_size, progress=not args.quiet)
+    from itmatch.engine.distributed import is_main
+
+    if not is_main():  # (under torchrun: rank 0 reports)
+        return 0
     for item in summary["skipped"]:
         print(f"skipped: {item['id']}: {item['reason']}", file=sys.stderr)
     print(f"{summary['images']} images in {summary['index']}: {summary['encoded']} encoded, "
