@@ -227,8 +227,8 @@ def runs(tiny_precomp, tiny_search_setup, tmp_path_factory) -> dict[str, Path]:
     job.update(images=str(images), table=rows, photos=str(tiny_search_setup["photos"]),
                checkpoint=str(tiny_search_setup["checkpoint"]))
     run_ranks(WORKER, json.dumps(job))
-    return {**out, **{k: root / k for k in ("gather", "local", "resumed")}, "root": root,
-            "data": tiny_precomp, "table": rows, **tiny_search_setup}
+    return {**tiny_search_setup, **out, **{k: root / k for k in ("gather", "local", "resumed")}, "root": root,
+            "data": tiny_precomp, "table": rows}
 
 
 def test_two_processes_with_gathered_negatives_equal_one_process(runs):
