@@ -201,22 +201,31 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
                   for i0 in range(0, n, rows)]
     bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
                leave=False)
-    pieces = {}
+    one_product = len(blocks) == 1 and isinstance(blocks[0][1], slice)
+    out = torch.empty(n, m) if world == 1 and not one_product else None
+    pieces = {}  # (sharded: this rank's blocks, sent to rank 0)
     for k in range(dist.rank() if world > 1 else 0, len(blocks), world):  # this rank's share
         rows, columns, block_txt = blocks[k]
-        pieces[k] = model.score(img.take(rows), block_txt).float()
-        bar.update(pieces[k].numel() * world)
+        piece = model.score(img.take(rows), block_txt).float()
+        if out is not None:
+            out[rows, columns] = piece
+        else:
+            pieces[k] = piece
+        bar.update(piece.numel() * world)
     bar.close()
+    if out is not None:
+        return out
     if world > 1:
         gathered = dist.gather_objects(pieces)
         if gathered is None:
             return None
         pieces = {k: v for part in gathered for k, v in part.items()}
-    if len(blocks) == 1 and isinstance(blocks[0][1], slice):
+        del gathered
+    if one_product and world == 1:
         return pieces[0]
     out = torch.empty(n, m)
     for k, (rows, columns, _) in enumerate(blocks):
-        out[rows, columns] = pieces[k]
+        out[rows, columns] = pieces.pop(k)  # (frees each piece as it is placed)
     return out
 
 
