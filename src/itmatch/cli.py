@@ -42,7 +42,10 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
                            scales=args.scales)
-    print(json.dumps(meta, indent=2))
+    from itmatch.engine.distributed import is_main
+
+    if is_main():  # (under torchrun: rank 0 reports)
+        print(json.dumps(meta, indent=2))
     return 0
 
 
@@ -63,6 +66,7 @@ def _resolve_train_config(args: argparse.Namespace):
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from itmatch.engine import distributed as dist
     from itmatch.engine.train import train
 
     cfg = None if args.resume else _resolve_train_config(args)
@@ -71,12 +75,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         cfg = Config()  # replaced by the checkpoint's config
     result = train(cfg, Path(args.out), resume=args.resume, force=args.force)
+    if not dist.is_main():
+        return 0
     print(f"best dev rsum {result['best_rsum']:.1f} at epoch {result['best_epoch']}; "
           f"checkpoint {Path(args.out) / 'best'}")
     return 0
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from itmatch.engine import distributed as dist
     from itmatch.engine.checkpoint import load_checkpoint
     from itmatch.engine.evaluate import evaluate_models, format_table
     from itmatch.engine.inputs import open_split
@@ -104,9 +111,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
             raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
         fs = load_checkpoint(args.first_stage)
         first_stage = (fs.model, fs.vocab)
+    dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
                              args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank,
                              first_stage=first_stage, index=args.faiss)
+    if not dist.is_main():
+        return 0
     result["checkpoints"] = [str(p) for p in args.checkpoints]
     if args.first_stage:
         result["first_stage"] = str(args.first_stage)
@@ -176,6 +186,10 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
     summary = build_index(Path(args.images), Path(args.model), Path(args.out), force=args.force,
                           batch_size=args.batch_size, progress=not args.quiet)
+    from itmatch.engine.distributed import is_main
+
+    if not is_main():  # (under torchrun: rank 0 reports)
+        return 0
     for item in summary["skipped"]:
         print(f"skipped: {item['id']}: {item['reason']}", file=sys.stderr)
     print(f"{summary['images']} images in {summary['index']}: {summary['encoded']} encoded, "
@@ -374,13 +388,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
     except ItmatchError as exc:
         print(f"itmatch {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"itmatch {args.verb}: interrupted", file=sys.stderr)
         return 130
+    if "itmatch.engine.distributed" in sys.modules:  # a torchrun run: leave the process group together
+        from itmatch.engine.distributed import shutdown
+
+        shutdown()
+    return code
 
 
 if __name__ == "__main__":

@@ -147,6 +147,11 @@ class TrainConfig:
     threads: int = 0  # 0: all cores
     # >0: also save run/last every N batches (mid-epoch), so a killed run loses at most N batches of work
     checkpoint_every: int = 0
+    # torchrun runs (docs/distributed.md): process-group backend (auto: nccl for GPU tensors, gloo for CPU ones) and
+    # whether the loss sees the negatives of the whole global batch (embeddings all-gathered) or only the
+    # rank's own share of it
+    backend: str = "auto"
+    gather_negatives: bool = False
 
 
 @dataclass
@@ -208,7 +213,7 @@ RULES: dict[str, Rule] = {
     "train.weight_decay": Rule(min=0), "train.lr_update": Rule(min=1), "train.batch_size": Rule(min=2),
     "train.grad_clip": Rule(min=0), "train.seed": Rule(min=0, max=2**32 - 1), "train.max_batches": Rule(min=0),
     "train.val_images": Rule(min=1), "train.log_every": Rule(min=1), "train.threads": Rule(min=0),
-    "train.checkpoint_every": Rule(min=0),
+    "train.checkpoint_every": Rule(min=0), "train.backend": Rule(choices=("auto", "gloo", "nccl")),
 }
 
 

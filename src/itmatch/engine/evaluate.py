@@ -10,12 +10,12 @@ from dataclasses import fields
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import ImageSource, PrecompSplit, batch_tensor
 from itmatch.data.vocab import AnyVocab
+from itmatch.engine import distributed as dist
 from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
@@ -24,26 +24,15 @@ PROTOCOLS = ("1k", "full", "coco1k", "coco5k")
 DEFAULT_BUDGET = 4 * 1024**3
 
 
-def _pad_to(t: torch.Tensor, length: int, dims: Sequence[int]) -> torch.Tensor:
-    if not dims:
-        return t
-    pad: list[int] = []
-    for d in range(t.dim() - 1, 0, -1):
-        pad += [0, length - t.shape[d] if d in dims else 0]
-    return F.pad(t, pad)
-
-
 def concat_texts(parts: list[TextEmb]) -> TextEmb:
     """Concatenate caption embeddings of different padded lengths (pads words and the word axes of
     extras, e.g. word Grams)."""
     longest = max(p.words.shape[1] for p in parts)
-    axes = parts[0].word_axes
-    words = torch.cat([_pad_to(p.words, longest, (1,)) for p in parts])
-    extras = {k: torch.cat([_pad_to(p.extras[k], longest, axes.get(k, ())) for p in parts])
-              for k in parts[0].extras}
+    parts = [p.padded_to(longest) for p in parts]
     vector = torch.cat([p.vector for p in parts]) if parts[0].vector is not None else None
-    return TextEmb(words=words, lengths=torch.cat([p.lengths for p in parts]), vector=vector, extras=extras,
-                   word_axes=axes)
+    return TextEmb(words=torch.cat([p.words for p in parts]), lengths=torch.cat([p.lengths for p in parts]),
+                   vector=vector, extras={k: torch.cat([p.extras[k] for p in parts]) for k in parts[0].extras},
+                   word_axes=parts[0].word_axes)
 
 
 def concat_images(parts: list[ImageEmb]) -> ImageEmb:
@@ -158,6 +147,23 @@ def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget
     return [max(1, min(n, int(free // b), max_cells // max(1, c))) for b, c in zip(per_image, cells, strict=True)]
 
 
+Block = tuple[slice, torch.Tensor, TextEmb]  # image rows, caption columns, their embeddings
+
+
+def score_blocks(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float = DEFAULT_BUDGET,
+                 max_cells: int = MAX_BLOCK_CELLS) -> list[Block]:
+    """The blocks score_matrix fills, in order: per caption bucket, runs of images sized by the budget
+    (see images_per_block); one block of everything for a pair-independent head."""
+    if model.head.bytes_per_cell <= 0 and model.head.bytes_per_pair <= 0:  # pair-independent: one product
+        txt = unbucket_texts(buckets)
+        return [(slice(0, len(img)), torch.arange(len(txt)), txt)]
+    rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, max_cells)
+    n = len(img)
+    return [(slice(i0, min(n, i0 + rows)), columns, block_txt)
+            for (columns, block_txt), rows in zip(buckets, rows_per_bucket, strict=True)
+            for i0 in range(0, n, rows)]
+
+
 @torch.inference_mode()
 def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
                  budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
@@ -168,20 +174,64 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
     block is one batched call of the model's head; images per block follow from the memory budget
     (see images_per_block). Uses torch's intra-op threads (all cores unless set otherwise); the
     progress bar shows pairs/s."""
+    out = _score_blocks(model, img, txt, budget_bytes, progress, captions_per_block, max_cells, world=1)
+    assert out is not None
+    return out
+
+
+@torch.inference_mode()
+def sharded_score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
+                         budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
+                         captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS
+                         ) -> torch.Tensor | None:
+    """score_matrix shared by the ranks of a torchrun group: rank r scores blocks r, r + W, ... of the
+    single-process block plan and rank 0 assembles them (the other ranks return None), so every number
+    is the single process's. A pair-independent head (one matrix product) is split by image rows."""
+    return _score_blocks(model, img, txt, budget_bytes, progress, captions_per_block, max_cells,
+                         world=dist.world_size())
+
+
+def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, budget_bytes: float,
+                  progress: bool, captions_per_block: int, max_cells: int, world: int) -> torch.Tensor | None:
     _require_items(len(img), "images")
     buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
     n, m = len(img), sum(len(c) for c, _ in buckets)
     rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, max_cells)
+    # blocks: (image rows, caption columns, their embeddings)
     if model.head.bytes_per_cell <= 0 and model.head.bytes_per_pair <= 0:  # pair-independent: one product
-        return model.score(img, unbucket_texts(buckets)).float()
-    out = torch.empty(n, m)
+        everything = unbucket_texts(buckets)
+        blocks = [(slice(*dist.shard_bounds(n, r, world)), slice(0, m), everything) for r in range(world)]
+    else:
+        blocks = [(slice(i0, i0 + rows), columns, block_txt)
+                  for (columns, block_txt), rows in zip(buckets, rows_per_bucket, strict=True)
+                  for i0 in range(0, n, rows)]
     bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
                leave=False)
-    for (columns, block_txt), rows in zip(buckets, rows_per_bucket, strict=True):
-        for i0 in range(0, n, rows):
-            out[i0:i0 + rows, columns] = model.score(img.take(slice(i0, i0 + rows)), block_txt).float()
-            bar.update(min(rows, n - i0) * len(columns))
+    one_product = len(blocks) == 1 and isinstance(blocks[0][1], slice)
+    out = torch.empty(n, m) if world == 1 and not one_product else None
+    pieces = {}  # (sharded: this rank's blocks, sent to rank 0)
+    for k in range(dist.rank() if world > 1 else 0, len(blocks), world):  # this rank's share
+        rows, columns, block_txt = blocks[k]
+        piece = model.score(img.take(rows), block_txt).float()
+        if out is not None:
+            out[rows, columns] = piece
+        else:
+            pieces[k] = piece
+        bar.update(piece.numel() * world)
     bar.close()
+    if out is not None:
+        return out
+    if world > 1:
+        gathered = dist.gather_objects(pieces)
+        if gathered is None:
+            return None
+        pieces = {k: v for part in gathered for k, v in part.items()}
+        del gathered
+    if one_product and world == 1:
+        return pieces[0]
+    out = torch.empty(n, m)
+    for k, (rows, columns, _) in enumerate(blocks):
+        out[rows, columns] = pieces.pop(k)  # (frees each piece as it is placed)
     return out
 
 
@@ -259,10 +309,13 @@ def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tenso
 
 
 def split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, budget_bytes: float = DEFAULT_BUDGET,
-                 progress: bool = False) -> torch.Tensor:
-    """The split's exhaustive score matrix [n_img, n_txt]."""
+                 progress: bool = False, sharded: bool = False) -> torch.Tensor | None:
+    """The split's exhaustive score matrix [n_img, n_txt]; sharded: see sharded_score_matrix (None on
+    ranks other than 0). Every rank encodes every item: encoding is a small part of a pair head's cost."""
     img = encode_images(model, split.images, progress=progress)
     buckets = encode_caption_buckets(model, split.captions, vocab, progress=progress)
+    if sharded:
+        return sharded_score_matrix(model, img, buckets, budget_bytes, progress)
     return score_matrix(model, img, buckets, budget_bytes, progress)
 
 
@@ -311,10 +364,17 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
                     budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0,
                     first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat") -> dict:
     """Metrics of one model, or of an ensemble (score matrices averaged before ranking). With
-    `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model."""
+    `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model.
+
+    Under torchrun every rank calls this: exhaustive scoring is sharded across the ranks (see
+    sharded_score_matrix), rank 0 computes the metrics (two-stage scoring runs on rank 0 alone) and every
+    rank returns rank 0's result."""
     if rerank and len(models) != 1:
         raise ConfigError("two-stage re-ranking takes one model, not an ensemble",
                           hint="evaluate one checkpoint with --rerank, or drop --rerank")
+    sharded = dist.is_distributed()
+    if sharded and (rerank or not dist.is_main()):
+        progress = False
     start = time.perf_counter()
     folds, two_stage = [], []
     for fold in protocol_folds(split, protocol):
@@ -322,13 +382,18 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
         for model, vocab in models:
             model.eval()
             if rerank:
+                if not dist.is_main():
+                    continue
                 scores, info = rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress)
                 two_stage.append(info)
             else:
-                scores = split_scores(model, vocab, fold, budget_bytes, progress)
-            total = scores if total is None else total + scores
-        assert total is not None
-        folds.append(retrieval_metrics(total / len(models), fold.per_image))
+                scores = split_scores(model, vocab, fold, budget_bytes, progress, sharded=sharded)
+            if scores is not None:  # (None: a rank other than 0 of a sharded evaluation)
+                total = scores if total is None else total + scores
+        if total is not None:
+            folds.append(retrieval_metrics(total / len(models), fold.per_image))
+    if not dist.is_main():
+        return dist.broadcast_object(None)
     result = dict(folds[0] if len(folds) == 1 else average_folds(folds))
     if rerank > 0:
         result["rerank"] = rerank
@@ -337,7 +402,7 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
                   eval_seconds=round(time.perf_counter() - start, 2))
     if two_stage:
         result["two_stage"] = two_stage[0] if len(two_stage) == 1 else two_stage
-    return result
+    return dist.broadcast_object(result)
 
 
 def format_table(result: dict) -> str:

@@ -25,9 +25,10 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from itmatch.config import Config, config_from_dict
-from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairDataset, collate_pairs
+from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairBatch, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
+from itmatch.engine import distributed as dist
 from itmatch.engine.checkpoint import (
     load_checkpoint,
     load_optimizer_state,
@@ -39,6 +40,8 @@ from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.inputs import fill_image_dims, open_split
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
+from itmatch.models.base import Matcher, SimilarityHead
+from itmatch.models.losses import triplet_loss
 from itmatch.models.registry import build_model
 
 log = logging.getLogger("itmatch.train")
@@ -140,6 +143,62 @@ def epoch_batches(cfg: Config, lengths: list[int], n_captions: int, epoch: int) 
     return [order[i:i + bs] for i in range(0, n_captions - bs + 1, bs)]
 
 
+def shard_batches(batches: list[list[int]]) -> list[list[int]]:
+    """This rank's contiguous slice of every global batch (all of it in a single process): the ranks'
+    slices concatenated in rank order are the single-process batch."""
+    out = []
+    for batch in batches:
+        start, stop = dist.shard_bounds(len(batch))
+        out.append(batch[start:stop])
+    return out
+
+
+def check_world(cfg: Config) -> None:
+    """The global batch must split evenly across the ranks (equal shapes for the all-gathers)."""
+    if cfg.train.batch_size % dist.world_size():
+        raise ConfigError(f"train.batch_size {cfg.train.batch_size} is not divisible by the {dist.world_size()} "
+                          f"processes", hint="the global batch is split evenly across the ranks: set "
+                          "train.batch_size to a multiple of the process count")
+
+
+def batch_loss(model: Matcher, batch: PairBatch, cfg: Config, hardest: bool) -> torch.Tensor:
+    """The loss of a (rank's share of a) batch. Distributed with train.gather_negatives, the captions (and
+    images) of every rank are all-gathered and every rank computes the loss of the whole global batch,
+    equal to the single-process loss: its gradient reaches this rank's embeddings summed over the ranks
+    (W times this rank's share of the single-process gradient), and DDP's average over the W ranks then
+    gives exactly the single-process gradient. Without it, each rank's loss sees its own share only and
+    the averaged gradient is that of the mean of the per-rank losses (docs/distributed.md)."""
+    img = model.encode_images(batch.images)
+    txt = model.encode_texts(batch.text.tokens, batch.text.lengths)
+    index = batch.image_index
+    gather = cfg.train.gather_negatives and dist.is_distributed()
+    if gather:
+        txt, index = dist.gather_embeddings(txt), dist.gather_rows(index)
+    positives = index[:, None] == index[None, :] if cfg.loss.mask_same_image else None
+    if not gather:
+        return model.training_loss(img, txt, cfg.loss, hardest, positives)
+    if type(model.head).training_loss is SimilarityHead.training_loss:
+        # The default loss is the triplet loss over the score matrix: score only this rank's images
+        # against every caption ([local B, global B]) and gather the rows, W times less pair scoring
+        # per rank than scoring the whole [global B, global B] matrix on every rank.
+        scores = dist.gather_rows(model.score(img, txt))
+        return triplet_loss(scores, cfg.loss.margin, hardest, positives)
+    # A head with its own loss (OAN, SMAN, MMCA) may use more than the score matrix: give it everything.
+    return model.training_loss(dist.gather_embeddings(img), txt, cfg.loss, hardest, positives)
+
+
+class _LossStep(torch.nn.Module):
+    """batch_loss as a forward(), which DistributedDataParallel needs (it hooks forward to reduce the
+    gradients in backward)."""
+
+    def __init__(self, model: Matcher, cfg: Config) -> None:
+        super().__init__()
+        self.model, self.cfg = model, cfg
+
+    def forward(self, batch: PairBatch, hardest: bool) -> torch.Tensor:
+        return batch_loss(self.model, batch, self.cfg, hardest)
+
+
 def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, PrecompSplit, AnyVocab]:
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
@@ -158,13 +217,22 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
           transform: CaptionTransform | None = None, progress: bool = True) -> dict[str, Any]:
     """Train `cfg` into `run_dir` (run_dir/best, run_dir/last, config.json, metrics.jsonl).
-    Returns the best validation result."""
+    Returns the best validation result.
+
+    Under torchrun (docs/distributed.md) every rank runs this with the same arguments: the model is
+    wrapped in DistributedDataParallel, every global batch is split across the ranks, validation is
+    sharded, and only rank 0 writes to `run_dir`."""
     run_dir = Path(run_dir)
+    distributed = dist.init_from_env(cfg.train.backend)
+    main = dist.is_main()
+    progress = progress and main
     last = run_dir / "last"
     metrics_path = run_dir / "metrics.jsonl"
     state: dict[str, Any] = {"epoch": 0, "batch": 0, "running_loss": 0.0, "step": 0, "best_rsum": -1.0,
                              "best_epoch": -1, "log_bytes": 0}
-    recover_checkpoint(last)
+    if main:
+        recover_checkpoint(last)
+    dist.barrier()
     if resume and not last.exists():
         saved = run_dir / "config.json"
         if not saved.is_file():
@@ -177,10 +245,12 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             raise ConfigError(f"cannot restart the run: its config.json is not valid JSON ({exc})",
                               path=saved) from None
         resume, force = False, True
+    check_world(cfg)  # (before anything is written)
     header = ""
     if resume:
         ckpt = load_checkpoint(last)
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
+        check_world(cfg)
         train_split, val_split, vocab = prepare_data(cfg, vocab)
     else:
         # (temp files of a write killed before config.json existed do not make a run)
@@ -188,28 +258,36 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         if in_use and not force:
             raise OverwriteError(f"run directory {run_dir} is not empty", path=run_dir,
                                  hint="pass --resume to continue it, --force to start over, or another --out")
+        dist.barrier()  # every rank has looked at run_dir before rank 0 changes it
         seed_everything(cfg.train.seed)
         train_split, val_split, vocab = prepare_data(cfg, None)
         model = build_model(cfg.model)
         if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
             counts = apply_word_vectors(model, vocab, cfg.model.word_vectors)
             header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        for old in (last, run_dir / "best"):  # --force: a later --resume must never find the old run's state
-            if old.exists():
-                shutil.rmtree(old)
-    write_json_atomic(run_dir / "config.json", cfg.to_dict())  # first: --resume can restart from it
+        if dist.rank() > 0:  # same initial weights on every rank (above), its own dropout masks from here
+            seed_everything((cfg.train.seed + dist.rank()) % 2**32)
+        if main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            for old in (last, run_dir / "best"):  # --force: a later --resume must never find the old state
+                if old.exists():
+                    shutil.rmtree(old)
+    if main:
+        write_json_atomic(run_dir / "config.json", cfg.to_dict())  # first: --resume can restart from it
     if cfg.train.threads:  # the thread count changes float summation order: part of the config
         torch.set_num_threads(cfg.train.threads)
     optimizer = make_optimizer(cfg, model, state["epoch"])
     if resume:
         load_optimizer_state(last, optimizer)
         trainer = load_trainer_state(last)
-        if "rng" in trainer:
+        ranks = trainer.get("rng_ranks", [])
+        if len(ranks) == dist.world_size() and distributed:
+            set_rng_state(ranks[dist.rank()])
+        elif "rng" in trainer:
             set_rng_state(trainer["rng"])
     # metrics.jsonl as it was when `last` was saved: lines written after it are written again below.
     # (Checkpoints of older versions have no log_bytes: their log is kept as it is.)
-    if not resume or "log_bytes" in ckpt.state:
+    if main and (not resume or "log_bytes" in ckpt.state):
         with open(metrics_path, "a+b") as fh:
             keep = int(state["log_bytes"]) if resume else 0
             if fh.seek(0, os.SEEK_END) > keep:  # never extend (a log the user removed stays short)
@@ -217,21 +295,36 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
 
     dataset = PairDataset(train_split, vocab, transform)
     lengths = [len(vocab.encode(c)) for c in train_split.captions] if cfg.train.bucket_by_length else []
-    log = metrics_path.open("a", encoding="utf-8")
+    # only rank 0 writes the log; the other ranks write the same lines nowhere
+    log = metrics_path.open("a", encoding="utf-8") if main else open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
     log.write(header)  # a new run's first line (pretrained word vector counts), if any
 
+    step: torch.nn.Module = _LossStep(model, cfg)
+    if distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # find_unused_parameters: some configurations leave parameters out of the loss (e.g. a one-step SMAN)
+        device_ids = [dist.local_rank()] if dist.device().type == "cuda" else None
+        step = DistributedDataParallel(step.to(dist.device()), device_ids=device_ids,
+                                       find_unused_parameters=True)
+
     def save_last() -> None:
+        ranks = dist.gather_objects(rng_state())  # (a collective: every rank calls save_last)
+        if not main:
+            return
         log.flush()
         os.fsync(log.fileno())
         state["log_bytes"] = metrics_path.stat().st_size
-        save_checkpoint(last, model, cfg, vocab, optimizer, state, trainer={"rng": rng_state()})
+        trainer = {"rng": rng_state(), **({"rng_ranks": ranks} if distributed else {})}
+        save_checkpoint(last, model, cfg, vocab, optimizer, state, trainer=trainer)
 
     best: dict[str, Any] = state.get("best_result", {})
     for epoch in range(state["epoch"], cfg.train.epochs):
         batches = epoch_batches(cfg, lengths, len(dataset), epoch)
         n_batches = len(batches) if cfg.train.max_batches <= 0 else min(len(batches), cfg.train.max_batches)
         first = int(state["batch"])  # > 0 when resuming mid-epoch
-        loader = DataLoader(dataset, batch_sampler=batches[first:n_batches], collate_fn=collate_pairs)
+        loader = DataLoader(dataset, batch_sampler=shard_batches(batches[first:n_batches]),
+                            collate_fn=collate_pairs)
         lr = learning_rate(cfg, epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -242,23 +335,19 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         started, running = time.perf_counter(), float(state["running_loss"])
         truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
         for b, batch in enumerate(loader, start=first):
-            img = model.encode_images(batch.images)
-            txt = model.encode_texts(batch.text.tokens, batch.text.lengths)
-            positives = None
-            if cfg.loss.mask_same_image:
-                positives = batch.image_index[:, None] == batch.image_index[None, :]
-            loss = model.training_loss(img, txt, cfg.loss, hardest, positives)
+            loss = step(batch, hardest)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if cfg.train.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             optimizer.step()
             state["step"] += 1
-            running += loss.item()
-            bar.set_postfix(loss=f"{loss.item():.2f}", lr=f"{lr:.1e}", hard=hardest)
+            value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks averaged
+            running += value
+            bar.set_postfix(loss=f"{value:.2f}", lr=f"{lr:.1e}", hard=hardest)
             bar.update()
             if state["step"] % cfg.train.log_every == 0:
-                log.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": loss.item(), "lr": lr}) + "\n")
+                log.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": value, "lr": lr}) + "\n")
                 log.flush()
             every = cfg.train.checkpoint_every
             if every > 0 and (b + 1) % every == 0 and b + 1 < n_batches:
@@ -288,7 +377,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             state.update(best_rsum=result["rsum"], best_epoch=epoch + 1)
             best = result
             state["best_result"] = best
-            save_checkpoint(run_dir / "best", model, cfg, vocab, state=state)
+            if main:
+                save_checkpoint(run_dir / "best", model, cfg, vocab, state=state)
         state["best_result"] = best
         save_last()
     log.close()

@@ -15,6 +15,12 @@ Multi-scale (`scales`, SAVE): the same pass also writes the backbone's finer sta
 array, `{split}_ims_c3.npy` [N, h3*w3, C3] and `{split}_ims_c4.npy` (c5 is the main array itself), each
 streamed, resumed and renamed like the main one; meta.json lists them under "scales".
 
+Several processes (`torchrun ... -m itmatch extract`, docs/distributed.md): rank r extracts its
+contiguous share of each split's images into its own directory `.shards-{split}/rank{r}-of-{W}/`
+(an ordinary resumable extraction), then rank 0 concatenates the shares into `{split}_ims.npy.partial`,
+renames it and finishes the split as above; the shard directories go once meta.json records it. Killed
+in the shares, the same command resumes each one; killed while merging, it merges again.
+
 Determinism: the same images, backbone, batch size and thread count give bit-identical arrays. The
 batch size is part of that (oneDNN picks kernels by batch shape; measured differences are ~1e-5), so a
 resumed run keeps the batch size recorded in its progress file.
@@ -26,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +56,7 @@ from itmatch.data.precomp import (
     split_manifest,
     write_captions,
 )
+from itmatch.engine import distributed as dist
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
 from itmatch.io import file_sha256, write_json_atomic
@@ -432,6 +440,77 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
             "images_per_second": round(computed / seconds, 2) if computed and seconds > 0 else None}
 
 
+def shards_root(out_dir: Path, split: str) -> Path:
+    return out_dir / f".shards-{split}"
+
+
+def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
+                           ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
+                           progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = ()
+                           ) -> dict[str, Any] | None:
+    """_extract_split shared by the ranks of a torchrun group (see the module docstring). Every rank calls
+    it; rank 0 returns the split's info, the others None."""
+    n, world = len(ids), dist.world_size()
+    per = len(caps) // n
+    fp = _fingerprint(bb, ids, extras)
+    bounds = [dist.shard_bounds(n, r, world) for r in range(world)]
+    shard_dirs = [shards_root(out_dir, split) / f"rank{r}-of-{world}" for r in range(world)]
+    if not _finishing(out_dir, split, fp, extras):
+        (start, stop), mine = bounds[dist.rank()], shard_dirs[dist.rank()]
+        shard_fp = _fingerprint(bb, ids[start:stop], extras)
+        if stop > start and (force or not _complete(mine, split, shard_fp, extras)):
+            mine.mkdir(parents=True, exist_ok=True)
+            info = _extract_split(bb, images_dir, table, mine, split, ids[start:stop], caps[start * per:stop * per],
+                                  batch_size=batch_size, force=force, skip_bad=skip_bad,
+                                  progress=progress and dist.is_main(), on_batch=on_batch, extras=extras)
+            write_json_atomic(mine / META_NAME, {"format": "itmatch-precomp",
+                                                 "splits": {split: {**info, "fingerprint": shard_fp}}})
+            progress_path(mine, split).unlink(missing_ok=True)
+        dist.barrier()  # every share is complete
+        if dist.is_main():
+            _merge_shards(bb, out_dir, split, ids, fp, list(zip(bounds, shard_dirs, strict=True)), batch_size, extras)
+    info = None
+    if dist.is_main():  # finishes the merged split: captions and ids without the skipped images, its info
+        info = _extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size, force=force,
+                              skip_bad=skip_bad, progress=False, on_batch=None, extras=extras)
+        info["processes"] = world
+    dist.barrier()
+    return info
+
+
+def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: str,
+                  shards: list[tuple[tuple[int, int], Path]], batch_size: int, extras: tuple[str, ...]) -> None:
+    """Rank 0: concatenate the complete shares into the split's arrays (partial file, fsync, rename) and
+    record them in the split's progress file as renamed, the state `_extract_split` finishes from."""
+    shards = [(b, d) for b, d in shards if b[1] > b[0]]
+    skipped = []
+    for (start, stop), shard in shards:
+        for s in split_manifest(shard, split)["skipped"]:
+            skipped.append({"image_id": s["image_id"], "index": start + ids[start:stop].index(s["image_id"]),
+                            "reason": s["reason"]})
+    for p in (captions_path(out_dir, split), ids_path(out_dir, split)):  # never stale beside new features
+        p.unlink(missing_ok=True)
+    for scale in ("c5", *extras):
+        final = scale_path(out_dir, split, scale)
+        partial = partial_path(out_dir, split) if scale == "c5" else Path(f"{final}.partial")
+        parts = [np.load(scale_path(shard, split, scale), mmap_mode="r") for _, shard in shards]
+        arr = open_memmap(partial, mode="w+", dtype=np.float32,
+                          shape=(sum(len(a) for a in parts), *parts[0].shape[1:]))
+        row = 0
+        for part in parts:
+            for s in range(0, len(part), 512):
+                block = part[s:s + 512]
+                arr[row:row + len(block)] = block
+                row += len(block)
+        del parts
+        _finish_array(final, partial, arr, row)
+    _fsync_dir(out_dir)
+    write_json_atomic(progress_path(out_dir, split), {
+        "version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name, "n_images": len(ids),
+        "batch_size": batch_size, "done": len(ids), "written": len(ids) - len(skipped), "skipped": skipped,
+        "features_complete": True})
+
+
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
                     skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
@@ -449,8 +528,11 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     `num_threads` sets torch's intra-op threads for the run (default: leave torch's setting).
     `scales` ("c3,c4,c5" or a list) also writes the finer stage maps (SAVE's c3/c4) beside the main
     array, from the same forward pass (see the module docstring).
+    Under torchrun every rank calls this with the same arguments and extracts a share of the images
+    (see the module docstring); the output directory must be on a file system all ranks see.
     Returns the metadata written to meta.json.
     """
+    dist.init_from_env("gloo")
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -529,11 +611,15 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                 log.info("split %s is complete from an earlier run of this command; kept", split)
                 continue
             ids, caps = rows[split]
-            info = _extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
-                                  force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
-                                  extras=extras)
+            run_split = _extract_split_sharded if dist.is_distributed() else _extract_split
+            info = run_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
+                             force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
+                             extras=extras)
+            if info is None:  # a rank other than 0: rank 0 writes the manifest
+                continue
             meta["splits"][split] = {**info, "fingerprint": fingerprints[split]}
             write_json_atomic(meta_file, meta)
             _fsync_dir(out_dir)
             progress_path(out_dir, split).unlink(missing_ok=True)
-    return meta
+            shutil.rmtree(shards_root(out_dir, split), ignore_errors=True)
+    return dist.broadcast_object(meta)

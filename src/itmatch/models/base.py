@@ -109,6 +109,21 @@ class TextEmb(Embeddings):
     def mask(self) -> torch.Tensor:
         return length_mask(self.lengths, self.words.shape[1])
 
+    def padded_to(self, length: int) -> TextEmb:
+        """Zero-pad the words and the word axes of extras to `length` steps (to concatenate or all-gather
+        captions of different padded lengths)."""
+        if length == self.words.shape[1]:
+            return self
+
+        def pad(t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+            widths: list[int] = []
+            for d in range(t.dim() - 1, 0, -1):  # F.pad lists the last dimension first
+                widths += [0, length - t.shape[d] if d in axes else 0]
+            return nn.functional.pad(t, widths)
+
+        extras = {k: pad(v, self.word_axes[k]) if self.word_axes.get(k) else v for k, v in self.extras.items()}
+        return replace(self, words=pad(self.words, (1,)), extras=extras)
+
     def narrowed(self, length: int) -> TextEmb:
         """Views of the words and of the word axes of extras cut to `length` columns (no copy)."""
         if length == self.words.shape[1]:

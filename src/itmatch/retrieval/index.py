@@ -254,10 +254,17 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     unreadable files, seconds. An index built with another model is replaced only with `force` (its
     backbone features are reused when the backbone is the same). `on_chunk(done, total)` is called after
     each saved chunk (it may raise to stop the run, which then resumes from the saved chunks).
+
+    Under torchrun (docs/distributed.md) every rank calls this with the same arguments: rank r encodes its
+    contiguous share of the images to encode into chunk files of its own, then rank 0 reads every rank's
+    chunks and writes the index; every rank returns rank 0's summary.
     """
     from itmatch.api import load
+    from itmatch.engine import distributed as dist
     from itmatch.features.extract import _backbone_meta, _strict_pil, _version
 
+    dist.init_from_env("gloo")
+    progress = progress and dist.is_main()
     started = time.perf_counter()
     images_dir, out_dir = Path(images_dir).resolve(), Path(out_dir)
     if not images_dir.is_dir():
@@ -327,10 +334,12 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
         todo.append(r)
 
     skipped: list[dict[str, str]] = []
-    bar = tqdm(total=len(todo), desc="encode images", unit="img", disable=not progress)
+    start, stop = dist.shard_bounds(len(todo))  # this rank's share (everything in one process)
+    mine = todo[start:stop]
+    bar = tqdm(total=len(mine), desc="encode images", unit="img", disable=not progress)
     with _strict_pil(), torch.inference_mode():
-        for c0 in range(0, len(todo), chunk):
-            batch_records = todo[c0:c0 + chunk]
+        for c0 in range(0, len(mine), chunk):
+            batch_records = mine[c0:c0 + chunk]
             feats, sizes, good = [], [], []
             for r in batch_records:
                 sha = r["sha256"]
@@ -370,8 +379,14 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                 parts.update(_part_rows(chunk_data))
             bar.update(len(batch_records))
             if on_chunk is not None:
-                on_chunk(min(c0 + chunk, len(todo)), len(todo))
+                on_chunk(min(c0 + chunk, len(mine)), len(mine))
     bar.close()
+    if dist.is_distributed():  # rank 0 goes on with every rank's chunks (all saved once this returns)
+        gathered = dist.gather_objects(skipped)
+        if gathered is None:
+            return dist.broadcast_object(None)
+        skipped = [s for part in gathered for s in part]
+        parts = _read_parts(parts_dir, identity)
 
     bad = {s["id"] for s in skipped}
     records = [r for r in records if r["id"] not in bad]
@@ -387,7 +402,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                  and old.get("images_root") == str(images_dir)
                  and [(e["id"], e["sha256"]) for e in old["images"]] == [(r["id"], r["sha256"]) for r in records])
     if unchanged:  # nothing to rewrite (an up-to-date index of a large collection costs only the hashing)
-        return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+        return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
     manifest = _consolidate(out_dir, old, old_arrays if has_regions else {}, old_rows, parts, records,
                             identity, row_shapes, images_dir)
     manifest["skipped"] = skipped
@@ -395,7 +410,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     manifest["backbone"] = _backbone_meta(matcher.backbone)
     write_json_atomic(out_dir / MANIFEST, manifest)  # the commit point
     _cleanup(out_dir, manifest)
-    return {**summary, "seconds": round(time.perf_counter() - started, 2)}
+    return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
 
 
 def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarray], old_rows: dict[str, int],

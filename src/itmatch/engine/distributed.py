@@ -1,0 +1,202 @@
+"""Process groups for data-parallel runs under torchrun (docs/distributed.md): initialisation from
+torchrun's environment, rank helpers, contiguous shards, and gathers (an autograd-aware one for the
+global-batch loss, object gathers for the evaluator and the extractor).
+
+Everything here is a no-op in a single process (no RANK / WORLD_SIZE in the environment): rank 0 of 1,
+`is_main()` True, barriers and gathers return at once, so train/evaluate/extract call these helpers
+unconditionally."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import fields, replace
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from itmatch.errors import ConfigError
+from itmatch.models.base import Embeddings, TextEmb
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when not launched by torchrun)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer",
+                          hint="launch with torchrun, or unset WORLD_SIZE") from None
+
+
+def init_from_env(backend: str = "auto", device_type: str = "cpu", timeout_minutes: float = 30.0) -> bool:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+    Returns True when running distributed (world size > 1). backend auto: NCCL when the tensors live on
+    GPUs (`device_type` cuda), gloo on the CPU; the engine runs on the CPU today, hence gloo (NCCL cannot
+    reduce CPU tensors). Idempotent: a second call (evaluation inside training) reuses the group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if env_world_size() <= 1:
+        return False
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown train.backend {backend!r}", hint=f"choose one of {', '.join(BACKENDS)}")
+    if not dist.is_available():
+        raise ConfigError("this torch build has no torch.distributed", hint="run a single process")
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl":
+        if device_type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError("train.backend nccl reduces GPU tensors, but this run keeps its tensors on the CPU",
+                              hint="set train.backend=gloo (or auto)")
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    return dist.get_world_size() > 1
+
+
+def shutdown() -> None:
+    """Leave the process group (end of a torchrun command)."""
+    if is_distributed():
+        dist.barrier()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    """Rank 0: the only process that writes logs, metrics, checkpoints and merged outputs."""
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def device() -> torch.device:
+    """The device of this rank's collectives: its GPU under NCCL, the CPU under gloo."""
+    if is_distributed() and dist.get_backend() == "nccl":
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def shard_bounds(n: int, rank_: int | None = None, world: int | None = None) -> tuple[int, int]:
+    """[start, stop) of `rank_`'s contiguous share of n items: the first n % world ranks get one more.
+    Concatenating the shards in rank order gives back 0..n-1."""
+    rank_ = rank() if rank_ is None else rank_
+    world = world_size() if world is None else world
+    base, extra = divmod(n, world)
+    start = rank_ * base + min(rank_, extra)
+    return start, start + base + (1 if rank_ < extra else 0)
+
+
+class _GatherGrad(torch.autograd.Function):
+    """All-gather along dim 0 (equal shapes on every rank) whose backward sums the gradient of the
+    gathered tensor over all ranks and returns this rank's slice: rank r's rows receive
+    sum_r' dL_r'/d(rows of r), as if every rank's loss had been computed on one machine."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.rows = tensor.shape[0]
+        parts = [torch.empty_like(tensor) for _ in range(world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        start = rank() * ctx.rows
+        return grad[start:start + ctx.rows]
+
+
+def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's `tensor` (same shape on all ranks) along dim 0, in rank order. Gradients
+    flow back to the local part (summed over the ranks that used it); tensors without grad are plainly
+    gathered."""
+    if not is_distributed():
+        return tensor
+    if tensor.requires_grad:
+        return _GatherGrad.apply(tensor)
+    if tensor.dtype == torch.bool:  # (gloo has no bool all_gather)
+        return gather_rows(tensor.to(torch.uint8)).bool()
+    parts = [torch.empty_like(tensor) for _ in range(world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+E = TypeVar("E", bound=Embeddings)
+
+
+def gather_embeddings(emb: E) -> E:
+    """Every rank's embeddings (same item count on every rank) concatenated in rank order, extras
+    included; captions are first padded to the longest padded length of any rank. Autograd-aware
+    (see gather_rows)."""
+    if not is_distributed():
+        return emb
+    if isinstance(emb, TextEmb):
+        emb = emb.padded_to(max_over_ranks(int(emb.words.shape[1])))
+    changes = {f.name: gather_rows(getattr(emb, f.name)) for f in fields(emb)
+               if isinstance(getattr(emb, f.name), torch.Tensor)}
+    changes["extras"] = {k: gather_rows(v) for k, v in emb.extras.items()}
+    return replace(emb, **changes)
+
+
+def max_over_ranks(value: int) -> int:
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def mean_over_ranks(value: float) -> float:
+    """The mean of a float over the ranks (the logged loss: mean of the per-rank losses)."""
+    if not is_distributed():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t)
+    return float(t.item()) / world_size()
+
+
+def gather_objects(obj: Any) -> list[Any] | None:
+    """Every rank's picklable `obj` on rank 0 (in rank order); None on the other ranks."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] | None = [None] * world_size() if is_main() else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's picklable `obj` on every rank, in rank order."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (the others' argument is ignored)."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,368 @@
+"""Data-parallel training, sharded evaluation and extraction under torch.distributed (docs/distributed.md):
+2 CPU processes with gloo on 127.0.0.1 against one process with the same global batch.
+
+The workers are real processes started the way torchrun starts them (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT in the environment), running the engine's own entry points. The presets used
+here have no dropout and no batch-dependent layer (BatchNorm), without which equality is impossible."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from itmatch.config import Config
+from itmatch.engine import distributed as dist
+from itmatch.engine.checkpoint import load_checkpoint
+from itmatch.models.registry import resolve_config
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(code: str, *args: str, world: int = 2, timeout: float = 600) -> None:
+    """Run `code` (with `args` in sys.argv) in `world` Python processes joined like torchrun joins them;
+    fail with their output."""
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        procs.append(subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+
+
+def tiny_config(data: Path, **train) -> Config:
+    # SCAN t-i: a pair head (the gathered loss takes its row-sharded path); no dropout anywhere
+    return resolve_config("scan_t2i_avg", {
+        "model": {"embed_size": 32, "word_dim": 32}, "data": {"path": str(data)},
+        "train": {"epochs": 1, "batch_size": 16, "val_images": 20, "log_every": 5, "threads": 1,
+                  "max_batches": 24, **train}})
+
+
+def assert_close_records(got: list[dict], expected: list[dict]) -> None:
+    """The same lines, keys and values; floats (losses, averaged ranks) within 1e-5 relative."""
+    assert [sorted(r) for r in got] == [sorted(r) for r in expected]
+    for a, b in zip(got, expected, strict=True):
+        for k, v in b.items():
+            assert a[k] == (pytest.approx(v, rel=1e-5) if isinstance(v, float) else v), (k, a, b)
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint(run / "last").model.state_dict()
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def records(run: Path) -> list[dict]:
+    """metrics.jsonl flattened ("val.rsum": ...), without the timings."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    return [{k: v for k, v in flat(json.loads(line)).items() if not k.endswith("_seconds")}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_shard_bounds_cover_every_item_once():
+    for n in (0, 1, 5, 16, 17):
+        for world in (1, 2, 3):
+            parts = [dist.shard_bounds(n, r, world) for r in range(world)]
+            assert [i for a, b in parts for i in range(a, b)] == list(range(n))
+            assert max(b - a for a, b in parts) - min(b - a for a, b in parts) <= 1
+
+
+def test_single_process_helpers_are_no_ops():
+    t = torch.arange(4.0, requires_grad=True)
+    assert not dist.is_distributed() and dist.is_main() and dist.world_size() == 1
+    assert dist.gather_rows(t) is t and dist.gather_objects(3) == [3] and dist.broadcast_object(5) == 5
+
+
+# What the two ranks do, in one launch (starting Python with torch is the slow part on a busy machine):
+# train with and without gathered negatives, train interrupted then resumed, evaluate sharded.
+WORKER = """
+import json, sys, torch
+from itmatch.config import config_from_dict, Config
+from itmatch.engine import distributed
+from itmatch.engine.checkpoint import load_checkpoint
+from itmatch.engine.evaluate import evaluate_models, split_scores
+from itmatch.engine.inputs import open_split
+from itmatch.engine.train import train
+from itmatch.errors import ConfigError
+
+torch.set_num_threads(1)
+job = json.loads(sys.argv[1])
+assert distributed.init_from_env()
+rank = distributed.rank()
+for name in ("gather", "local"):
+    train(config_from_dict(job[name]), job["out"] + "/" + name, progress=False)
+
+mean, calls = distributed.mean_over_ranks, []
+def interrupt_at_step_11(value):  # epoch 2, batch 5: `last` holds epoch 2, batch 4
+    calls.append(value)
+    if len(calls) == 11:
+        raise KeyboardInterrupt
+    return mean(value)
+distributed.mean_over_ranks = interrupt_at_step_11
+try:
+    train(config_from_dict(job["resume"]), job["out"] + "/resumed", progress=False)
+    raise SystemExit("not interrupted")
+except KeyboardInterrupt:
+    pass
+distributed.mean_over_ranks = mean
+with open(job["out"] + f"/state{rank}.json", "w") as fh:  # what `last` held when the ranks stopped
+    fh.write(open(job["out"] + "/resumed/last/state.json").read())
+train(Config(), job["out"] + "/resumed", resume=True, progress=False)
+
+try:
+    train(config_from_dict({**job["gather"], "train": {**job["gather"]["train"], "batch_size": 15}}),
+          job["out"] + "/odd", progress=False)
+except ConfigError as exc:
+    with open(job["out"] + f"/odd{rank}.txt", "w") as fh:
+        fh.write(str(exc))
+
+for ckpt_dir in job["eval"]:
+    ckpt = load_checkpoint(ckpt_dir)
+    split = open_split(ckpt.config, "test")
+    scores = split_scores(ckpt.model.eval(), ckpt.vocab, split, job["budget"], sharded=True)
+    assert (scores is None) == (rank != 0)
+    result = evaluate_models([(ckpt.model, ckpt.vocab)], split, budget_bytes=job["budget"])
+    if rank == 0:
+        torch.save(scores, ckpt_dir + "/sharded_scores.pt")
+    with open(ckpt_dir + f"/result{rank}.json", "w") as fh:
+        json.dump(result, fh)
+
+from itmatch.data.captions import CaptionTable
+from itmatch.features.extract import extract_precomp
+
+table = CaptionTable(source="captions")
+for name, caption, split in job["table"]:
+    table.add(name, caption, split)
+extract_precomp(job["images"], table, job["out"] + "/extracted", batch_size=1, progress=False,
+                skip_bad_images=True, num_threads=1)
+
+from itmatch.retrieval.index import build_index
+summary = build_index(job["photos"], job["checkpoint"], job["out"] + "/index", batch_size=1, chunk=4,
+                      progress=False)
+with open(job["out"] + f"/index_summary{rank}.json", "w") as fh:
+    json.dump(summary, fh)
+distributed.shutdown()
+"""
+BUDGET = 1e6  # small: SCAN scores the 40 test images x 200 captions in 10 blocks of 4 images
+
+
+def eval_checkpoint(root: Path, data: Path, preset: str) -> Path:
+    from itmatch.engine.checkpoint import save_checkpoint
+    from itmatch.engine.train import prepare_data, seed_everything
+    from itmatch.models.registry import build_model
+
+    cfg = resolve_config(preset, {"model": {"embed_size": 32, "word_dim": 32}, "data": {"path": str(data)}})
+    seed_everything(0)
+    _, _, vocab = prepare_data(cfg, None)
+    save_checkpoint(root / preset, build_model(cfg.model), cfg, vocab)
+    return root / preset
+
+
+def photo_folder(root: Path) -> tuple[Path, list[tuple[str, str, str]]]:
+    """7 small photos (one of them truncated, in the second rank's share of train) and their captions."""
+    from PIL import Image
+
+    images = root / "photos"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(7):
+        name = f"p{i}.png"
+        Image.fromarray(rng.integers(0, 255, (40 + 4 * i, 48, 3), dtype=np.uint8)).save(images / name)
+        rows += [(name, f"photo {i} caption {c}", "train" if i < 5 else "dev") for c in range(5)]
+    data = (images / "p3.png").read_bytes()
+    (images / "p3.png").write_bytes(data[:len(data) // 2])
+    return images, rows
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_precomp, tiny_search_setup, tmp_path_factory) -> dict[str, Path]:
+    """Single-process reference runs and the 2-rank runs of WORKER (about 10 s of CPU per rank)."""
+    from itmatch.engine.train import train
+
+    root = tmp_path_factory.mktemp("dist")
+    torch.set_num_threads(1)
+    out = {"single": root / "single", "straight": root / "straight"}
+    train(tiny_config(tiny_precomp), out["single"], progress=False)
+    resume_cfg = tiny_config(tiny_precomp, epochs=2, max_batches=6, checkpoint_every=4, gather_negatives=True)
+    train(resume_cfg, out["straight"], progress=False)  # == 2 ranks uninterrupted (gather_negatives)
+    job = {"out": str(root), "gather": tiny_config(tiny_precomp, gather_negatives=True).to_dict(),
+           "local": tiny_config(tiny_precomp).to_dict(), "resume": resume_cfg.to_dict(), "budget": BUDGET,
+           "eval": [str(eval_checkpoint(root, tiny_precomp, p)) for p in ("scan_t2i_avg", "vsepp")]}
+    images, rows = photo_folder(root)
+    job.update(images=str(images), table=rows, photos=str(tiny_search_setup["photos"]),
+               checkpoint=str(tiny_search_setup["checkpoint"]))
+    run_ranks(WORKER, json.dumps(job))
+    return {**tiny_search_setup, **out, **{k: root / k for k in ("gather", "local", "resumed")}, "root": root,
+            "data": tiny_precomp, "table": rows}
+
+
+def test_two_processes_with_gathered_negatives_equal_one_process(runs):
+    """Hardest negatives over the global batch of 16 (8 per rank): the same parameters as one process
+    with batches of 16, the same logged losses and the same validation."""
+    assert max_diff(weights(runs["gather"]), weights(runs["single"])) <= 1e-6
+    assert_close_records(records(runs["gather"]), records(runs["single"]))
+
+
+def test_two_processes_without_gather_equal_the_mean_of_the_per_rank_losses(runs):
+    """Without gather_negatives each rank's loss sees its own 8 pairs; DDP averages the gradients, so the
+    run equals one process minimising the mean of the two half-batch losses (a reference loop here),
+    and differs from the run on whole batches of 16."""
+    from itmatch.data.datasets import PairDataset, collate_pairs
+    from itmatch.engine.train import batch_loss, epoch_batches, make_optimizer, prepare_data, seed_everything
+    from itmatch.models.registry import build_model
+
+    cfg = tiny_config(runs["data"])
+    seed_everything(cfg.train.seed)
+    train_split, _, vocab = prepare_data(cfg, None)
+    model = build_model(cfg.model)
+    optimizer = make_optimizer(cfg, model, 0)
+    dataset = PairDataset(train_split, vocab)
+    for batch in epoch_batches(cfg, [], len(dataset), 0)[:cfg.train.max_batches]:
+        halves = [collate_pairs([dataset[j] for j in batch[:8]]), collate_pairs([dataset[j] for j in batch[8:]])]
+        loss = sum(batch_loss(model, h, cfg, cfg.loss.hardest) for h in halves) / 2
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+    assert max_diff(weights(runs["local"]), model.state_dict()) <= 1e-6
+    assert max_diff(weights(runs["local"]), weights(runs["single"])) > 1e-4
+
+
+def test_resume_in_two_processes_equals_an_uninterrupted_run(runs):
+    """Both ranks stop in epoch 2 after a mid-epoch save (an interrupt raised at the same step in each);
+    every rank then loads the same `last` and continues: the parameters and the log of an uninterrupted
+    run."""
+    for rank in (0, 1):
+        state = json.loads((runs["root"] / f"state{rank}.json").read_text())
+        assert (state["epoch"], state["batch"]) == (1, 4)
+    assert max_diff(weights(runs["resumed"]), weights(runs["straight"])) <= 1e-6
+    assert_close_records(records(runs["resumed"]), records(runs["straight"]))
+
+
+def test_only_rank_0_writes_and_batch_size_must_split_evenly(runs):
+    for name in ("gather", "local", "resumed"):
+        assert not [p for p in runs[name].iterdir() if p.name.endswith(".partial")]
+    for rank in (0, 1):
+        assert "not divisible by the 2 processes" in (runs["root"] / f"odd{rank}.txt").read_text()
+    assert not (runs["root"] / "odd").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("preset", ["scan_t2i_avg", "vsepp"])
+def test_sharded_evaluation_equals_single_process_exactly(runs, preset):
+    """The ranks share the blocks of the single-process plan (SCAN, a small budget: many blocks) or the
+    image rows of one product (VSE++): the assembled score matrix is bit-identical, and so the metrics,
+    which every rank returns."""
+    from itmatch.engine.evaluate import evaluate_models, split_scores
+    from itmatch.engine.inputs import open_split
+
+    ckpt = load_checkpoint(runs["root"] / preset)
+    split = open_split(ckpt.config, "test")
+    single = split_scores(ckpt.model.eval(), ckpt.vocab, split, BUDGET)
+    assert torch.equal(torch.load(runs["root"] / preset / "sharded_scores.pt"), single)
+    metrics = json.loads(json.dumps(evaluate_models([(ckpt.model, ckpt.vocab)], split, budget_bytes=BUDGET)))
+    metrics.pop("eval_seconds")
+    for rank in (0, 1):
+        result = json.loads((runs["root"] / preset / f"result{rank}.json").read_text())
+        result.pop("eval_seconds")
+        assert result == metrics
+
+
+def test_extraction_in_two_processes_equals_one_process(runs):
+    """Each rank extracts its share (train: 3 + 2 images, the truncated one skipped in the second share;
+    dev: 1 + 1), rank 0 merges: the arrays (batch size 1: the same kernels), ids, captions and manifest of
+    a single-process extraction, and no shard directory left."""
+    from itmatch.data.captions import CaptionTable
+    from itmatch.data.precomp import read_precomp
+    from itmatch.features.extract import extract_precomp
+
+    images, table = runs["root"] / "photos", CaptionTable(source="captions")
+    for name, caption, split in runs["table"]:
+        table.add(name, caption, split)
+    single, merged = runs["root"] / "extracted_single", runs["root"] / "extracted"
+    meta = extract_precomp(images, table, single, batch_size=1, progress=False, skip_bad_images=True,
+                           num_threads=1)
+    assert sorted(p.name for p in merged.iterdir()) == sorted(p.name for p in single.iterdir())
+    merged_meta = json.loads((merged / "meta.json").read_text())
+    for split in ("train", "dev"):
+        a, b = read_precomp(single, split), read_precomp(merged, split)
+        assert np.array_equal(np.asarray(a.images), np.asarray(b.images))
+        assert (a.ids, a.captions) == (b.ids, b.captions)
+        keys = ("images", "captions", "listed_images", "features_sha256", "skipped", "fingerprint")
+        assert {k: merged_meta["splits"][split][k] for k in keys} == {k: meta["splits"][split][k] for k in keys}
+    assert meta["splits"]["train"]["skipped"][0]["image_id"] == "p3.png"
+
+
+def test_index_in_two_processes_equals_one_process(runs):
+    """Each rank encodes half of the 12 photos into its own chunk files, rank 0 writes the index: the
+    same manifest and arrays as a single-process index (batch size 1: the same backbone kernels)."""
+    from itmatch.retrieval.index import build_index, load_index
+
+    single = build_index(runs["photos"], runs["checkpoint"], runs["root"] / "index_single", batch_size=1,
+                         progress=False)
+    for rank in (0, 1):
+        summary = json.loads((runs["root"] / f"index_summary{rank}.json").read_text())
+        assert {k: v for k, v in summary.items() if k not in ("seconds", "index")} == \
+               {k: v for k, v in single.items() if k not in ("seconds", "index")}
+    a, b = load_index(runs["root"] / "index_single"), load_index(runs["root"] / "index")
+    assert a.ids == b.ids and a.images == b.images
+    assert np.array_equal(a.features(), b.features())
+    assert torch.allclose(a.image_emb().regions, b.image_emb().regions, atol=1e-6)
+    assert not (runs["root"] / "index" / "parts").exists() or not any((runs["root"] / "index" / "parts").iterdir())
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "itmatch", *args], env=env, capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.slow
+def test_cli_train_and_evaluate_under_torchrun(tiny_precomp, tmp_path):
+    out = tmp_path / "run"
+    done = _torchrun("train", "--preset", "scan_t2i_avg", "--data", str(tiny_precomp), "--out", str(out),
+                     "--set", "model.embed_size=32", "--set", "model.word_dim=32", "--set", "train.epochs=1",
+                     "--set", "train.batch_size=16", "--set", "train.max_batches=2", "--set", "train.val_images=20",
+                     "--set", "train.gather_negatives=true")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("best dev rsum") == 1  # rank 0 alone reports
+    assert (out / "best").is_dir() and (out / "last").is_dir()
+    assert not [p for p in out.iterdir() if p.name.endswith(".partial")]
+    done = _torchrun("evaluate", str(out / "best"), "--split", "test", "--quiet", "--json", str(tmp_path / "m.json"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("rsum") == 1
+    shutil.rmtree(out)
