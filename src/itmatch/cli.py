@@ -236,6 +236,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_shortlist_arguments(s: argparse.ArgumentParser) -> None:
+    """--shortlist / --faiss of `search` and `serve` (Searcher's first stage)."""
+    s.add_argument("--shortlist", type=int, default=0, metavar="N",
+                   help="score only the top N photos of a FAISS first stage over the model's global embedding "
+                        "(VSE++, OAN, MMCA, SMAN; not SCAN), re-ranked exactly; default 0 = every photo")
+    s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
+                   help="first-stage index for --shortlist: flat (exact top N, default) or ivf (approximate)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="itmatch", description="Image-text matching: train, evaluate, search.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -360,11 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--captions", help="caption collection for --image: a text file, one caption a line")
     s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
-    s.add_argument("--shortlist", type=int, default=0, metavar="N",
-                   help="score only the top N photos of a FAISS first stage over the model's global embedding "
-                        "(VSE++, OAN, MMCA, SMAN; not SCAN), re-ranked exactly; default 0 = every photo")
-    s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
-                   help="first-stage index for --shortlist: flat (exact top N, default) or ivf (approximate)")
+    _add_shortlist_arguments(s)
     s.set_defaults(func=_cmd_search)
 
     s = sub.add_parser("serve", help="HTTP API and web page over an index (needs the `serve` extra)")
@@ -376,11 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--images", help="photo folder, if it moved since indexing (default: the indexed one)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (info logs every request)")
-    s.add_argument("--shortlist", type=int, default=0, metavar="N",
-                   help="score only the top N photos of a FAISS first stage over the model's global embedding "
-                        "(VSE++, OAN, MMCA, SMAN; not SCAN), re-ranked exactly; default 0 = every photo")
-    s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
-                   help="first-stage index for --shortlist: flat (exact top N, default) or ivf (approximate)")
+    _add_shortlist_arguments(s)
     s.set_defaults(func=_cmd_serve)
     return p
 

@@ -1,6 +1,6 @@
 """Process groups for data-parallel runs under torchrun (docs/distributed.md): initialisation from
 torchrun's environment, rank helpers, contiguous shards, and gathers (an autograd-aware one for the
-global-batch loss, object gathers for the evaluator and the extractor).
+global-batch loss, object gathers for the evaluator, the trainer's RNG states and the indexer).
 
 Everything here is a no-op in a single process (no RANK / WORLD_SIZE in the environment): rank 0 of 1,
 `is_main()` True, barriers and gathers return at once, so train/evaluate/extract call these helpers
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import fields, replace
 from typing import Any, TypeVar
 
 import torch
@@ -114,9 +113,7 @@ class _GatherGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.rows = tensor.shape[0]
-        parts = [torch.empty_like(tensor) for _ in range(world_size())]
-        dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts)
+        return _all_gather(tensor)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -136,6 +133,11 @@ def gather_rows(tensor: torch.Tensor) -> torch.Tensor:
         return _GatherGrad.apply(tensor)
     if tensor.dtype == torch.bool:  # (gloo has no bool all_gather)
         return gather_rows(tensor.to(torch.uint8)).bool()
+    return _all_gather(tensor)
+
+
+def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dim 0 in rank order (no autograd)."""
     parts = [torch.empty_like(tensor) for _ in range(world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return torch.cat(parts)
@@ -152,10 +154,7 @@ def gather_embeddings(emb: E) -> E:
         return emb
     if isinstance(emb, TextEmb):
         emb = emb.padded_to(max_over_ranks(int(emb.words.shape[1])))
-    changes = {f.name: gather_rows(getattr(emb, f.name)) for f in fields(emb)
-               if isinstance(getattr(emb, f.name), torch.Tensor)}
-    changes["extras"] = {k: gather_rows(v) for k, v in emb.extras.items()}
-    return replace(emb, **changes)
+    return emb.map_tensors(gather_rows)
 
 
 def max_over_ranks(value: int) -> int:
@@ -181,15 +180,6 @@ def gather_objects(obj: Any) -> list[Any] | None:
         return [obj]
     out: list[Any] | None = [None] * world_size() if is_main() else None
     dist.gather_object(obj, out, dst=0)
-    return out
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's picklable `obj` on every rank, in rank order."""
-    if not is_distributed():
-        return [obj]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, obj)
     return out
 
 

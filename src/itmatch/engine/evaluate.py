@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
-from dataclasses import fields
 
 import numpy as np
 import torch
@@ -141,24 +140,25 @@ def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget
             f"1 image x {len(buckets[int(np.argmax(per_image))][1])} captions "
             f"{max(per_image) / 2**20:.1f} MB)",
             hint=f"raise the budget to at least {minimum / 2**30:.3f} GB (--budget-gb), or score fewer items")
-    if model.head.bytes_per_cell <= 0 and model.head.bytes_per_pair <= 0:
+    if model.head.pair_independent:
         return [n for _ in buckets]
     free = budget_bytes - out_bytes
     return [max(1, min(n, int(free // b), max_cells // max(1, c))) for b, c in zip(per_image, cells, strict=True)]
 
 
-Block = tuple[slice, torch.Tensor, TextEmb]  # image rows, caption columns, their embeddings
+Block = tuple[slice, torch.Tensor | slice, TextEmb]  # image rows, caption columns, their embeddings
 
 
 def score_blocks(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float = DEFAULT_BUDGET,
-                 max_cells: int = MAX_BLOCK_CELLS) -> list[Block]:
+                 max_cells: int = MAX_BLOCK_CELLS, world: int = 1) -> list[Block]:
     """The blocks score_matrix fills, in order: per caption bucket, runs of images sized by the budget
-    (see images_per_block); one block of everything for a pair-independent head."""
-    if model.head.bytes_per_cell <= 0 and model.head.bytes_per_pair <= 0:  # pair-independent: one product
-        txt = unbucket_texts(buckets)
-        return [(slice(0, len(img)), torch.arange(len(txt)), txt)]
+    (see images_per_block, which also refuses a budget too small); a pair-independent head is one
+    matrix product, cut into `world` shards of image rows."""
     rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, max_cells)
     n = len(img)
+    if model.head.pair_independent:
+        txt = unbucket_texts(buckets)
+        return [(slice(*dist.shard_bounds(n, r, world)), slice(0, len(txt)), txt) for r in range(world)]
     return [(slice(i0, min(n, i0 + rows)), columns, block_txt)
             for (columns, block_txt), rows in zip(buckets, rows_per_bucket, strict=True)
             for i0 in range(0, n, rows)]
@@ -196,18 +196,10 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
     _require_items(len(img), "images")
     buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
     n, m = len(img), sum(len(c) for c, _ in buckets)
-    rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, max_cells)
-    # blocks: (image rows, caption columns, their embeddings)
-    if model.head.bytes_per_cell <= 0 and model.head.bytes_per_pair <= 0:  # pair-independent: one product
-        everything = unbucket_texts(buckets)
-        blocks = [(slice(*dist.shard_bounds(n, r, world)), slice(0, m), everything) for r in range(world)]
-    else:
-        blocks = [(slice(i0, i0 + rows), columns, block_txt)
-                  for (columns, block_txt), rows in zip(buckets, rows_per_bucket, strict=True)
-                  for i0 in range(0, n, rows)]
+    blocks = score_blocks(model, img, buckets, budget_bytes, max_cells, world)
     bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
                leave=False)
-    one_product = len(blocks) == 1 and isinstance(blocks[0][1], slice)
+    one_product = model.head.pair_independent and world == 1  # the one block is the whole matrix
     out = torch.empty(n, m) if world == 1 and not one_product else None
     pieces = {}  # (sharded: this rank's blocks, sent to rank 0)
     for k in range(dist.rank() if world > 1 else 0, len(blocks), world):  # this rank's share
@@ -227,7 +219,7 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
             return None
         pieces = {k: v for part in gathered for k, v in part.items()}
         del gathered
-    if one_product and world == 1:
+    if one_product:
         return pieces[0]
     out = torch.empty(n, m)
     for k, (rows, columns, _) in enumerate(blocks):
@@ -237,8 +229,7 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
 
 def item_bytes(emb: ImageEmb | TextEmb) -> int:
     """Bytes of one item's tensors (what take() copies per item)."""
-    tensors = [v for f in fields(emb) if isinstance(v := getattr(emb, f.name), torch.Tensor)]
-    return sum(t[0].numel() * t.element_size() for t in [*tensors, *emb.extras.values()])
+    return sum(t[0].numel() * t.element_size() for t in emb.tensors())
 
 
 def captions_per_block(model: Matcher, txt: TextEmb, regions: int, length: int, free_bytes: float,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -57,30 +58,30 @@ class Embeddings:
 
     extras: dict[str, torch.Tensor] = field(default_factory=dict, kw_only=True)
 
-    def take(self, index: torch.Tensor | slice) -> Embeddings:
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-item tensor: the tensor fields, then the extras."""
+        fixed = [v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)]
+        return [*fixed, *self.extras.values()]
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
+        """The same embeddings with `fn` applied to every per-item tensor (fields and extras, in the order
+        of tensors(): collectives such as an all-gather rely on it being the same on every rank)."""
+        changes: dict[str, Any] = {f.name: fn(v) for f in fields(self)
+                                   if isinstance(v := getattr(self, f.name), torch.Tensor)}
+        changes["extras"] = {k: fn(v) for k, v in self.extras.items()}
+        return replace(self, **changes)
+
+    def take(self, index: torch.Tensor | slice) -> Self:
         """The same embeddings restricted to some items (a block of the evaluator, a batch): views for a
         slice, copies for indices (or a bool mask)."""
         # index_select, not value[index], for a list of indices: advanced indexing measured ~10x slower
         # on CPU for a [540, 30, 512] gather (torch 2.13), and the re-ranker gathers captions per block
-        select = isinstance(index, torch.Tensor) and index.ndim == 1 and index.dtype != torch.bool
+        if isinstance(index, torch.Tensor) and index.ndim == 1 and index.dtype != torch.bool:
+            return self.map_tensors(lambda value: value.index_select(0, index))
+        return self.map_tensors(lambda value: value[index])
 
-        def pick(value: torch.Tensor) -> torch.Tensor:
-            return value.index_select(0, index) if select else value[index]  # type: ignore[arg-type]
-
-        changes = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "extras":
-                changes["extras"] = {k: pick(v) for k, v in value.items()}
-            elif isinstance(value, torch.Tensor):
-                changes[f.name] = pick(value)
-        return replace(self, **changes)
-
-    def to(self, device: torch.device | str) -> Embeddings:
-        changes = {f.name: getattr(self, f.name).to(device) for f in fields(self)
-                   if isinstance(getattr(self, f.name), torch.Tensor)}
-        changes["extras"] = {k: v.to(device) for k, v in self.extras.items()}
-        return replace(self, **changes)
+    def to(self, device: torch.device | str) -> Self:
+        return self.map_tensors(lambda value: value.to(device))
 
 
 @dataclass
@@ -152,6 +153,11 @@ class SimilarityHead(nn.Module):
     #: evaluator sizes blocks from them. Both 0: a pair-independent head (one matrix product).
     bytes_per_cell: float = 0.0
     bytes_per_pair: float = 0.0
+
+    @property
+    def pair_independent(self) -> bool:
+        """True when a block costs no per-pair temporaries: the whole score matrix is one product."""
+        return self.bytes_per_cell <= 0 and self.bytes_per_pair <= 0
 
     def prepare_images(self, img: ImageEmb) -> ImageEmb:
         return img
