@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,6 +24,8 @@ from itmatch.data.vocab import WordPieceVocab
 from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
 from itmatch.models.registry import build_model, preset_config
 from itmatch.retrieval.two_stage import two_stage_scores
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def timed(fn):
@@ -57,7 +60,8 @@ def evaluation_costs(model, vocab, split, ks: list[int]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="/work/main/runs/data/flickr8k_lite0", help="precomp directory")
+    parser.add_argument("--data", default=str(ROOT / "runs" / "data" / "flickr8k_lite0"),
+                        help="precomp directory (default: the Flickr8K features of README's extract command)")
     parser.add_argument("--preset", default="mmca", help="mmca, mmca_h512, ...")
     parser.add_argument("--images", type=int, default=100, help="dev images (5 captions each)")
     parser.add_argument("--ks", type=int, nargs="*", default=[20, 50, 100], help="re-rank depths")

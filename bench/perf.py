@@ -48,8 +48,8 @@ if not SHARED.is_dir():  # a worktree of /work/wt/<name>
     SHARED = Path("/work/shared/data/precomp-captions")
 F30K = (SHARED / "f30k_precomp" / "test_caps.txt", SHARED / "vocab" / "f30k_precomp_vocab.json")
 COCO = (SHARED / "coco_precomp" / "testall_caps.txt", SHARED / "vocab" / "coco_precomp_vocab.json")
-FLICKR8K_DATA = Path("/work/main/runs/data/flickr8k_lite0")
-FLICKR8K_RUNS = Path("/work/main/runs/flickr8k")
+FLICKR8K_DATA = ROOT / "runs" / "data" / "flickr8k_lite0"  # bench/flickr8k.py's features and runs
+FLICKR8K_RUNS = ROOT / "runs" / "flickr8k"
 K_REGIONS, FEAT_DIM, EMBED = 36, 1024, 1024
 MARK_BEGIN, MARK_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 

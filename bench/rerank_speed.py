@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -34,6 +35,8 @@ from itmatch.models.base import ImageEmb, Matcher, TextEmb
 from itmatch.models.registry import build_model, preset_config
 from itmatch.retrieval.first_stage import FirstStageIndex
 from itmatch.retrieval.two_stage import two_stage_scores
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @torch.inference_mode()
@@ -89,7 +92,8 @@ def rates(pps: dict[str, float], exhaustive: dict[str, float] | None = None) -> 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default="/work/main/runs/data/flickr8k_lite0", help="precomp directory")
+    parser.add_argument("--data", default=str(ROOT / "runs" / "data" / "flickr8k_lite0"),
+                        help="precomp directory (default: the Flickr8K features of README's extract command)")
     parser.add_argument("--split", default="test", help="split of --data to read")
     parser.add_argument("--preset", default="scan_t2i_avg", help="the pair head's preset")
     parser.add_argument("--images", type=int, default=300, help="first N images (and their 5 N captions)")
