@@ -61,6 +61,8 @@ PERTURB = ["scan_t2i_avg", "vsepp"]  # the two models of OAN's Table 1
 
 def run(cmd: list[str]) -> None:
     print("+", " ".join(cmd), flush=True)
+    if cmd[0] == "itmatch":  # this interpreter's itmatch, whatever PATH says
+        cmd = [sys.executable, "-m", "itmatch", *cmd[1:]]
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 

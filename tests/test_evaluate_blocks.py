@@ -151,13 +151,31 @@ def test_rows_follow_the_budget_and_blocks_do_not_divide(data):
     assert (blocked - one_shot).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("preset", ["scan_t2i_avg", "sman", "mmca"])
+def test_a_bucket_too_large_for_the_budget_is_cut_into_runs_of_captions(preset, data):
+    """One image x a whole bucket over the budget (MMCA's per-pair transformer on a bucket of 1024 captions
+    at the default 4 GB): the bucket is scored in runs of captions, same numbers."""
+    feats, captions, vocab = data
+    model = tiny_model(preset)
+    img = encode_images(model, feats)
+    buckets = bucket_texts(encode_captions(model, captions, vocab), len(captions))  # one bucket
+    one_shot = score_matrix(model, img, buckets, budget_bytes=2**30)
+    (_, txt), = buckets
+    per_caption = model.head.bytes_per_cell * K * txt.words.shape[1] + model.head.bytes_per_pair
+    budget = 4 * N_IMG * len(captions) + 3.5 * per_caption  # 3 captions of the longest length per block
+    with pytest.raises(ConfigError):
+        images_per_block(model, img, buckets, budget)  # the whole bucket does not fit one image
+    blocked = score_matrix(model, img, buckets, budget_bytes=budget, max_cells=10**9)
+    assert (blocked - one_shot).abs().max() <= 1e-5
+
+
 def test_budget_too_small_states_the_minimum(data):
     feats, captions, vocab = data
     model = tiny_model("scan_i2t_lse")
     img = encode_images(model, feats)
     buckets = bucket_texts(encode_captions(model, captions, vocab), 8)
-    minimum = 4 * N_IMG * len(captions) + max(model.head.bytes_per_cell * K * len(t) * t.words.shape[1]
-                                              for _, t in buckets)
+    # one image x one caption of the longest bucket (a bucket that does not fit is cut into runs of captions)
+    minimum = 4 * N_IMG * len(captions) + max(model.head.bytes_per_cell * K * t.words.shape[1] for _, t in buckets)
     score_matrix(model, img, buckets, budget_bytes=minimum)  # exactly the minimum works
     with pytest.raises(ConfigError, match=rf"too small: the minimum .* is {minimum / 2**20:.1f} MB") as err:
         score_matrix(model, img, buckets, budget_bytes=minimum - 1)

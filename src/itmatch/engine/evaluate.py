@@ -146,14 +146,33 @@ def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget
     return [max(1, min(n, int(free // b), max_cells // max(1, c))) for b, c in zip(per_image, cells, strict=True)]
 
 
+def split_buckets(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float) -> TextBuckets:
+    """Caption buckets cut into runs of captions small enough that one image x a run fits the budget
+    beside the score matrix; buckets that fit are returned as they are. A head with large per-pair
+    temporaries (MMCA: a transformer over k + L tokens per pair, ~4 MB per 1000 captions at D = 256) cannot
+    take a whole bucket of 1024 captions at once, and the minimum budget becomes one image x one caption."""
+    if model.head.pair_independent:
+        return buckets
+    free = budget_bytes - 4.0 * len(img) * sum(len(c) for c, _ in buckets)
+    k = img.regions.shape[1]
+    out: TextBuckets = []
+    for columns, txt in buckets:
+        per_caption = model.head.bytes_per_cell * k * txt.words.shape[1] + model.head.bytes_per_pair
+        run = len(txt) if per_caption * len(txt) <= free else max(1, int(free // per_caption))
+        out += [(columns[c0:c0 + run], txt.take(slice(c0, c0 + run)).trimmed()) for c0 in range(0, len(txt), run)]
+    return out
+
+
 Block = tuple[slice, torch.Tensor | slice, TextEmb]  # image rows, caption columns, their embeddings
 
 
 def score_blocks(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float = DEFAULT_BUDGET,
                  max_cells: int = MAX_BLOCK_CELLS, world: int = 1) -> list[Block]:
-    """The blocks score_matrix fills, in order: per caption bucket, runs of images sized by the budget
-    (see images_per_block, which also refuses a budget too small); a pair-independent head is one
-    matrix product, cut into `world` shards of image rows."""
+    """The blocks score_matrix fills, in order: per caption bucket (cut by split_buckets if one image x the
+    bucket exceeds the budget), runs of images sized by the budget (see images_per_block, which also refuses
+    a budget too small); a pair-independent head is one matrix product, cut into `world` shards of image
+    rows."""
+    buckets = split_buckets(model, img, buckets, budget_bytes)
     rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, max_cells)
     n = len(img)
     if model.head.pair_independent:
