@@ -41,9 +41,11 @@ def concat_images(parts: list[ImageEmb]) -> ImageEmb:
 
 
 #: Captions per block (a length bucket) and the largest block in region-word cells. The budget only
-#: bounds a block from above: blocks of ~4M cells (16 MB per float32 buffer) keep the head's elementwise
-#: passes near the caches, and larger blocks measured no faster (docs/performance.md).
-CAPTIONS_PER_BLOCK = 1024
+#: bounds a block from above. A bucket's words are re-read by every block of images, so a bucket must stay
+#: in the cache: 128 captions (~6 MB at D = 1024) scored 2.5-3.5x faster than 1024 (~50 MB, over the 32 MB
+#: L3) on an idle machine, 64-256 within noise (`python bench/perf.py --sections blocks`). Blocks of ~4M
+#: cells (16 MB per float32 buffer) keep the head's elementwise passes near the caches.
+CAPTIONS_PER_BLOCK = 128
 MAX_BLOCK_CELLS = 1 << 22
 #: Largest copy of gathered captions per block (score_pairs): well under glibc's 32 MB mmap threshold, so
 #: block copies reuse heap memory; fresh large allocations page-fault on every call (measured: a fresh
