@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from itmatch.cli import main
-from itmatch.engine.results import HEADER, read_rows, render_markdown, result_row, upsert_row
+from itmatch.engine.results import HEADER, read_rows, render_markdown, render_views, result_row, upsert_row
 from itmatch.errors import DataError, OverwriteError
 
 RESULT = {"protocol": "1k", "rsum": 123.45, "eval_seconds": 1.234,
@@ -41,3 +43,36 @@ def test_cli_help_and_models(capsys):
     assert "evaluate" in capsys.readouterr().out
     assert main(["models"]) == 0
     assert "scan_t2i_avg" in capsys.readouterr().out
+
+
+def test_results_views_in_a_page_are_filled_from_the_csv(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, rsum in (("oan", 225.0), ("oan_no_attn", 229.3)):
+        upsert_row(results / "flickr8k.csv", result_row(name, name, "flickr8k", {**RESULT, "rsum": rsum}, "c"))
+    page = tmp_path / "oan.md"
+    page.write_text("# OAN\n\n<!-- results: flickr8k oan_no_attn oan oan_bilstm -->\nstale\n<!-- results: end -->\n"
+                    "\ntext between\n\n<!-- results: flickr8k oan -->\n<!-- results: end -->\n")
+    text = render_views(page, results)
+    first, second = text.split("text between")
+    assert "stale" not in text and first.index("| oan_no_attn |") < first.index("| oan |")  # the order named
+    assert "| oan_no_attn | 1k | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 229.3 | 38.2 | 1.2 |" in first
+    assert first.index("| oan |") < first.index("| oan_bilstm | not run yet |")
+    assert second.count("| oan |") == 1 and "oan_no_attn" not in second
+    page.write_text(text)
+    assert render_views(page, results) == text  # rendering is idempotent
+    page.write_text("a\n<!-- results: coco oan -->\n<!-- results: end -->\n")
+    with pytest.raises(DataError, match=r"oan.md:2: results view names coco.csv, which does not exist"):
+        render_views(page, results)
+
+
+def test_committed_tables_and_views_match_their_csv():
+    """docs/results/*.md and the results views of docs/*.md are what scripts/render_results.py writes:
+    a number typed by hand, or a CSV row added without re-rendering, fails here."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    for csv_path in sorted((docs / "results").glob("*.csv")):
+        assert csv_path.with_suffix(".md").read_text(encoding="utf-8") == render_markdown(csv_path), (
+            f"{csv_path.with_suffix('.md')} is stale: run python scripts/render_results.py")
+    for page in sorted(docs.glob("*.md")):
+        assert render_views(page, docs / "results") == page.read_text(encoding="utf-8"), (
+            f"the results views of {page} are stale: run python scripts/render_results.py")

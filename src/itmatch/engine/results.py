@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import re
 from pathlib import Path
 
 from itmatch.errors import DataError, OverwriteError
@@ -53,18 +54,49 @@ def upsert_row(path: str | Path, row: dict[str, str], force: bool = False) -> No
     write_text_atomic(path, buf.getvalue())
 
 
+TABLE_HEAD = ["| name | protocol | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 | rsum | mR | eval s |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def row_line(r: dict[str, str]) -> str:
+    """One row of the results table (mR = rsum / 6)."""
+    return (f"| {r['name']} | {r['protocol']} | {r['image_to_text_r1']} | {r['image_to_text_r5']} | "
+            f"{r['image_to_text_r10']} | {r['text_to_image_r1']} | {r['text_to_image_r5']} | "
+            f"{r['text_to_image_r10']} | {r['rsum']} | {float(r['rsum']) / 6:.1f} | {r['eval_seconds']} |")
+
+
 def render_markdown(path: str | Path) -> str:
     rows = read_rows(path)
     title = Path(path).stem
     lines = [f"# Results: {title}", "", f"Generated from `{Path(path).name}` by `scripts/render_results.py`; "
              "do not edit by hand.", "",
              "mR = rsum / 6, the mean of the six recalls (the figure SMAN's tables report).", "",
-             "| name | protocol | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 | rsum | mR | eval s |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['name']} | {r['protocol']} | {r['image_to_text_r1']} | {r['image_to_text_r5']} | "
-                     f"{r['image_to_text_r10']} | {r['text_to_image_r1']} | {r['text_to_image_r5']} | "
-                     f"{r['text_to_image_r10']} | {r['rsum']} | {float(r['rsum']) / 6:.1f} | {r['eval_seconds']} |")
-    lines += ["", "Commands that produced each row:", ""]
+             *TABLE_HEAD, *map(row_line, rows), "", "Commands that produced each row:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"
+
+
+#: A results view inside any markdown page: `<!-- results: flickr8k row_a row_b ... -->`, the table, then
+#: `<!-- results: end -->`. render_views fills it from docs/results/flickr8k.csv, rows in the order named;
+#: a row not in the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for.
+VIEW = re.compile(r"^<!-- results: (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??<!-- results: end -->$",
+                  re.MULTILINE | re.DOTALL)
+
+
+def render_views(page: str | Path, results_dir: str | Path) -> str:
+    """The page with every results view re-rendered from its CSV (the page is not written)."""
+    page = Path(page)
+    text = page.read_text(encoding="utf-8")
+
+    def fill(match: re.Match) -> str:
+        csv_path = Path(results_dir) / f"{match['csv']}.csv"
+        if not csv_path.is_file():
+            line = text.count("\n", 0, match.start()) + 1
+            raise DataError(f"results view names {csv_path.name}, which does not exist", path=page, line=line,
+                            hint=f"one of: {', '.join(sorted(p.stem for p in Path(results_dir).glob('*.csv')))}")
+        by_name = {r["name"]: r for r in read_rows(csv_path)}
+        lines = [row_line(by_name[n]) if n in by_name else f"| {n} | not run yet | | | | | | | | | |"
+                 for n in match["rows"].split()]
+        return "\n".join([match.group(0).split("\n", 1)[0], *TABLE_HEAD, *lines, "<!-- results: end -->"])
+
+    return VIEW.sub(fill, text)
