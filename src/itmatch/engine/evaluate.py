@@ -151,8 +151,9 @@ def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget
 def split_buckets(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float) -> TextBuckets:
     """Caption buckets cut into runs of captions small enough that one image x a run fits the budget
     beside the score matrix; buckets that fit are returned as they are. A head with large per-pair
-    temporaries (MMCA: a transformer over k + L tokens per pair, ~4 MB per 1000 captions at D = 256) cannot
-    take a whole bucket of 1024 captions at once, and the minimum budget becomes one image x one caption."""
+    temporaries (MMCA: a transformer over k + L tokens per pair, ~4 MB per pair at D = 256, so a bucket of
+    1000 long captions needed 4.2 GB) can exceed a budget with one image per block; with runs of captions
+    the minimum budget is one image x one caption."""
     if model.head.pair_independent:
         return buckets
     free = budget_bytes - 4.0 * len(img) * sum(len(c) for c, _ in buckets)
