@@ -156,9 +156,9 @@ def one_image(model, img: ImageEmb, buckets: TextBuckets) -> tuple[float, float]
 
 
 # ----------------------------------------------------------------------------------------------- sections
-def section_scoring(args, peak: float) -> dict:
+def section_scoring(args) -> dict:
     """Engine throughput at Flickr30K scale (timed on up to args.images of 1000 images against all captions;
-    fewer for a slow head, see timed_images) and COCO 5K scale (args.coco_images of 5000 against the 25000
+    fewer for a slow head, about args.head_seconds each) and COCO 5K scale (args.coco_images of 5000 against the 25000
     real testall captions), plus the public per-caption float64 loop on a subset, side by side."""
     from scan_reference import shard_xattn
 
@@ -169,7 +169,6 @@ def section_scoring(args, peak: float) -> dict:
         probe_seconds, image_flops = one_image(model, img, buckets)
         # every head at the same scale would take hours for the slowest (MMCA): time ~args.head_seconds
         img = img.take(torch.arange(int(min(len(img), max(1, args.head_seconds / probe_seconds)))))
-        args.timed_images[preset] = len(img)  # the memory section measures the same gallery
         captions = torch.cat([c for c, _ in buckets])
         reset_peak_rss()
         before, _ = rss()
@@ -313,14 +312,14 @@ def memory_child(preset: str, captions_file: str, vocab_file: str, n_img: int, n
             "embeddings_mb": emb_bytes / 2**20, "max_cells": max_cells}
 
 
-def section_memory(args) -> list[dict]:
+def section_memory(args, timed_images: dict[str, int]) -> list[dict]:
     """Peak RSS of scoring vs the budget: a tight budget (score matrix + 96 MB, no cache cap: blocks as
     large as the budget allows) and the default 4 GB, at Flickr30K scale, and COCO 5K's plan."""
     runs = []
     caps, voc = F30K
     coco_caps, coco_voc = COCO
     for preset in args.presets:
-        n_img = args.timed_images.get(preset, args.images)
+        n_img = timed_images.get(preset, args.images)  # the gallery the scoring section timed
         runs.append((preset, caps, voc, n_img, args.captions, 4.0 * n_img * (args.captions or 5000) + 96 * 2**20,
                      1 << 40, 0))
     main = next((p for p in args.presets if p.startswith("scan_")), args.presets[0])
@@ -678,7 +677,6 @@ def main() -> int:
     args.ks = (50, 100) if q else (50, 100, 200)
     args.synthetic_embed, args.synthetic_queries, args.k_synthetic = (256, 64, 100) if q else (1024, 256, 100)
     args.head_seconds = 20 if q else 90  # scoring time per head at Flickr30K scale (slow heads: fewer images)
-    args.timed_images = {}
     args.presets = (pair_head_presets(args.heads) if args.heads in ("issue", "all")
                     else [h.strip() for h in args.heads.split(",")])
     sections = [s.strip() for s in args.sections.split(",")]
@@ -696,12 +694,13 @@ def main() -> int:
         for name in [k for k in earlier if k not in ("command", "date", "json", "machine", "merged")]:
             report[name], sources[name] = earlier[name], measured_by(earlier, name)
     report["merged"] = provenance(sources)
-    # the memory section measures the galleries the scoring section timed (merged from an earlier run too)
-    args.timed_images.update({r["preset"]: r["images"] for r in report.get("scoring", {}).get("f30k", [])})
     print(f"matmul peak {peak or 0:.1f} GFLOP/s with {torch.get_num_threads()} threads; heads: "
           f"{', '.join(args.presets)}")
     for name, fn in (("kernel", lambda: section_kernel(args)), ("blocks", lambda: section_blocks(args)),
-                     ("scoring", lambda: section_scoring(args, peak)), ("memory", lambda: section_memory(args)),
+                     ("scoring", lambda: section_scoring(args)),
+                     # memory measures the galleries the scoring section timed (this run's or a merged one)
+                     ("memory", lambda: section_memory(args, {r["preset"]: r["images"]
+                                                              for r in report.get("scoring", {}).get("f30k", [])})),
                      ("training", lambda: section_training(args)), ("two_stage", lambda: section_two_stage(args))):
         if name in sections:
             print(f"[{name}]", flush=True)
