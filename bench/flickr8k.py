@@ -57,6 +57,9 @@ OVERRIDES.update({row: sets for row, (_, sets) in CONTROLS.items()})
 # rows whose model reads something else than DATA's {split}_ims.npy
 ROW_DATA = {"save_asa_ms2": DATA_MS, "save_asa_ms3": DATA_MS, "save_nl_ms2": DATA_MS}
 PERTURB = ["scan_t2i_avg", "vsepp"]  # the two models of OAN's Table 1
+# Mid-epoch saves of `last` (bit-for-bit resumable; docs/reliability.md): an epoch of the slow rows is hours
+# of CPU, so a stopped run loses at most this many batches instead of the epoch.
+CHECKPOINT_EVERY = 20
 
 
 def run(cmd: list[str]) -> None:
@@ -86,7 +89,8 @@ def run_row(row: str, threads: int) -> None:
             sets = [a for s in OVERRIDES.get(member, []) for a in ("--set", s)]
             member_preset = CONTROLS.get(member, (member,))[0]
             run(["itmatch", "train", "--preset", member_preset, "--config", SCHEDULES.get(member, SCHEDULE),
-                 "--data", data, "--out", out, "--force", "--set", f"train.threads={threads}", *sets, *resume])
+                 "--data", data, "--out", out, "--force", "--set", f"train.threads={threads}",
+                 "--set", f"train.checkpoint_every={CHECKPOINT_EVERY}", *sets, *resume])
     run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", data,
          "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
          "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
