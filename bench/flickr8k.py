@@ -6,7 +6,8 @@
 
 Features come from `itmatch extract` (see README); every model uses configs/flickr8k/cpu.yaml on top of its
 preset (so OAN keeps its own Adam lr 5e-4 and weight decay 1e-6; see docs/oan.md), except the SMAN rows,
-which use configs/flickr8k/sman_cpu.yaml (the same schedule with Adadelta lr 1.0; docs/sman.md).
+which use configs/flickr8k/sman_cpu.yaml (the same schedule with Adadelta lr 1.0; docs/sman.md), and the SAVE
+rows, which use configs/flickr8k/save_cpu.yaml (the same schedule at lr 5e-4; docs/save.md).
 SAVE rows that fuse scales read cached c3/c4 maps too: the first of them runs the multi-scale extraction
 (`itmatch extract ... --scales c3,c4,c5`, about as long as the plain one) into DATA_MS; the fine-tuned
 row reads the image files (data.images) and trains the backbone end to end (see docs/save.md for its cost).
@@ -38,7 +39,9 @@ MMCA_ROWS = ["mmca", "mmca_alpha0", "mmca_h512"]
 SAVE_ROWS = ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_asa_ms3_ft"]
 SINGLE = ["vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse", *OAN_ROWS, *SMAN_ROWS, *MMCA_ROWS,
           *SAVE_ROWS]
-SCHEDULES = {row: "configs/flickr8k/sman_cpu.yaml" for row in SMAN_ROWS}  # preset -> schedule override
+# preset -> schedule override (SMAN: Adadelta lr 1.0, docs/sman.md; SAVE: lr 5e-4, docs/save.md)
+SCHEDULES = {**{row: "configs/flickr8k/sman_cpu.yaml" for row in SMAN_ROWS},
+             **{row: "configs/flickr8k/save_cpu.yaml" for row in SAVE_ROWS}}
 ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"]}
 # Two-stage rows (docs/mmca.md): the global i0.c0 stage's top-K re-ranked with the full score.
 RERANK = {f"{p}_rerank{k}": (p, k) for p in MMCA_ROWS for k in (20, 50, 100)}
