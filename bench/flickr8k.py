@@ -28,6 +28,7 @@ DATA_MS = "runs/data/flickr8k_lite0_ms"  # + {split}_ims_c3.npy, {split}_ims_c4.
 IMAGES = "../shared/data/flickr8k/images"
 CAPTIONS = "../shared/data/flickr8k/Flickr8k.token.txt"
 RESULTS = "docs/results/flickr8k.csv"
+HISTORY = "docs/results/training/flickr8k.csv"  # every run's epochs: time, loss, dev rsum (from metrics.jsonl)
 # OAN: full model with Eq. 12 / Eq. 11 negatives, then the Table 2 ablations
 OAN_ROWS = ["oan", "oan_eq11", "oan_no_intra_neg", "oan_no_inter_attn", "oan_no_intra_attn", "oan_no_attn",
             "oan_bilstm"]
@@ -98,10 +99,20 @@ def run_row(row: str, threads: int) -> None:
             run(["itmatch", "train", "--preset", member_preset, "--config", SCHEDULES.get(member, SCHEDULE),
                  "--data", data, "--out", out, "--force", "--set", f"train.threads={threads}",
                  "--set", f"train.checkpoint_every={CHECKPOINT_EVERY}", *sets, *resume])
+        record_history(member)
     run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", data,
          "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
          "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
          "--json", f"runs/flickr8k/{row}.test.json", *(["--rerank", str(rerank)] if rerank else [])])
+
+
+def record_history(run: str) -> None:
+    """Copy the epochs of runs/flickr8k/<run>/metrics.jsonl into HISTORY (replacing the run's earlier lines)."""
+    from itmatch.engine.results import history_rows, replace_history
+
+    metrics = ROOT / "runs" / "flickr8k" / run / "metrics.jsonl"
+    if metrics.is_file():
+        replace_history(ROOT / HISTORY, run, history_rows(run, metrics))
 
 
 def run_perturb(preset: str, threads: int) -> None:
@@ -120,7 +131,14 @@ def main() -> int:
                         help="rows to produce")
     parser.add_argument("--perturb", action="append", choices=PERTURB, help="run the perturbation study of a model")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per training (0: all)")
+    parser.add_argument("--history", action="store_true",
+                        help=f"only copy the trained runs' epochs into {HISTORY} (no training, no evaluation)")
     args = parser.parse_args()
+    if args.history:
+        for row in args.row or SINGLE + list(CONTROLS):
+            record_history(row)
+        run([sys.executable, "scripts/render_results.py"])
+        return 0
     if args.perturb:
         for preset in args.perturb:
             run_perturb(preset, args.threads)

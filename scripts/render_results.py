@@ -1,20 +1,23 @@
-"""Render every docs/results/*.csv to a markdown table beside it (docs/results/<name>.md), and the results
-views (`<!-- results: <csv> <rows...> -->`) of the pages in docs/."""
+"""Render every docs/results/*.csv to a markdown table beside it (docs/results/<name>.md), every training
+history docs/results/training/*.csv likewise, and the views (`<!-- results: <csv> <rows...> -->`,
+`<!-- training: <csv> <runs...> -->`) of the pages in docs/."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from itmatch.engine.results import render_markdown, render_views
+from itmatch.engine.results import render_history_markdown, render_markdown, render_views
 from itmatch.io import write_text_atomic
 
 
 def main() -> int:
     docs = Path(__file__).resolve().parents[1] / "docs"
     root = docs / "results"
-    for csv_path in sorted(root.glob("*.csv")):
-        write_text_atomic(csv_path.with_suffix(".md"), render_markdown(csv_path))
+    tables = [(p, render_markdown) for p in sorted(root.glob("*.csv"))]
+    tables += [(p, render_history_markdown) for p in sorted((root / "training").glob("*.csv"))]
+    for csv_path, render in tables:
+        write_text_atomic(csv_path.with_suffix(".md"), render(csv_path))
         print(f"rendered {csv_path.with_suffix('.md')}")
     for page in sorted(docs.glob("*.md")):
         text = render_views(page, root)

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from itmatch.cli import main
-from itmatch.engine.results import HEADER, read_rows, render_markdown, render_views, result_row, upsert_row
+from itmatch.engine.results import (
+    HEADER,
+    history_rows,
+    read_rows,
+    render_history_markdown,
+    render_markdown,
+    render_views,
+    replace_history,
+    result_row,
+    upsert_row,
+)
 from itmatch.errors import DataError, OverwriteError
 
 RESULT = {"protocol": "1k", "rsum": 123.45, "eval_seconds": 1.234,
@@ -70,9 +81,50 @@ def test_committed_tables_and_views_match_their_csv():
     """docs/results/*.md and the results views of docs/*.md are what scripts/render_results.py writes:
     a number typed by hand, or a CSV row added without re-rendering, fails here."""
     docs = Path(__file__).resolve().parents[1] / "docs"
-    for csv_path in sorted((docs / "results").glob("*.csv")):
-        assert csv_path.with_suffix(".md").read_text(encoding="utf-8") == render_markdown(csv_path), (
+    tables = [(p, render_markdown) for p in sorted((docs / "results").glob("*.csv"))]
+    tables += [(p, render_history_markdown) for p in sorted((docs / "results" / "training").glob("*.csv"))]
+    assert len(tables) >= 2
+    for csv_path, render in tables:
+        assert csv_path.with_suffix(".md").read_text(encoding="utf-8") == render(csv_path), (
             f"{csv_path.with_suffix('.md')} is stale: run python scripts/render_results.py")
     for page in sorted(docs.glob("*.md")):
         assert render_views(page, docs / "results") == page.read_text(encoding="utf-8"), (
             f"the results views of {page} are stale: run python scripts/render_results.py")
+
+
+def _epoch(epoch: int, rsum: float, hardest: bool, **extra) -> str:
+    return json.dumps({"epoch": epoch, "val_rsum": rsum, "lr": 0.0005, "hardest": hardest, "mean_loss": 1.0,
+                       "train_seconds": 100.4 * epoch, "batches": 234, **extra}) + "\n"
+
+
+def test_training_history_from_a_run_log(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    # step lines are skipped; a resumed run wrote epoch 2 twice (the last wins); the first best is kept,
+    # as the trainer keeps `best` only on a strictly higher dev rsum
+    metrics.write_text(json.dumps({"step": 20, "epoch": 0, "loss": 3.0, "lr": 0.0005}) + "\n"
+                       + _epoch(1, 150.0, False) + _epoch(2, 99.0, True)
+                       + _epoch(2, 210.0, True, train_cpu_seconds=190.2)
+                       + _epoch(3, 210.0, True, train_cpu_seconds=95.0))
+    rows = history_rows("oan", metrics)
+    assert [(r["epoch"], r["dev_rsum"], r["selected"]) for r in rows] == [("1", "150.0", ""), ("2", "210.0", "yes"),
+                                                                         ("3", "210.0", "")]
+    assert rows[0]["train_cpu_seconds"] == "" and rows[1]["train_cpu_seconds"] == "190"  # never guessed
+
+    history = tmp_path / "training" / "flickr8k.csv"
+    replace_history(history, "oan", rows)
+    replace_history(history, "vsepp", history_rows("vsepp", metrics)[:1])
+    replace_history(history, "oan", rows[:2])  # retrained: its old lines go, its place in the file stays
+    assert [(r["name"], r["epoch"]) for r in read_rows(history, list(rows[0]))] == [("oan", "1"), ("oan", "2"),
+                                                                                   ("vsepp", "1")]
+    md = render_history_markdown(history)
+    assert "| oan | 1 | sum | 0.0005 | 234 | 100 | - | 150.0 |  |" in md
+    assert "| oan | 2 | hardest | 0.0005 | 234 | 201 | 190 | 210.0 | best |" in md
+
+    page = tmp_path / "doc.md"
+    page.write_text("<!-- training: flickr8k vsepp sman -->\nstale\n<!-- training: end -->\n")
+    text = render_views(page, tmp_path)
+    assert "stale" not in text and text.endswith("<!-- training: end -->\n")
+    assert "| vsepp | 1 | sum |" in text and "| sman | not run yet | | | | | | | |" in text
+    with pytest.raises(DataError, match="training view names coco.csv"):
+        page.write_text("<!-- training: coco vsepp -->\n<!-- training: end -->\n")
+        render_views(page, tmp_path)

@@ -137,9 +137,13 @@ def test_crash_mid_epoch_resumes_to_the_same_run_and_same_seed_is_deterministic(
     with pytest.raises(Crash):
         train(cfg(), tmp_path / "c", progress=False, transform=crash_in_epoch_two)
     state = json.loads((tmp_path / "c" / "last" / "state.json").read_text())
-    assert (state["epoch"], state["batch"]) == (1, 5)
+    assert (state["epoch"], state["batch"]) == (1, 5) and state["epoch_cpu_seconds"] > 0
     resumed = train(cfg(), tmp_path / "c", resume=True, progress=False)
     assert _untimed(resumed) == _untimed(a) and _log(tmp_path / "c") == _log(tmp_path / "a")
+    # the epoch's time includes the batches done before the crash
+    epochs = [json.loads(x) for x in (tmp_path / "c" / "metrics.jsonl").read_text().splitlines() if "val_rsum" in x]
+    assert epochs[1]["train_cpu_seconds"] >= state["epoch_cpu_seconds"]
+    assert epochs[1]["train_seconds"] >= state["epoch_seconds"]
 
 
 def test_resume_before_first_checkpoint_restarts_and_force_drops_old_state(tiny_precomp, tmp_path):

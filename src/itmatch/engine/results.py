@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from itmatch.errors import DataError, OverwriteError
@@ -24,16 +27,25 @@ def result_row(name: str, model: str, dataset: str, result: dict, command: str) 
     return row
 
 
-def read_rows(path: str | Path) -> list[dict[str, str]]:
+def read_rows(path: str | Path, header: list[str] = HEADER) -> list[dict[str, str]]:
     path = Path(path)
     if not path.exists():
         return []
     with path.open(newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
-        if reader.fieldnames != HEADER:
+        if reader.fieldnames != header:
             raise DataError(f"unexpected header {reader.fieldnames}", path=path, line=1,
-                            hint=f"a results file starts with: {','.join(HEADER)}")
+                            hint=f"this file starts with: {','.join(header)}")
         return list(reader)
+
+
+def write_rows(path: str | Path, header: list[str], rows: list[dict[str, str]]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=header, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, buf.getvalue())
 
 
 def upsert_row(path: str | Path, row: dict[str, str], force: bool = False) -> None:
@@ -47,11 +59,39 @@ def upsert_row(path: str | Path, row: dict[str, str], force: bool = False) -> No
         rows[names.index(row["name"])] = row
     else:
         rows.append(row)
-    buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=HEADER, lineterminator="\n")
-    writer.writeheader()
-    writer.writerows(rows)
-    write_text_atomic(path, buf.getvalue())
+    write_rows(path, HEADER, rows)
+
+
+#: docs/results/training/<dataset>.csv: one row per (run, epoch), read from the run's metrics.jsonl, so that
+#: epoch times and dev curves are quoted from a file too. `selected` marks the epoch kept as `best`.
+HISTORY_HEADER = ["name", "epoch", "hardest", "lr", "batches", "train_seconds", "train_cpu_seconds", "dev_rsum",
+                  "selected"]
+
+
+def history_rows(name: str, metrics: str | Path) -> list[dict[str, str]]:
+    """The epoch records of a run's metrics.jsonl as history rows (the last record of an epoch wins, as a
+    resumed run rewrites its log from its checkpoint; the first best dev rsum is selected, as in training)."""
+    epochs: dict[int, dict] = {}
+    with Path(metrics).open(encoding="utf-8") as fh:
+        for line in fh:
+            record = json.loads(line)
+            if "val_rsum" in record:
+                epochs[int(record["epoch"])] = record
+    best = max(epochs, key=lambda e: (epochs[e]["val_rsum"], -e), default=None)
+    return [{"name": name, "epoch": str(e), "hardest": str(r["hardest"]).lower(), "lr": f"{r['lr']:g}",
+             "batches": str(r["batches"]), "train_seconds": f"{r['train_seconds']:.0f}",
+             # runs trained before this field existed have no CPU time: left empty, not guessed
+             "train_cpu_seconds": f"{r['train_cpu_seconds']:.0f}" if "train_cpu_seconds" in r else "",
+             "dev_rsum": f"{r['val_rsum']:.1f}", "selected": "yes" if e == best else ""}
+            for e, r in sorted(epochs.items())]
+
+
+def replace_history(path: str | Path, name: str, rows: list[dict[str, str]]) -> None:
+    """Put `rows` in place of every history row of run `name` (a retrained run replaces its history)."""
+    old = read_rows(path, HISTORY_HEADER)
+    names = list(dict.fromkeys([r["name"] for r in old] + [name]))  # file order; a new run goes last
+    kept = [r for r in old if r["name"] != name]
+    write_rows(path, HISTORY_HEADER, sorted(kept + rows, key=lambda r: (names.index(r["name"]), int(r["epoch"]))))
 
 
 TABLE_HEAD = ["| name | protocol | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 | rsum | mR | eval s |",
@@ -65,6 +105,17 @@ def row_line(r: dict[str, str]) -> str:
             f"{r['text_to_image_r10']} | {r['rsum']} | {float(r['rsum']) / 6:.1f} | {r['eval_seconds']} |")
 
 
+HISTORY_HEAD = ["| run | epoch | loss | lr | batches | train s | train CPU s | dev rsum | kept |",
+                "|---|---:|---|---:|---:|---:|---:|---:|---|"]
+
+
+def history_line(r: dict[str, str]) -> str:
+    """One row of the training-history table."""
+    loss = "hardest" if r["hardest"] == "true" else "sum"
+    return (f"| {r['name']} | {r['epoch']} | {loss} | {r['lr']} | {r['batches']} | {r['train_seconds']} | "
+            f"{r['train_cpu_seconds'] or '-'} | {r['dev_rsum']} | {'best' if r['selected'] else ''} |")
+
+
 def render_markdown(path: str | Path) -> str:
     rows = read_rows(path)
     title = Path(path).stem
@@ -76,27 +127,56 @@ def render_markdown(path: str | Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-#: A results view inside any markdown page: `<!-- results: flickr8k row_a row_b ... -->`, the table, then
-#: `<!-- results: end -->`. render_views fills it from docs/results/flickr8k.csv, rows in the order named;
-#: a row not in the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for.
-VIEW = re.compile(r"^<!-- results: (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??<!-- results: end -->$",
-                  re.MULTILINE | re.DOTALL)
+def render_history_markdown(path: str | Path) -> str:
+    rows = read_rows(path, HISTORY_HEADER)
+    lines = [f"# Training history: {Path(path).stem}", "",
+             f"Generated from `{Path(path).name}` (each run's `metrics.jsonl`, copied by the bench that trained it) "
+             "by `scripts/render_results.py`; do not edit by hand.", "",
+             "One line per epoch: the loss it trained on (the sum over negatives in a warm-up epoch, else the "
+             "hardest), wall and process-CPU seconds of its training batches (CPU: empty for runs trained before it "
+             "was logged; on a shared machine the CPU time is the cost on one free core, the wall time is not), the "
+             "dev rsum after it, and the epoch kept as the run's `best` checkpoint.", "",
+             *HISTORY_HEAD, *map(history_line, rows)]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class _ViewKind:
+    folder: str  # below the results directory
+    header: list[str]
+    head: list[str]
+    line: Callable[[dict[str, str]], str]
+
+
+#: Views inside any markdown page: `<!-- results: flickr8k row_a row_b ... -->`, the table, then
+#: `<!-- results: end -->` (a row of docs/results/flickr8k.csv each), or the same with `training:` (every epoch
+#: of each run in docs/results/training/flickr8k.csv). render_views fills them in the order named; a name not in
+#: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for.
+VIEW_KINDS = {"results": _ViewKind("", HEADER, TABLE_HEAD, row_line),
+              "training": _ViewKind("training", HISTORY_HEADER, HISTORY_HEAD, history_line)}
+VIEW = re.compile(r"^<!-- (?P<kind>results|training): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
+                  r"<!-- (?P=kind): end -->$", re.MULTILINE | re.DOTALL)
 
 
 def render_views(page: str | Path, results_dir: str | Path) -> str:
-    """The page with every results view re-rendered from its CSV (the page is not written)."""
+    """The page with every results and training view re-rendered from its CSV (the page is not written)."""
     page = Path(page)
     text = page.read_text(encoding="utf-8")
 
     def fill(match: re.Match) -> str:
-        csv_path = Path(results_dir) / f"{match['csv']}.csv"
+        kind = VIEW_KINDS[match["kind"]]
+        folder = Path(results_dir) / kind.folder
+        csv_path = folder / f"{match['csv']}.csv"
         if not csv_path.is_file():
             line = text.count("\n", 0, match.start()) + 1
-            raise DataError(f"results view names {csv_path.name}, which does not exist", path=page, line=line,
-                            hint=f"one of: {', '.join(sorted(p.stem for p in Path(results_dir).glob('*.csv')))}")
-        by_name = {r["name"]: r for r in read_rows(csv_path)}
-        lines = [row_line(by_name[n]) if n in by_name else f"| {n} | not run yet | | | | | | | | | |"
-                 for n in match["rows"].split()]
-        return "\n".join([match.group(0).split("\n", 1)[0], *TABLE_HEAD, *lines, "<!-- results: end -->"])
+            raise DataError(f"{match['kind']} view names {csv_path.name}, which does not exist", path=page,
+                            line=line, hint=f"one of: {', '.join(sorted(p.stem for p in folder.glob('*.csv')))}")
+        by_name: dict[str, list[dict[str, str]]] = {}
+        for r in read_rows(csv_path, kind.header):
+            by_name.setdefault(r["name"], []).append(r)
+        blank = " |" * (kind.head[1].count("|") - 3)  # the empty cells after the first two
+        missing = {n: [f"| {n} | not run yet |{blank}"] for n in match["rows"].split()}
+        lines = [line for n in missing for line in ([kind.line(r) for r in by_name[n]] if n in by_name else missing[n])]
+        return "\n".join([match.group(0).split("\n", 1)[0], *kind.head, *lines, f"<!-- {match['kind']}: end -->"])
 
     return VIEW.sub(fill, text)

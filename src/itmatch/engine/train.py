@@ -332,7 +332,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         model.train()
         bar = tqdm(total=n_batches, initial=first, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
                    disable=not progress)
-        started, running = time.perf_counter(), float(state["running_loss"])
+        # the epoch's time so far: a run resumed mid-epoch adds what it did before it stopped
+        running = float(state["running_loss"])
+        started = time.perf_counter() - float(state.get("epoch_seconds", 0.0))
+        started_cpu = time.process_time() - float(state.get("epoch_cpu_seconds", 0.0))
         truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
         for b, batch in enumerate(loader, start=first):
             loss = step(batch, hardest)
@@ -351,15 +354,17 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 log.flush()
             every = cfg.train.checkpoint_every
             if every > 0 and (b + 1) % every == 0 and b + 1 < n_batches:
-                state.update(batch=b + 1, running_loss=running)
+                state.update(batch=b + 1, running_loss=running, epoch_seconds=time.perf_counter() - started,
+                             epoch_cpu_seconds=time.process_time() - started_cpu)
                 save_last()
         bar.close()
-        train_seconds = time.perf_counter() - started
+        train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
         model.eval()
         truncated = getattr(vocab, "truncated", 0) - truncated_before
         result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank)
         record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
                   "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
+                  "train_cpu_seconds": round(train_cpu_seconds, 1),  # this process; == wall on a free core
                   "batches": n_batches}
         if truncated:
             record["truncated_captions"] = truncated
@@ -372,7 +377,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             tqdm.write(f"epoch {epoch + 1}: dev rsum {result['rsum']:.1f} "
                        f"(i2t R@1 {result['image_to_text']['r1']:.1f}, t2i R@1 {result['text_to_image']['r1']:.1f})"
                        f" loss {record['mean_loss']:.2f}, {train_seconds:.0f} s")
-        state.update(epoch=epoch + 1, batch=0, running_loss=0.0)
+        state.update(epoch=epoch + 1, batch=0, running_loss=0.0, epoch_seconds=0.0, epoch_cpu_seconds=0.0)
         if result["rsum"] > state["best_rsum"] or math.isnan(state["best_rsum"]):
             state.update(best_rsum=result["rsum"], best_epoch=epoch + 1)
             best = result
