@@ -60,7 +60,10 @@ OVERRIDES = {"mmca": ["model.embed_size=256", *_MMCA_CPU], "mmca_alpha0": ["mode
 # OAN trains at its paper's lr 5e-4, SCAN at 2e-4; with 2 epochs the higher lr alone may favour OAN.
 # VSE++ (a global embedding, as MMCA's first stage) fell when its loss switched to the hardest negatives at 2e-4.
 CONTROLS = {"scan_t2i_avg_lr5e-4": ("scan_t2i_avg", ["train.lr=0.0005"]),
-            "vsepp_lr5e-4": ("vsepp", ["train.lr=0.0005"])}
+            "vsepp_lr5e-4": ("vsepp", ["train.lr=0.0005"]),
+            # the seed alone: how far apart two runs of one configuration land (ASA's gamma stays ~0.02 in two
+            # epochs, so save_asa is nearly save_nosa with other random numbers; docs/save.md)
+            "save_nosa_seed1": ("save_nosa", ["train.seed=1"])}
 OVERRIDES.update({row: sets for row, (_, sets) in CONTROLS.items()})
 # rows whose model reads something else than DATA's {split}_ims.npy
 ROW_DATA = {"save_asa_ms2": DATA_MS, "save_asa_ms3": DATA_MS, "save_nl_ms2": DATA_MS}
@@ -96,7 +99,7 @@ def run_row(row: str, threads: int) -> None:
             resume = ["--resume"] if (ROOT / out / "last").exists() else []
             sets = [a for s in OVERRIDES.get(member, []) for a in ("--set", s)]
             member_preset = CONTROLS.get(member, (member,))[0]
-            run(["itmatch", "train", "--preset", member_preset, "--config", SCHEDULES.get(member, SCHEDULE),
+            run(["itmatch", "train", "--preset", member_preset, "--config", SCHEDULES.get(member_preset, SCHEDULE),
                  "--data", data, "--out", out, "--force", "--set", f"train.threads={threads}",
                  "--set", f"train.checkpoint_every={CHECKPOINT_EVERY}", *sets, *resume])
         record_history(member)
