@@ -124,6 +124,27 @@ def test_fusion_is_maxpool_then_concat():
     assert torch.equal(out, to_tokens(expected))
 
 
+def test_scale_norm_standardises_each_fused_scale_per_cell():
+    """layernorm: every cell of every fused scale has zero mean and unit variance over its channels (by hand,
+    with the slow per-cell formula); a single scale and NL-ms2's raw c4 are left alone."""
+    maps = {s: m * 40 + 3 for s, m in _maps(2).items()}  # c3/c4 like EfficientNet's: large, off-centre
+    out = MultiScaleSelfAttention(("c3", "c4", "c5"), DIMS, "none", scale_norm="layernorm")(maps)
+
+    def standardised(fmap: torch.Tensor) -> torch.Tensor:
+        cells = fmap.permute(0, 2, 3, 1)  # [N, H, W, C]
+        mean = cells.mean(-1, keepdim=True)
+        var = ((cells - mean) ** 2).mean(-1, keepdim=True)  # biased, as LayerNorm
+        return ((cells - mean) / torch.sqrt(var + 1e-5)).permute(0, 3, 1, 2)
+
+    c34 = torch.cat([torch.nn.functional.max_pool2d(standardised(maps["c3"]), 2), standardised(maps["c4"])], 1)
+    expected = torch.cat([torch.nn.functional.max_pool2d(c34, 2), standardised(maps["c5"])], 1)
+    assert torch.allclose(out, to_tokens(expected), atol=1e-5)
+    one = MultiScaleSelfAttention(("c5",), DIMS, "none", scale_norm="layernorm")
+    assert torch.equal(one({"c5": maps["c5"]}), to_tokens(maps["c5"])) and not one.standardise
+    with pytest.raises(ValueError, match="scale_norm"):
+        MultiScaleSelfAttention(("c4", "c5"), DIMS, "asa", scale_norm="batchnorm")
+
+
 def test_fusion_odd_sides_lite2():
     out = MultiScaleSelfAttention(("c3", "c4", "c5"), DIMS, "asa")(_maps(1, sides=(33, 17, 9)))
     assert out.shape == (1, 81, 23)

@@ -82,6 +82,10 @@ class SaveConfig:
     scales: str = "c5"  # comma list, finest first: c5 | c4,c5 (ms2) | c3,c4,c5 (ms3)
     fusion: str = "concat"  # concat (Fig. 3: max-pool + concat) | nl (NL-ms2: SA inside the backbone)
     dsa_lambda: float = 1.0  # inverse temperature of the DSA softmax (Eq. 3 has none: 1)
+    # none (the paper: raw maps) | layernorm: when fusing 2+ scales, each stage map is standardised per cell over
+    # its channels (no affine) before its self-attention, so that no scale outweighs the others by magnitude
+    # alone (EfficientNet's c3/c4 are linear-bottleneck outputs, ~3x c5's cell norm; docs/save.md)
+    scale_norm: str = "none"
     backbone: str = "lite0"  # the CNN of pixel input and of the NL tail (cached maps name theirs in meta.json)
     pixels: bool = False  # the model reads images (data.images), through its own backbone
     finetune: bool = False  # train the backbone too (needs pixels); its lr is train.lr * backbone_lr_scale

@@ -22,6 +22,7 @@ from itmatch.models.image import RegionEncoder
 
 ATTENTIONS = ("none", "dsa", "asa")
 FUSIONS = ("concat", "nl")
+SCALE_NORMS = ("none", "layernorm")
 SCALES = ("c3", "c4", "c5")
 
 
@@ -124,11 +125,16 @@ class MultiScaleSelfAttention(nn.Module):
 
     def __init__(self, scales: Sequence[str], dims: Mapping[str, int], attention: str = "asa",
                  fusion: str = "concat", dsa_lambda: float = 1.0,
-                 tail: nn.Module | Borrowed | None = None) -> None:
+                 tail: nn.Module | Borrowed | None = None, scale_norm: str = "none") -> None:
         super().__init__()
         if fusion not in FUSIONS:
             raise ValueError(f"unknown fusion {fusion!r}; choose one of {FUSIONS}")
+        if scale_norm not in SCALE_NORMS:
+            raise ValueError(f"unknown scale_norm {scale_norm!r}; choose one of {SCALE_NORMS}")
         self.scales, self.fusion = tuple(scales), fusion
+        # only where maps are concatenated: one scale has nothing to be balanced against, and NL-ms2 feeds c4
+        # to the backbone's own layers, which expect it raw
+        self.standardise = scale_norm == "layernorm" and fusion == "concat" and len(self.scales) > 1
         if fusion == "nl" and (self.scales != ("c4", "c5") or tail is None):
             raise ValueError("fusion 'nl' (NL-ms2) needs scales c4,c5 and the backbone's c4 -> c5 tail")
         self.tail = tail
@@ -141,7 +147,10 @@ class MultiScaleSelfAttention(nn.Module):
         return ("c4",) if self.fusion == "nl" else self.scales
 
     def _attend(self, scale: str, fmap: torch.Tensor) -> torch.Tensor:
-        return to_map(self.attend[scale](to_tokens(fmap)), fmap.shape[-1])
+        tokens = to_tokens(fmap)
+        if self.standardise:  # each cell: zero mean, unit variance over its channels
+            tokens = F.layer_norm(tokens, tokens.shape[-1:])
+        return to_map(self.attend[scale](tokens), fmap.shape[-1])
 
     def forward(self, maps: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if self.fusion == "nl":

@@ -97,11 +97,14 @@ def _presets() -> dict[str, dict[str, Any]]:
         "save_nosa": {"attention": "none", "scales": "c5"},
         "save_dsa": {"attention": "dsa", "scales": "c5"},
         "save_asa": {"attention": "asa", "scales": "c5"},
-        "save_asa_ms2": {"attention": "asa", "scales": "c4,c5"},
-        "save_asa_ms3": {"attention": "asa", "scales": "c3,c4,c5"},
+        # fused scales are standardised per cell first (model.save.scale_norm; docs/save.md): EfficientNet's raw
+        # c3/c4 outweigh c5 ~3:1 in norm, and a 2-epoch run fusing them raw fell to half the single-scale rsum
+        "save_asa_ms2": {"attention": "asa", "scales": "c4,c5", "scale_norm": "layernorm"},
+        "save_asa_ms3": {"attention": "asa", "scales": "c3,c4,c5", "scale_norm": "layernorm"},
         "save_nl_ms2": {"attention": "asa", "scales": "c4,c5", "fusion": "nl"},
         # the best of Table 1 (ASA-ms3) trained end to end from pixels, backbone fine-tuned at lr / 10
-        "save_asa_ms3_ft": {"attention": "asa", "scales": "c3,c4,c5", "pixels": True, "finetune": True},
+        "save_asa_ms3_ft": {"attention": "asa", "scales": "c3,c4,c5", "scale_norm": "layernorm", "pixels": True,
+                            "finetune": True},
     }
     for name, save in save_variants.items():
         presets[name] = {"model": {**save_i2t, "save": save}, "train": F30K_SCHEDULE}
@@ -190,7 +193,7 @@ def _build_save(mc: ModelConfig) -> Matcher:
         if unset:
             raise ValueError(f"channels of cached scale(s) {unset} unknown: set model.save.c3_dim/c4_dim "
                              "(the trainer takes them from the data)")
-    fusion = MultiScaleSelfAttention(scales, dims, sc.attention, sc.fusion, sc.dsa_lambda, tail)
+    fusion = MultiScaleSelfAttention(scales, dims, sc.attention, sc.fusion, sc.dsa_lambda, tail, sc.scale_norm)
     image = SaveImageEncoder(fusion, mc.embed_size, norm=mc.img_norm, backbone=backbone)
     text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
                           bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm)
