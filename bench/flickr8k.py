@@ -63,7 +63,9 @@ CONTROLS = {"scan_t2i_avg_lr5e-4": ("scan_t2i_avg", ["train.lr=0.0005"]),
             "vsepp_lr5e-4": ("vsepp", ["train.lr=0.0005"]),
             # the seed alone: how far apart two runs of one configuration land (ASA's gamma stays ~0.02 in two
             # epochs, so save_asa is nearly save_nosa with other random numbers; docs/save.md)
-            "save_nosa_seed1": ("save_nosa", ["train.seed=1"])}
+            "save_nosa_seed1": ("save_nosa", ["train.seed=1"]),
+            # ms3 fusing the raw EfficientNet maps (the preset standardises each scale first; docs/save.md)
+            "save_asa_ms3_raw": ("save_asa_ms3", ["model.save.scale_norm=none"])}
 OVERRIDES.update({row: sets for row, (_, sets) in CONTROLS.items()})
 # rows whose model reads something else than DATA's {split}_ims.npy
 ROW_DATA = {"save_asa_ms2": DATA_MS, "save_asa_ms3": DATA_MS, "save_nl_ms2": DATA_MS}
@@ -90,7 +92,7 @@ def ensure_multiscale() -> None:
 def run_row(row: str, threads: int) -> None:
     preset, rerank = RERANK.get(row, (row, 0))
     members = ENSEMBLES.get(preset, [preset])
-    data = ROW_DATA.get(preset, DATA)
+    data = ROW_DATA.get(CONTROLS.get(preset, (preset,))[0], DATA)
     if data == DATA_MS:
         ensure_multiscale()
     for member in members:
