@@ -75,6 +75,11 @@ PERTURB = ["scan_t2i_avg", "vsepp"]  # the two models of OAN's Table 1
 CHECKPOINT_EVERY = 20
 
 
+def base_preset(row: str) -> str:
+    """The preset a row trains: a control row's preset, else the row's own name."""
+    return CONTROLS.get(row, (row,))[0]
+
+
 def run(cmd: list[str]) -> None:
     print("+", " ".join(cmd), flush=True)
     if cmd[0] == "itmatch":  # this interpreter's itmatch, whatever PATH says
@@ -92,7 +97,7 @@ def ensure_multiscale() -> None:
 def run_row(row: str, threads: int) -> None:
     preset, rerank = RERANK.get(row, (row, 0))
     members = ENSEMBLES.get(preset, [preset])
-    data = ROW_DATA.get(CONTROLS.get(preset, (preset,))[0], DATA)
+    data = ROW_DATA.get(base_preset(preset), DATA)
     if data == DATA_MS:
         ensure_multiscale()
     for member in members:
@@ -100,7 +105,7 @@ def run_row(row: str, threads: int) -> None:
         if not (ROOT / out / "best").exists():
             resume = ["--resume"] if (ROOT / out / "last").exists() else []
             sets = [a for s in OVERRIDES.get(member, []) for a in ("--set", s)]
-            member_preset = CONTROLS.get(member, (member,))[0]
+            member_preset = base_preset(member)
             run(["itmatch", "train", "--preset", member_preset, "--config", SCHEDULES.get(member_preset, SCHEDULE),
                  "--data", data, "--out", out, "--force", "--set", f"train.threads={threads}",
                  "--set", f"train.checkpoint_every={CHECKPOINT_EVERY}", *sets, *resume])

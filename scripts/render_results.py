@@ -7,16 +7,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from itmatch.engine.results import render_history_markdown, render_markdown, render_views
+from itmatch.engine.results import markdown_tables, render_views
 from itmatch.io import write_text_atomic
 
 
 def main() -> int:
     docs = Path(__file__).resolve().parents[1] / "docs"
     root = docs / "results"
-    tables = [(p, render_markdown) for p in sorted(root.glob("*.csv"))]
-    tables += [(p, render_history_markdown) for p in sorted((root / "training").glob("*.csv"))]
-    for csv_path, render in tables:
+    for csv_path, render in markdown_tables(root):
         write_text_atomic(csv_path.with_suffix(".md"), render(csv_path))
         print(f"rendered {csv_path.with_suffix('.md')}")
     for page in sorted(docs.glob("*.md")):

@@ -154,8 +154,16 @@ class _ViewKind:
 #: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for.
 VIEW_KINDS = {"results": _ViewKind("", HEADER, TABLE_HEAD, row_line),
               "training": _ViewKind("training", HISTORY_HEADER, HISTORY_HEAD, history_line)}
-VIEW = re.compile(r"^<!-- (?P<kind>results|training): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
+VIEW = re.compile(rf"^<!-- (?P<kind>{'|'.join(VIEW_KINDS)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
                   r"<!-- (?P=kind): end -->$", re.MULTILINE | re.DOTALL)
+
+
+def markdown_tables(results_dir: str | Path) -> list[tuple[Path, Callable[[str | Path], str]]]:
+    """Every CSV under `results_dir` that is rendered to a markdown file beside it, with its renderer: the
+    results tables (*.csv) and the training histories (training/*.csv)."""
+    root = Path(results_dir)
+    return ([(p, render_markdown) for p in sorted(root.glob("*.csv"))]
+            + [(p, render_history_markdown) for p in sorted((root / VIEW_KINDS["training"].folder).glob("*.csv"))])
 
 
 def render_views(page: str | Path, results_dir: str | Path) -> str:
@@ -175,8 +183,9 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
         for r in read_rows(csv_path, kind.header):
             by_name.setdefault(r["name"], []).append(r)
         blank = " |" * (kind.head[1].count("|") - 3)  # the empty cells after the first two
-        missing = {n: [f"| {n} | not run yet |{blank}"] for n in match["rows"].split()}
-        lines = [line for n in missing for line in ([kind.line(r) for r in by_name[n]] if n in by_name else missing[n])]
+        lines: list[str] = []
+        for n in match["rows"].split():
+            lines += [kind.line(r) for r in by_name[n]] if n in by_name else [f"| {n} | not run yet |{blank}"]
         return "\n".join([match.group(0).split("\n", 1)[0], *kind.head, *lines, f"<!-- {match['kind']}: end -->"])
 
     return VIEW.sub(fill, text)
