@@ -16,6 +16,7 @@ row reads the image files (data.images) and trains the backbone end to end (see 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ OAN_ROWS = ["oan", "oan_eq11", "oan_no_intra_neg", "oan_no_inter_attn", "oan_no_
 SMAN_ROWS = ["sman", "sman_w2v_spacy", "sman_im", "sman_im_loc", "sman_sim", "sman_inter"]
 MMCA_ROWS = ["mmca", "mmca_alpha0", "mmca_h512"]
 # SAVE (docs/save.md): Table 4/5 analogue with the backbone frozen, then the best fine-tuned end to end
-SAVE_ROWS = ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_asa_ms3_ft"]
+SAVE_ROWS = ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_dsa_ft"]
 SINGLE = ["vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse", *OAN_ROWS, *SMAN_ROWS, *MMCA_ROWS,
           *SAVE_ROWS]
 # preset -> schedule override (SMAN: Adadelta lr 1.0, docs/sman.md; SAVE: lr 5e-4, docs/save.md)
@@ -55,7 +56,13 @@ RERANK = {f"{p}_rerank{k}": (p, k) for p in MMCA_ROWS for k in (20, 50, 100)}
 # VSE++ fall in the hardest-negative epoch (docs/training.md, the vsepp_lr5e-4 control).
 _MMCA_CPU = ["train.batch_size=64", "model.mmca.train_negatives=8", "train.val_rerank=20", "train.lr=0.0005"]
 OVERRIDES = {"mmca": ["model.embed_size=256", *_MMCA_CPU], "mmca_alpha0": ["model.embed_size=256", *_MMCA_CPU],
-             "mmca_h512": ["model.embed_size=512", *_MMCA_CPU], "save_asa_ms3_ft": [f"data.images={IMAGES}"]}
+             "mmca_h512": ["model.embed_size=512", *_MMCA_CPU]}
+# Fine-tuning (docs/save.md): the best frozen SAVE row on dev (save_dsa) continued for one hardest-negative epoch
+# end to end from pixels, backbone at lr / 10; its control row continues the same checkpoint one epoch frozen,
+# so that the two differ in the backbone's training only (not in the number of epochs).
+CONTINUE = ["train.init_from=runs/flickr8k/save_dsa/best", "train.epochs=1", "loss.warmup_epochs=0"]
+OVERRIDES["save_dsa_ft"] = [f"data.images={IMAGES}", *CONTINUE]
+PREREQUISITES = {"save_dsa_ft": "save_dsa", "save_dsa_frozen_more": "save_dsa"}
 # Control rows: a preset trained with one schedule change, to separate a model's gain from its schedule's.
 # OAN trains at its paper's lr 5e-4, SCAN at 2e-4; with 2 epochs the higher lr alone may favour OAN.
 # VSE++ (a global embedding, as MMCA's first stage) fell when its loss switched to the hardest negatives at 2e-4.
@@ -65,7 +72,9 @@ CONTROLS = {"scan_t2i_avg_lr5e-4": ("scan_t2i_avg", ["train.lr=0.0005"]),
             # epochs, so save_asa is nearly save_nosa with other random numbers; docs/save.md)
             "save_nosa_seed1": ("save_nosa", ["train.seed=1"]),
             # ms3 fusing the raw EfficientNet maps (the preset standardises each scale first; docs/save.md)
-            "save_asa_ms3_raw": ("save_asa_ms3", ["model.save.scale_norm=none"])}
+            "save_asa_ms3_raw": ("save_asa_ms3", ["model.save.scale_norm=none"]),
+            # save_dsa_ft's control: the same extra epoch with the backbone frozen (cached features)
+            "save_dsa_frozen_more": ("save_dsa", CONTINUE)}
 OVERRIDES.update({row: sets for row, (_, sets) in CONTROLS.items()})
 # rows whose model reads something else than DATA's {split}_ims.npy
 ROW_DATA = {"save_asa_ms2": DATA_MS, "save_asa_ms3": DATA_MS, "save_nl_ms2": DATA_MS}
@@ -101,12 +110,16 @@ def run_row(row: str, threads: int) -> None:
     if data == DATA_MS:
         ensure_multiscale()
     for member in members:
+        if member in PREREQUISITES and not (ROOT / "runs/flickr8k" / PREREQUISITES[member] / "best").exists():
+            run_row(PREREQUISITES[member], threads)  # the run this one continues
         out = f"runs/flickr8k/{member}"
+        member_preset = base_preset(member)
+        schedule = SCHEDULES.get(member_preset, SCHEDULE)
+        check_run_matches(out, member_preset, schedule, OVERRIDES.get(member, []))
         if not (ROOT / out / "best").exists():
             resume = ["--resume"] if (ROOT / out / "last").exists() else []
             sets = [a for s in OVERRIDES.get(member, []) for a in ("--set", s)]
-            member_preset = base_preset(member)
-            run(["itmatch", "train", "--preset", member_preset, "--config", SCHEDULES.get(member_preset, SCHEDULE),
+            run(["itmatch", "train", "--preset", member_preset, "--config", schedule,
                  "--data", data, "--out", out, "--force", "--set", f"train.threads={threads}",
                  "--set", f"train.checkpoint_every={CHECKPOINT_EVERY}", *sets, *resume])
         record_history(member)
@@ -114,6 +127,41 @@ def run_row(row: str, threads: int) -> None:
          "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
          "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
          "--json", f"runs/flickr8k/{row}.test.json", *(["--rerank", str(rerank)] if rerank else [])])
+
+
+# settings a run may differ in from its row: filled from the data, or how (not what) it was trained
+_RUN_ONLY = {"model.vocab_size", "model.img_dim", "model.save.c3_dim", "model.save.c4_dim", "train.threads",
+             "train.checkpoint_every"}
+
+
+def check_run_matches(out: str, preset: str, schedule: str, sets: list[str]) -> None:
+    """Stop if an existing run (which the bench would resume, or evaluate as it is) was trained with other
+    settings than its row has now, e.g. a run started before a preset changed. Settings the run's config
+    does not record (it predates them) cannot be compared and are skipped."""
+    from itmatch.config import load_yaml, parse_overrides
+    from itmatch.models.registry import resolve_config
+
+    saved = ROOT / out / "config.json"
+    if not saved.is_file():
+        return
+    now = flatten(resolve_config(preset, load_yaml(ROOT / schedule), parse_overrides(sets)).to_dict())
+    then = flatten(json.loads(saved.read_text(encoding="utf-8")))
+    differ = [f"{k}={then[k]!r} (row: {now[k]!r})" for k in sorted(set(now) & set(then))
+              if k.split(".")[0] in ("model", "loss", "train") and k not in _RUN_ONLY and now[k] != then[k]]
+    if differ:
+        sys.exit(f"{out} was trained with other settings than row {preset} now has: {', '.join(differ)}.\n"
+                 f"  fix: move {out} aside (e.g. into runs/flickr8k/old/) and run the row again")
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def record_history(run: str) -> None:

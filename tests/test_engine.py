@@ -73,6 +73,22 @@ def test_resume_continues_to_same_result(tiny_precomp, tmp_path):
         train(cfg, tmp_path / "a", progress=False)
 
 
+def test_init_from_starts_a_new_run_from_a_checkpoint(tiny_precomp, tmp_path):
+    """train.init_from: a new run (epoch 0, new optimizer) starting from another run's weights and
+    vocabulary. At a negligible lr it validates as the checkpoint it started from; from scratch it does not."""
+    trained = train(quick_config("scan_t2i_avg", tiny_precomp, epochs=1), tmp_path / "a", progress=False)
+    still = quick_config("scan_t2i_avg", tiny_precomp, epochs=1, lr=1e-12, init_from=str(tmp_path / "a" / "best"))
+    continued = train(still, tmp_path / "b", progress=False)
+    assert continued["best_rsum"] == pytest.approx(trained["best_rsum"], abs=1e-6)
+    header = json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[0])
+    assert header["init_from"] == str(tmp_path / "a" / "best") and header["kept_init"] == 0
+    scratch = train(quick_config("scan_t2i_avg", tiny_precomp, epochs=1, lr=1e-12), tmp_path / "c", progress=False)
+    assert scratch["best_rsum"] < trained["best_rsum"] - 30
+    with pytest.raises(CheckpointError, match="holds a 'scan' model, expected 'vsepp'"):
+        train(quick_config("vsepp", tiny_precomp, init_from=str(tmp_path / "a" / "best")), tmp_path / "d",
+              progress=False)
+
+
 def test_blocked_scoring_equals_one_block(tiny_precomp, tmp_path):
     cfg = quick_config("scan_i2t_avg", tiny_precomp)
     from itmatch.engine.train import prepare_data

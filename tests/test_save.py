@@ -461,6 +461,43 @@ def test_pixel_model_encodes_image_files_like_cached_maps(pixel_data):
     assert (direct - cached).abs().max() <= 1e-5
 
 
+def test_init_from_continues_a_frozen_model_end_to_end(tmp_path):
+    """train.init_from: a model trained on cached maps starts a fine-tuning run from pixels with all its
+    weights; only the backbone keeps its (pretrained) initialisation, so both encode an image alike."""
+    from itmatch.data.vocab import build_vocab
+    from itmatch.engine.checkpoint import init_weights_from, save_checkpoint
+    from itmatch.errors import CheckpointError
+
+    vocab = build_vocab(["a red picture"] * 4)
+
+    def config(pixels: bool):
+        cfg = preset_config("save_asa_ms2")
+        mc = cfg.model
+        mc.save.pixels = mc.save.finetune = pixels
+        mc.vocab_size, mc.embed_size, mc.word_dim, mc.img_dim, mc.save.c4_dim = len(vocab), 16, 8, 1280, 112
+        return cfg
+
+    torch.manual_seed(0)
+    frozen = build_model(config(pixels=False).model).eval()
+    with torch.no_grad():
+        for block in frozen.image_encoder.fusion.modules():  # trained-looking: ASA no longer the identity
+            if hasattr(block, "gamma"):
+                block.gamma.fill_(0.5)
+    save_checkpoint(tmp_path / "frozen", frozen, config(pixels=False), vocab)
+    model = build_model(config(pixels=True).model).eval()
+    summary = init_weights_from(model, tmp_path / "frozen", arch="save")
+    assert summary["kept_prefixes"] == ["image_encoder.backbone"] and summary["loaded"] == len(frozen.state_dict())
+    x = torch.randn(1, 3, 224, 224)
+    with torch.inference_mode():
+        maps = model.image_encoder.backbone.stage_maps(x)
+        cached = frozen.encode_images({k: to_tokens(v) for k in ("c4", "c5") for v in [maps[k]]}).regions
+        assert (model.encode_images(x).regions - cached).abs().max() <= 1e-5
+    other = config(pixels=True)
+    other.model.embed_size = 32
+    with pytest.raises(CheckpointError, match="other shape"):
+        init_weights_from(build_model(other.model), tmp_path / "frozen", arch="save")
+
+
 def test_nl_ms2_runs_the_backbone_tail_between_its_blocks():
     """NL-ms2: SA(c4) -> backbone c4->c5 -> SA(c5). With gamma = 0 (init) both blocks are identities, so
     the candidates are the backbone's own c5 -- recomputed from the cached c4 map."""

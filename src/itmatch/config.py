@@ -151,6 +151,10 @@ class TrainConfig:
     threads: int = 0  # 0: all cores
     # >0: also save run/last every N batches (mid-epoch), so a killed run loses at most N batches of work
     checkpoint_every: int = 0
+    # a checkpoint whose weights start this run (new optimizer, epoch 0; its vocabulary is reused). Parameters
+    # the checkpoint lacks keep their initialisation: e.g. a frozen SAVE model trained on cached features
+    # continued end to end from pixels, whose backbone starts from the same pretrained weights (docs/save.md)
+    init_from: str = ""
     # torchrun runs (docs/distributed.md): process-group backend (auto: nccl for GPU tensors, gloo for CPU ones) and
     # whether the loss sees the negatives of the whole global batch (embeddings all-gathered) or only the
     # rank's own share of it

@@ -214,6 +214,25 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
     return Checkpoint(path, model, config, vocab, state)
 
 
+def init_weights_from(model: Matcher, path: str | Path, *, arch: str) -> dict[str, Any]:
+    """Copy the weights of the checkpoint at `path` into `model` (a model of `arch`, built for a new run).
+    Every checkpoint tensor must exist in `model` with its shape; model parameters the checkpoint lacks keep
+    their initialisation and are counted (by top-level prefix) in the returned summary for the run's log."""
+    source = load_checkpoint(path, expect_arch=arch)
+    weights = source.model.state_dict()
+    expected = model.state_dict()
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
+    if unexpected or wrong:
+        raise CheckpointError(f"train.init_from: weights do not fit this run's model (not in it {unexpected[:3]}, "
+                              f"other shape {wrong[:3]})", path=source.path,
+                              hint="start from a checkpoint of the same model and sizes (e.g. its frozen run)")
+    model.load_state_dict(weights, strict=False)
+    kept = sorted(set(expected) - set(weights))
+    prefixes = sorted({".".join(k.split(".")[:2]) for k in kept})
+    return {"init_from": str(source.path), "loaded": len(weights), "kept_init": len(kept), "kept_prefixes": prefixes}
+
+
 def load_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> None:
     file = Path(path) / OPTIMIZER
     if not file.is_file():

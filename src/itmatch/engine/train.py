@@ -30,6 +30,7 @@ from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
 from itmatch.engine import distributed as dist
 from itmatch.engine.checkpoint import (
+    init_weights_from,
     load_checkpoint,
     load_optimizer_state,
     load_trainer_state,
@@ -260,11 +261,15 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                                  hint="pass --resume to continue it, --force to start over, or another --out")
         dist.barrier()  # every rank has looked at run_dir before rank 0 changes it
         seed_everything(cfg.train.seed)
-        train_split, val_split, vocab = prepare_data(cfg, None)
+        # a run started from another's weights keeps that run's vocabulary (its word embedding rows)
+        init_vocab = load_checkpoint(cfg.train.init_from).vocab if cfg.train.init_from else None
+        train_split, val_split, vocab = prepare_data(cfg, init_vocab)
         model = build_model(cfg.model)
         if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
             counts = apply_word_vectors(model, vocab, cfg.model.word_vectors)
             header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
+        if cfg.train.init_from:  # after the word vectors: the checkpoint's trained embedding wins
+            header += json.dumps(init_weights_from(model, cfg.train.init_from, arch=cfg.model.arch)) + "\n"
         if dist.rank() > 0:  # same initial weights on every rank (above), its own dropout masks from here
             seed_everything((cfg.train.seed + dist.rank()) % 2**32)
         if main:

@@ -105,6 +105,9 @@ def _presets() -> dict[str, dict[str, Any]]:
         # the best of Table 1 (ASA-ms3) trained end to end from pixels, backbone fine-tuned at lr / 10
         "save_asa_ms3_ft": {"attention": "asa", "scales": "c3,c4,c5", "scale_norm": "layernorm", "pixels": True,
                             "finetune": True},
+        # DSA (the best frozen row on Flickr8K dev, docs/save.md) end to end; the Flickr8K row continues the
+        # frozen save_dsa run with train.init_from
+        "save_dsa_ft": {"attention": "dsa", "scales": "c5", "pixels": True, "finetune": True},
     }
     for name, save in save_variants.items():
         presets[name] = {"model": {**save_i2t, "save": save}, "train": F30K_SCHEDULE}
