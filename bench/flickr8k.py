@@ -73,6 +73,11 @@ CONTROLS = {"scan_t2i_avg_lr5e-4": ("scan_t2i_avg", ["train.lr=0.0005"]),
             "save_nosa_seed1": ("save_nosa", ["train.seed=1"]),
             # ms3 fusing the raw EfficientNet maps (the preset standardises each scale first; docs/save.md)
             "save_asa_ms3_raw": ("save_asa_ms3", ["model.save.scale_norm=none"]),
+            # SMAN with the optimizer of the other CPU rows (Adam 5e-4, no L2) in place of Adadelta lr 1.0, whose
+            # steps under the paper's clip 0.1 are small (sman: dev rsum 41.2 after the warm-up epoch; docs/sman.md).
+            # No L2: Adam rescales each coordinate's gradient, so the preset's coupled 5e-4 decay would dominate
+            # the clipped gradients and pull every weight to 0 at ~lr per step
+            "sman_adam": ("sman", ["train.optimizer=adam", "train.lr=0.0005", "train.weight_decay=0"]),
             # save_dsa_ft's control: the same extra epoch with the backbone frozen (cached features)
             "save_dsa_frozen_more": ("save_dsa", CONTINUE)}
 OVERRIDES.update({row: sets for row, (_, sets) in CONTROLS.items()})
