@@ -31,7 +31,8 @@ N_IMG, K, IMG_DIM = 11, 4, 12  # 4 regions: also a 2x2 grid (SAVE, SMAN)
 def tiny_model(preset: str):
     cfg = preset_config(preset)
     if image_inputs(cfg.model):
-        pytest.skip(f"{preset} reads multi-scale maps; its head (SCAN) is covered by the single-scale presets")
+        pytest.skip(f"{preset} reads {image_inputs(cfg.model)} (stage maps or photos), not one region grid; "
+                    "its head (SCAN) is covered by the single-scale presets")
     # MMCA's frozen encoder has 30522 WordPiece ids (the test's word ids are a subset)
     vocab_size = 30522 if cfg.model.arch == "mmca" else 40
     cfg.model.embed_size, cfg.model.word_dim, cfg.model.img_dim, cfg.model.vocab_size = 16, 8, IMG_DIM, vocab_size
