@@ -60,9 +60,10 @@ OVERRIDES = {"mmca": ["model.embed_size=256", *_MMCA_CPU], "mmca_alpha0": ["mode
 # Fine-tuning (docs/save.md): the best frozen SAVE row on dev (save_dsa) continued for one hardest-negative epoch
 # end to end from pixels, backbone at lr / 10; its control row continues the same checkpoint one epoch frozen,
 # so that the two differ in the backbone's training only (not in the number of epochs).
-CONTINUE = ["train.init_from=runs/flickr8k/save_dsa/best", "train.epochs=1", "loss.warmup_epochs=0"]
+CONTINUED = "save_dsa"
+CONTINUE = [f"train.init_from=runs/flickr8k/{CONTINUED}/best", "train.epochs=1", "loss.warmup_epochs=0"]
 OVERRIDES["save_dsa_ft"] = [f"data.images={IMAGES}", *CONTINUE]
-PREREQUISITES = {"save_dsa_ft": "save_dsa", "save_dsa_frozen_more": "save_dsa"}
+PREREQUISITES = {"save_dsa_ft": CONTINUED, "save_dsa_frozen_more": CONTINUED}  # row -> the run it continues
 # Control rows: a preset trained with one schedule change, to separate a model's gain from its schedule's.
 # OAN trains at its paper's lr 5e-4, SCAN at 2e-4; with 2 epochs the higher lr alone may favour OAN.
 # VSE++ (a global embedding, as MMCA's first stage) fell when its loss switched to the hardest negatives at 2e-4.
@@ -79,7 +80,7 @@ CONTROLS = {"scan_t2i_avg_lr5e-4": ("scan_t2i_avg", ["train.lr=0.0005"]),
             # sman_cpu.yaml's schedule spelled out: the run that decided it (the same configuration as `sman`)
             "sman_adam": ("sman", ["train.optimizer=adam", "train.lr=0.0005", "train.weight_decay=0"]),
             # save_dsa_ft's control: the same extra epoch with the backbone frozen (cached features)
-            "save_dsa_frozen_more": ("save_dsa", CONTINUE)}
+            "save_dsa_frozen_more": (CONTINUED, CONTINUE)}
 OVERRIDES.update({row: sets for row, (_, sets) in CONTROLS.items()})
 # rows whose model reads something else than DATA's {split}_ims.npy
 ROW_DATA = {"save_asa_ms2": DATA_MS, "save_asa_ms3": DATA_MS, "save_nl_ms2": DATA_MS}

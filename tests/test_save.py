@@ -465,7 +465,7 @@ def test_init_from_continues_a_frozen_model_end_to_end(tmp_path):
     """train.init_from: a model trained on cached maps starts a fine-tuning run from pixels with all its
     weights; only the backbone keeps its (pretrained) initialisation, so both encode an image alike."""
     from itmatch.data.vocab import build_vocab
-    from itmatch.engine.checkpoint import init_weights_from, save_checkpoint
+    from itmatch.engine.checkpoint import init_weights_from, load_checkpoint, save_checkpoint
     from itmatch.errors import CheckpointError
 
     vocab = build_vocab(["a red picture"] * 4)
@@ -485,7 +485,7 @@ def test_init_from_continues_a_frozen_model_end_to_end(tmp_path):
                 block.gamma.fill_(0.5)
     save_checkpoint(tmp_path / "frozen", frozen, config(pixels=False), vocab)
     model = build_model(config(pixels=True).model).eval()
-    summary = init_weights_from(model, tmp_path / "frozen", arch="save")
+    summary = init_weights_from(model, load_checkpoint(tmp_path / "frozen", expect_arch="save"))
     assert summary["kept_prefixes"] == ["image_encoder.backbone"] and summary["loaded"] == len(frozen.state_dict())
     x = torch.randn(1, 3, 224, 224)
     with torch.inference_mode():
@@ -495,7 +495,7 @@ def test_init_from_continues_a_frozen_model_end_to_end(tmp_path):
     other = config(pixels=True)
     other.model.embed_size = 32
     with pytest.raises(CheckpointError, match="other shape"):
-        init_weights_from(build_model(other.model), tmp_path / "frozen", arch="save")
+        init_weights_from(build_model(other.model), load_checkpoint(tmp_path / "frozen"))
 
 
 def test_nl_ms2_runs_the_backbone_tail_between_its_blocks():

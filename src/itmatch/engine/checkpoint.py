@@ -17,6 +17,7 @@ import pickle
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,10 +195,7 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"unreadable weights ({exc})", path=path / WEIGHTS,
                               hint="the file is truncated or corrupt; use another checkpoint") from None
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
+    missing, unexpected, wrong = weight_mismatch(model.state_dict(), weights)
     if missing or unexpected or wrong:
         raise CheckpointError(
             f"weights do not fit the {config.model.arch!r} model of config.json "
@@ -214,23 +212,29 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
     return Checkpoint(path, model, config, vocab, state)
 
 
-def init_weights_from(model: Matcher, path: str | Path, *, arch: str) -> dict[str, Any]:
-    """Copy the weights of the checkpoint at `path` into `model` (a model of `arch`, built for a new run).
-    Every checkpoint tensor must exist in `model` with its shape; model parameters the checkpoint lacks keep
-    their initialisation and are counted (by top-level prefix) in the returned summary for the run's log."""
-    source = load_checkpoint(path, expect_arch=arch)
+def init_weights_from(model: Matcher, source: Checkpoint) -> dict[str, Any]:
+    """Copy the weights of checkpoint `source` into `model` (built for a new run, `train.init_from`). Every
+    checkpoint tensor must exist in `model` with its shape; model parameters the checkpoint lacks keep their
+    initialisation and are counted (by top-level prefix) in the returned summary for the run's log."""
     weights = source.model.state_dict()
-    expected = model.state_dict()
-    unexpected = sorted(set(weights) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
+    kept, unexpected, wrong = weight_mismatch(model.state_dict(), weights)
     if unexpected or wrong:
         raise CheckpointError(f"train.init_from: weights do not fit this run's model (not in it {unexpected[:3]}, "
                               f"other shape {wrong[:3]})", path=source.path,
                               hint="start from a checkpoint of the same model and sizes (e.g. its frozen run)")
     model.load_state_dict(weights, strict=False)
-    kept = sorted(set(expected) - set(weights))
     prefixes = sorted({".".join(k.split(".")[:2]) for k in kept})
     return {"init_from": str(source.path), "loaded": len(weights), "kept_init": len(kept), "kept_prefixes": prefixes}
+
+
+def weight_mismatch(expected: Mapping[str, torch.Tensor],
+                    weights: Mapping[str, torch.Tensor]) -> tuple[list[str], list[str], list[str]]:
+    """The names by which `weights` fail a model's state dict `expected`: (missing from `weights`, not in
+    the model, of another shape), each sorted."""
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
+    return missing, unexpected, wrong
 
 
 def load_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> None:

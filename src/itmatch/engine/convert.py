@@ -20,7 +20,7 @@ import torch
 
 from itmatch.config import Config
 from itmatch.data.vocab import Vocab
-from itmatch.engine.checkpoint import safe_torch_load, save_checkpoint
+from itmatch.engine.checkpoint import safe_torch_load, save_checkpoint, weight_mismatch
 from itmatch.errors import CheckpointError, ConfigError, refuse_overwrite
 from itmatch.models.registry import build_model
 
@@ -164,10 +164,7 @@ def convert_original(source: str | Path, out: str | Path, *, vocab_path: str | P
         model = build_model(cfg.model)
     except ConfigError as exc:
         raise CheckpointError(f"cannot build the model described by opt: {exc.message}", path=source) from None
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(weights) if expected[k].shape != weights[k].shape)
+    missing, unexpected, wrong = weight_mismatch(model.state_dict(), weights)
     if missing or unexpected or wrong:
         raise CheckpointError(f"weights do not fit the model described by opt (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}, wrong shape {wrong[:3]})", path=source)

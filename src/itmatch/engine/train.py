@@ -262,14 +262,14 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         dist.barrier()  # every rank has looked at run_dir before rank 0 changes it
         seed_everything(cfg.train.seed)
         # a run started from another's weights keeps that run's vocabulary (its word embedding rows)
-        init_vocab = load_checkpoint(cfg.train.init_from).vocab if cfg.train.init_from else None
-        train_split, val_split, vocab = prepare_data(cfg, init_vocab)
+        init = load_checkpoint(cfg.train.init_from, expect_arch=cfg.model.arch) if cfg.train.init_from else None
+        train_split, val_split, vocab = prepare_data(cfg, init.vocab if init else None)
         model = build_model(cfg.model)
         if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
             counts = apply_word_vectors(model, vocab, cfg.model.word_vectors)
             header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
-        if cfg.train.init_from:  # after the word vectors: the checkpoint's trained embedding wins
-            header += json.dumps(init_weights_from(model, cfg.train.init_from, arch=cfg.model.arch)) + "\n"
+        if init is not None:  # after the word vectors: the checkpoint's trained embedding wins
+            header += json.dumps(init_weights_from(model, init)) + "\n"
         if dist.rank() > 0:  # same initial weights on every rank (above), its own dropout masks from here
             seed_everything((cfg.train.seed + dist.rank()) % 2**32)
         if main:
