@@ -388,19 +388,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    finished = False  # the command returned: every rank reaches the final barrier
     try:
         code = args.func(args)
+        finished = True
+        return code
     except ItmatchError as exc:
         print(f"itmatch {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"itmatch {args.verb}: interrupted", file=sys.stderr)
         return 130
-    if "itmatch.engine.distributed" in sys.modules:  # a torchrun run: leave the process group together
-        from itmatch.engine.distributed import shutdown
+    finally:
+        # A torchrun run leaves its process group on every path, errors included: a gloo group still alive
+        # when the interpreter finalises can abort the process (SIGABRT, "terminate called without an
+        # active exception") after the command itself ended cleanly. After an error the other ranks may be
+        # inside another collective, so this rank leaves without waiting for them.
+        if "itmatch.engine.distributed" in sys.modules:
+            from itmatch.engine.distributed import shutdown
 
-        shutdown()
-    return code
+            shutdown(wait=finished)
 
 
 if __name__ == "__main__":

@@ -54,9 +54,9 @@ def init_from_env(backend: str = "auto", device_type: str = "cpu", timeout_minut
     return dist.get_world_size() > 1
 
 
-def shutdown() -> None:
-    """Leave the process group (end of a torchrun command)."""
-    if is_distributed():
+def shutdown(wait: bool = True) -> None:
+    """Leave the process group (end of a torchrun command); `wait`: together with the other ranks."""
+    if wait and is_distributed():
         dist.barrier()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
