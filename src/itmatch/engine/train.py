@@ -73,10 +73,13 @@ def make_optimizer(cfg: Config, model: torch.nn.Module, epoch: int) -> torch.opt
     return OPTIMIZERS[cfg.train.optimizer](param_groups, lr=lr, weight_decay=cfg.train.weight_decay)
 
 
-def apply_word_vectors(model: torch.nn.Module, vocab: Vocab, source: str) -> dict[str, int]:
+def apply_word_vectors(model: torch.nn.Module, vocab: Vocab, source: str,
+                       scale: str = "raw") -> dict[str, int | float]:
     """Copy pretrained vectors (`model.word_vectors`) into the text encoder's word embedding. Words
     without a vector keep the random initialisation; their count is logged (the four special tokens
-    are not counted). Returns {"found": ..., "missing": ...}."""
+    are not counted). `scale="init"` multiplies the vectors by the one factor that gives them the
+    per-coordinate std of the random init (`model.word_vectors_scale`; directions are kept). Returns
+    {"found": ..., "missing": ..., "scale": the factor applied}."""
     from itmatch.data.word_vectors import load_word_vectors
 
     embed = getattr(model.text_encoder, "embed", None)
@@ -87,14 +90,17 @@ def apply_word_vectors(model: torch.nn.Module, vocab: Vocab, source: str) -> dic
     if table.shape[1] != embed.embedding_dim:
         raise ConfigError(f"model.word_vectors {source!r} are {table.shape[1]}-d but model.word_dim is "
                           f"{embed.embedding_dim}", hint=f"set model.word_dim={table.shape[1]}")
+    vectors = torch.from_numpy(table[found]).to(embed.weight.dtype)
+    factor = 1.0
+    if scale == "init" and len(vectors) > 1:
+        factor = float(embed.weight.detach().std() / vectors.std())
     with torch.no_grad():
-        rows = torch.from_numpy(np.flatnonzero(found))
-        embed.weight[rows] = torch.from_numpy(table[found]).to(embed.weight.dtype)
+        embed.weight[torch.from_numpy(np.flatnonzero(found))] = vectors * factor
     real = np.array([w not in SPECIALS for w in vocab.idx2word])
-    counts = {"found": int((found & real).sum()), "missing": int((~found & real).sum())}
+    counts = {"found": int((found & real).sum()), "missing": int((~found & real).sum()), "scale": factor}
     log.log(logging.WARNING if counts["missing"] else logging.INFO,
-            "word vectors %s: %d of %d vocabulary words found, %d missing (kept their random init)",
-            source, counts["found"], int(real.sum()), counts["missing"])
+            "word vectors %s: %d of %d vocabulary words found, %d missing (kept their random init); scaled by %.4g",
+            source, counts["found"], int(real.sum()), counts["missing"], factor)
     return counts
 
 
@@ -266,7 +272,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         train_split, val_split, vocab = prepare_data(cfg, init.vocab if init else None)
         model = build_model(cfg.model)
         if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
-            counts = apply_word_vectors(model, vocab, cfg.model.word_vectors)
+            counts = apply_word_vectors(model, vocab, cfg.model.word_vectors, cfg.model.word_vectors_scale)
             header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
         if init is not None:  # after the word vectors: the checkpoint's trained embedding wins
             header += json.dumps(init_weights_from(model, init)) + "\n"
