@@ -77,6 +77,8 @@ CONTROLS = {"scan_t2i_avg_lr5e-4": ("scan_t2i_avg", ["train.lr=0.0005"]),
             # SMAN's first CPU schedule, Adadelta lr 1.0 with the paper's weight decay: under the paper's clip 0.1
             # its steps are small (dev rsum 41.2 after the warm-up epoch, 27.5 after the hardest; docs/sman.md)
             "sman_adadelta": ("sman", ["train.optimizer=adadelta", "train.lr=1.0", "train.weight_decay=0.0005"]),
+            # the seed alone for SMAN: how far apart two runs land, against which the Table III gaps are read
+            "sman_seed1": ("sman", ["train.seed=1"]),
             # spaCy's vectors at the random init's scale: as loaded they are ~15x Xavier's per coordinate and
             # sman_w2v_spacy fell 58.7 rsum below random words (docs/sman.md)
             "sman_w2v_spacy_init": ("sman_w2v_spacy", ["model.word_vectors_scale=init"]),
