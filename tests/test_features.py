@@ -213,6 +213,14 @@ def test_extract_is_deterministic_and_resumes_identically(tmp_path):
     assert state["done"] == 4 and state["n_images"] == 7
     assert (resumed / "train_ims.npy.partial").exists()
 
+    # what a kill between an atomic write's temporary file and its rename leaves (the random-kill test found
+    # one): the resumed run's cleanup removes it, and nothing else
+    leftovers = [resumed / ".train.progress.json.k1ll3d.partial", resumed / ".meta.json.k1ll3d.partial"]
+    for path in leftovers:
+        path.write_text("{")
+    unrelated = resumed / ".notes.txt.k1ll3d.partial"
+    unrelated.write_text("mine")
+
     seen = []
     # a different batch size on resume is overridden by the recorded one (bit-identical results)
     extract_precomp(images, table, resumed, batch_size=3, progress=False,
@@ -222,6 +230,7 @@ def test_extract_is_deterministic_and_resumes_identically(tmp_path):
     assert (resumed / "train_caps.txt").read_text() == (full_a / "train_caps.txt").read_text()
     assert not (resumed / "train.progress.json").exists()
     assert not (resumed / "train_ims.npy.partial").exists()
+    assert not any(path.exists() for path in leftovers) and unrelated.read_text() == "mine"
 
 
 def test_resume_with_other_images_refused_unless_force(tmp_path):

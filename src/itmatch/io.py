@@ -33,6 +33,14 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             tmp_path.unlink()
 
 
+def remove_atomic_leftovers(path: str | Path) -> None:
+    """Delete the temporary files that atomic writes of `path` left beside it when the process was killed
+    between creating and renaming them (`.{name}.*.partial`). Only for a path no one else is writing now."""
+    final = Path(path)
+    for tmp in final.parent.glob(f".{final.name}.*.partial"):
+        tmp.unlink(missing_ok=True)
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")

@@ -59,7 +59,7 @@ from itmatch.data.precomp import (
 from itmatch.engine import distributed as dist
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
-from itmatch.io import file_sha256, write_json_atomic
+from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic
 
 log = logging.getLogger("itmatch.features")
 
@@ -466,6 +466,7 @@ def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, 
             write_json_atomic(mine / META_NAME, {"format": "itmatch-precomp",
                                                  "splits": {split: {**info, "fingerprint": shard_fp}}})
             progress_path(mine, split).unlink(missing_ok=True)
+            remove_atomic_leftovers(progress_path(mine, split))
         dist.barrier()  # every share is complete
         if dist.is_main():
             _merge_shards(bb, out_dir, split, ids, fp, list(zip(bounds, shard_dirs, strict=True)), batch_size, extras)
@@ -621,5 +622,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             write_json_atomic(meta_file, meta)
             _fsync_dir(out_dir)
             progress_path(out_dir, split).unlink(missing_ok=True)
+            # a kill during one of the split's progress or manifest writes leaves its temporary file behind
+            for written in (progress_path(out_dir, split), meta_file):
+                remove_atomic_leftovers(written)
             shutil.rmtree(shards_root(out_dir, split), ignore_errors=True)
     return dist.broadcast_object(meta)
