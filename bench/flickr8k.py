@@ -112,26 +112,39 @@ def ensure_multiscale() -> None:
     run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_MS, "--scales", "c3,c4,c5"])
 
 
-def run_row(row: str, threads: int) -> None:
+def training_finished(run: Path) -> bool:
+    """Whether a run has trained all its epochs. Not merely `best`: a run stopped in its second epoch has the
+    first epoch's `best`, and evaluating that would report a half-trained model. `last` records the epochs
+    completed; a run directory from before `last` existed counts as finished when it has `best`."""
+    if not (run / "last" / "state.json").exists():
+        return (run / "best").exists()
+    state = json.loads((run / "last" / "state.json").read_text())
+    epochs = json.loads((run / "config.json").read_text())["train"]["epochs"]
+    return state["epoch"] >= epochs and state.get("batch", 0) == 0  # (older runs: no "batch")
+
+
+def run_row(row: str, threads: int, train_only: bool = False) -> None:
     preset, rerank = RERANK.get(row, (row, 0))
     members = ENSEMBLES.get(preset, [preset])
     data = ROW_DATA.get(base_preset(preset), DATA)
     if data == DATA_MS:
         ensure_multiscale()
     for member in members:
-        if member in PREREQUISITES and not (ROOT / "runs/flickr8k" / PREREQUISITES[member] / "best").exists():
+        if member in PREREQUISITES and not training_finished(ROOT / "runs/flickr8k" / PREREQUISITES[member]):
             run_row(PREREQUISITES[member], threads)  # the run this one continues
         out = f"runs/flickr8k/{member}"
         member_preset = base_preset(member)
         schedule = SCHEDULES.get(member_preset, SCHEDULE)
         check_run_matches(out, member_preset, schedule, OVERRIDES.get(member, []))
-        if not (ROOT / out / "best").exists():
+        if not training_finished(ROOT / out):
             resume = ["--resume"] if (ROOT / out / "last").exists() else []
             sets = [a for s in OVERRIDES.get(member, []) for a in ("--set", s)]
             run(["itmatch", "train", "--preset", member_preset, "--config", schedule,
                  "--data", data, "--out", out, "--force", "--set", f"train.threads={threads}",
                  "--set", f"train.checkpoint_every={CHECKPOINT_EVERY}", *sets, *resume])
         record_history(member)
+    if train_only:
+        return
     run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", data,
          "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
          "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
@@ -200,6 +213,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per training (0: all)")
     parser.add_argument("--history", action="store_true",
                         help=f"only copy the trained runs' epochs into {HISTORY} (no training, no evaluation)")
+    parser.add_argument("--train-only", action="store_true",
+                        help="train (or finish training) the rows' models, do not evaluate them")
     args = parser.parse_args()
     if args.history:
         for row in args.row or SINGLE + list(CONTROLS):
@@ -211,7 +226,7 @@ def main() -> int:
             run_perturb(preset, args.threads)
         return 0
     for row in args.row or SINGLE + list(CONTROLS) + list(ENSEMBLES) + list(RERANK):
-        run_row(row, args.threads)
+        run_row(row, args.threads, args.train_only)
     run([sys.executable, "scripts/render_results.py"])
     return 0
 
