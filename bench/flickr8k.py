@@ -148,7 +148,9 @@ def run_row(row: str, threads: int, train_only: bool = False) -> None:
     run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", data,
          "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
          "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
-         "--json", f"runs/flickr8k/{row}.test.json", *(["--rerank", str(rerank)] if rerank else [])])
+         "--json", f"runs/flickr8k/{row}.test.json", *(["--threads", str(threads)] if threads else []),
+         # exhaustive scoring of a pair head takes hours (MMCA): a killed bench continues from finished blocks
+         *(["--rerank", str(rerank)] if rerank else ["--resume-dir", f"runs/eval_blocks/flickr8k/{row}"])])
 
 
 # settings a run may differ in from its row: filled from the data, or how (not what) it was trained

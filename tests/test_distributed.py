@@ -155,7 +155,8 @@ for ckpt_dir in job["eval"]:
     split = open_split(ckpt.config, "test")
     scores = split_scores(ckpt.model.eval(), ckpt.vocab, split, job["budget"], sharded=True)
     assert (scores is None) == (rank != 0)
-    result = evaluate_models([(ckpt.model, ckpt.vocab)], split, budget_bytes=job["budget"])
+    result = evaluate_models([(ckpt.model, ckpt.vocab)], split, budget_bytes=job["budget"],
+                             resume_dir=ckpt_dir + "/blocks")
     if rank == 0:
         torch.save(scores, ckpt_dir + "/sharded_scores.pt")
     with open(ckpt_dir + f"/result{rank}.json", "w") as fh:
@@ -192,6 +193,28 @@ def eval_checkpoint(root: Path, data: Path, preset: str) -> Path:
     return root / preset
 
 
+def interrupted_scoring(ckpt_dir: Path, blocks: int) -> None:
+    """Leave the first `blocks` score blocks in ckpt_dir/blocks, as a single-process evaluation with
+    --resume-dir stopped after them would; the two ranks' evaluation then continues from them."""
+    from itmatch.engine.evaluate import split_scores
+    from itmatch.engine.inputs import open_split
+    from itmatch.engine.score_cache import ScoreCache
+
+    ckpt = load_checkpoint(ckpt_dir)
+    model, calls = ckpt.model.eval(), []
+    score = model.score
+
+    def stop_after_blocks(img, txt):
+        if len(calls) == blocks:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return score(img, txt)
+
+    model.score = stop_after_blocks
+    with pytest.raises(KeyboardInterrupt):
+        split_scores(model, ckpt.vocab, open_split(ckpt.config, "test"), BUDGET, cache=ScoreCache(ckpt_dir / "blocks"))
+
+
 def photo_folder(root: Path) -> tuple[Path, list[tuple[str, str, str]]]:
     """7 small photos (one of them truncated, in the second rank's share of train) and their captions."""
     from PIL import Image
@@ -223,6 +246,7 @@ def runs(tiny_precomp, tiny_search_setup, tmp_path_factory) -> dict[str, Path]:
     job = {"out": str(root), "gather": tiny_config(tiny_precomp, gather_negatives=True).to_dict(),
            "local": tiny_config(tiny_precomp).to_dict(), "resume": resume_cfg.to_dict(), "budget": BUDGET,
            "eval": [str(eval_checkpoint(root, tiny_precomp, p)) for p in ("scan_t2i_avg", "vsepp")]}
+    interrupted_scoring(root / "scan_t2i_avg", blocks=3)
     images, rows = photo_folder(root)
     job.update(images=str(images), table=rows, photos=str(tiny_search_setup["photos"]),
                checkpoint=str(tiny_search_setup["checkpoint"]))
@@ -286,7 +310,8 @@ def test_only_rank_0_writes_and_batch_size_must_split_evenly(runs):
 def test_sharded_evaluation_equals_single_process_exactly(runs, preset):
     """The ranks share the blocks of the single-process plan (SCAN, a small budget: many blocks) or the
     image rows of one product (VSE++): the assembled score matrix is bit-identical, and so the metrics,
-    which every rank returns."""
+    which every rank returns. SCAN's sharded evaluation continued from 3 blocks a single process had
+    finished (--resume-dir) and removed them when complete."""
     from itmatch.engine.evaluate import evaluate_models, split_scores
     from itmatch.engine.inputs import open_split
 
@@ -299,7 +324,10 @@ def test_sharded_evaluation_equals_single_process_exactly(runs, preset):
     for rank in (0, 1):
         result = json.loads((runs["root"] / preset / f"result{rank}.json").read_text())
         result.pop("eval_seconds")
+        resumed = result.pop("resumed", {}).get("blocks", 0)
+        assert resumed == (3 if preset == "scan_t2i_avg" else 0)  # (VSE++: one product, nothing kept)
         assert result == metrics
+    assert not (runs["root"] / preset / "blocks").exists()
 
 
 def test_extraction_in_two_processes_equals_one_process(runs):

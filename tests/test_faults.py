@@ -184,3 +184,36 @@ def test_extraction_killed_at_random_points_resumes_to_identical_arrays(tmp_path
         assert meta_a["splits"][split]["features_sha256"] == meta_b["splits"][split]["features_sha256"], context
     assert not list(run_dir.glob("*.progress.json")) and not list(run_dir.glob("*.partial")), context
     print(f"extraction: {context}")
+
+
+def _evaluate_code(ckpt: Path, data: Path, blocks: Path, out: Path) -> str:
+    # A budget of 0.2 MB cuts the 40 x 200 test matrix into 80 blocks, so that kills land between blocks.
+    argv = ["evaluate", str(ckpt), "--data", str(data), "--split", "test", "--budget-gb", str(2e5 / 2**30),
+            "--threads", "1", "--resume-dir", str(blocks), "--json", str(out), "--quiet"]
+    return f"import sys; from itmatch.cli import main; sys.exit(main({argv!r}))"
+
+
+def test_evaluation_killed_at_random_points_resumes_to_identical_metrics(tiny_precomp, tmp_path):
+    from itmatch.engine.train import train
+    from itmatch.models.registry import resolve_config
+
+    cfg = resolve_config("scan_t2i_avg", {"model": {"embed_size": 32, "word_dim": 16},
+                                          "data": {"path": str(tiny_precomp)},
+                                          "train": {"epochs": 1, "batch_size": 32, "val_images": 40}})
+    train(cfg, tmp_path / "run", progress=False)
+    rng = random.Random(SEED + 2)
+    ckpt = tmp_path / "run" / "best"
+    ref_code = _evaluate_code(ckpt, tiny_precomp, tmp_path / "ref_blocks", tmp_path / "reference.json")
+    startup, work = _reference(ref_code, tmp_path / "ref_blocks")
+    blocks = tmp_path / "blocks"
+    faults = _kill_and_resume(_evaluate_code(ckpt, tiny_precomp, blocks, tmp_path / "killed.json"), blocks, rng,
+                              startup, work)
+    assert faults, "no kill landed: the job finished before every kill moment"
+    a, b = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("reference", "killed"))
+    # a kill in the job comes after the first finished block, which stays until the matrix is complete
+    if any("in the job" in f for f in faults):
+        assert "resumed" in b, faults
+    b.pop("resumed", None)
+    assert _untimed(a) == _untimed(b), f"seed {SEED + 2}, faults {faults}"
+    assert not blocks.exists() and not (tmp_path / "ref_blocks").exists()
+    print(f"evaluation: seed {SEED + 2}, faults {faults}")

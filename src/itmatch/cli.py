@@ -114,9 +114,13 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
                              args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank,
-                             first_stage=first_stage, index=args.faiss)
+                             first_stage=first_stage, index=args.faiss, resume_dir=args.resume_dir)
     if not dist.is_main():
         return 0
+    if "resumed" in result:
+        r = result["resumed"]
+        print(f"resumed: {r['blocks']} score blocks came from {r['from']} ({r['seconds']:.0f} s of earlier "
+              f"scoring, counted in eval_seconds)", file=sys.stderr)
     result["checkpoints"] = [str(p) for p in args.checkpoints]
     if args.first_stage:
         result["first_stage"] = str(args.first_stage)
@@ -306,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the same data); default: the evaluated model's own, if it has one")
     s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
                    help="first-stage FAISS index: flat (exact inner product) or ivf (approximate)")
+    s.add_argument("--resume-dir", metavar="DIR",
+                   help="keep each finished block of exhaustive scoring in DIR, so that this command, killed "
+                        "and run again, continues where it stopped (for pair heads such as MMCA, whose test "
+                        "scoring takes hours); DIR's blocks are removed once the matrix is complete")
     s.add_argument("--json", help="write the metrics as JSON here")
     s.add_argument("--results", help="results CSV to add a row to (docs/results/<dataset>.csv)")
     s.add_argument("--name", help="row name in --results")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from itmatch.data.precomp import ImageSource, PrecompSplit, batch_tensor
 from itmatch.data.vocab import AnyVocab
 from itmatch.engine import distributed as dist
 from itmatch.engine.metrics import average_folds, retrieval_metrics
+from itmatch.engine.score_cache import ScoreCache
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 
@@ -189,14 +191,17 @@ def score_blocks(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_byt
 @torch.inference_mode()
 def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
                  budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
-                 captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS) -> torch.Tensor:
+                 captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS,
+                 cache: ScoreCache | None = None) -> torch.Tensor:
     """All-pairs scores [n_img, n_txt] in float32, exact (the head's own numbers, block by block).
 
     Captions are bucketed by length so that a block is padded only to its own longest caption; every
     block is one batched call of the model's head; images per block follow from the memory budget
     (see images_per_block). Uses torch's intra-op threads (all cores unless set otherwise); the
-    progress bar shows pairs/s."""
-    out = _score_blocks(model, img, txt, budget_bytes, progress, captions_per_block, max_cells, world=1)
+    progress bar shows pairs/s. With a `cache`, finished blocks of a pair head are kept on disk and an
+    interrupted run over the same inputs continues from them (engine.score_cache)."""
+    out = _score_blocks(model, img, txt, budget_bytes, progress, captions_per_block, max_cells, world=1,
+                        cache=cache)
     assert out is not None
     return out
 
@@ -204,21 +209,24 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
 @torch.inference_mode()
 def sharded_score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
                          budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
-                         captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS
-                         ) -> torch.Tensor | None:
+                         captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS,
+                         cache: ScoreCache | None = None) -> torch.Tensor | None:
     """score_matrix shared by the ranks of a torchrun group: rank r scores blocks r, r + W, ... of the
     single-process block plan and rank 0 assembles them (the other ranks return None), so every number
     is the single process's. A pair-independent head (one matrix product) is split by image rows."""
     return _score_blocks(model, img, txt, budget_bytes, progress, captions_per_block, max_cells,
-                         world=dist.world_size())
+                         world=dist.world_size(), cache=cache)
 
 
 def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, budget_bytes: float,
-                  progress: bool, captions_per_block: int, max_cells: int, world: int) -> torch.Tensor | None:
+                  progress: bool, captions_per_block: int, max_cells: int, world: int,
+                  cache: ScoreCache | None = None) -> torch.Tensor | None:
     _require_items(len(img), "images")
     buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
     n, m = len(img), sum(len(c) for c, _ in buckets)
     blocks = score_blocks(model, img, buckets, budget_bytes, max_cells, world)
+    # (a pair-independent head is one matrix product: nothing worth keeping)
+    stored = cache.matrix(model, img, blocks) if cache is not None and not model.head.pair_independent else None
     bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
                leave=False)
     one_product = model.head.pair_independent and world == 1  # the one block is the whole matrix
@@ -226,21 +234,28 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
     pieces = {}  # (sharded: this rank's blocks, sent to rank 0)
     for k in range(dist.rank() if world > 1 else 0, len(blocks), world):  # this rank's share
         rows, columns, block_txt = blocks[k]
-        piece = model.score(img.take(rows), block_txt).float()
+        piece = stored.load(k) if stored is not None else None
+        if piece is None:
+            start = time.perf_counter()
+            piece = model.score(img.take(rows), block_txt).float()
+            if stored is not None:
+                stored.save(k, piece, time.perf_counter() - start)
         if out is not None:
             out[rows, columns] = piece
         else:
             pieces[k] = piece
         bar.update(piece.numel() * world)
     bar.close()
-    if out is not None:
-        return out
     if world > 1:
-        gathered = dist.gather_objects(pieces)
+        gathered = dist.gather_objects(pieces)  # (also: every rank has finished its blocks)
         if gathered is None:
             return None
         pieces = {k: v for part in gathered for k, v in part.items()}
         del gathered
+    if stored is not None:
+        stored.finish()
+    if out is not None:
+        return out
     if one_product:
         return pieces[0]
     out = torch.empty(n, m)
@@ -322,14 +337,14 @@ def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tenso
 
 
 def split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, budget_bytes: float = DEFAULT_BUDGET,
-                 progress: bool = False, sharded: bool = False) -> torch.Tensor | None:
+                 progress: bool = False, sharded: bool = False, cache: ScoreCache | None = None
+                 ) -> torch.Tensor | None:
     """The split's exhaustive score matrix [n_img, n_txt]; sharded: see sharded_score_matrix (None on
     ranks other than 0). Every rank encodes every item: encoding is a small part of a pair head's cost."""
     img = encode_images(model, split.images, progress=progress)
     buckets = encode_caption_buckets(model, split.captions, vocab, progress=progress)
-    if sharded:
-        return sharded_score_matrix(model, img, buckets, budget_bytes, progress)
-    return score_matrix(model, img, buckets, budget_bytes, progress)
+    scorer = sharded_score_matrix if sharded else score_matrix
+    return scorer(model, img, buckets, budget_bytes, progress, cache=cache)
 
 
 def protocol_folds(split: PrecompSplit, protocol: str) -> list[PrecompSplit]:
@@ -375,9 +390,14 @@ def rerank_split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, k:
 
 def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit, protocol: str = "full",
                     budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0,
-                    first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat") -> dict:
+                    first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat",
+                    resume_dir: str | Path | None = None) -> dict:
     """Metrics of one model, or of an ensemble (score matrices averaged before ranking). With
     `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model.
+
+    With `resume_dir`, exhaustive scoring keeps its finished blocks there and continues from those an
+    interrupted run over the same inputs left (engine.score_cache); `eval_seconds` then adds the scoring
+    seconds the earlier runs spent on them, and `resumed` says how many blocks came from disk.
 
     Under torchrun every rank calls this: exhaustive scoring is sharded across the ranks (see
     sharded_score_matrix), rank 0 computes the metrics (two-stage scoring runs on rank 0 alone) and every
@@ -389,6 +409,7 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     if sharded and (rerank or not dist.is_main()):
         progress = False
     start = time.perf_counter()
+    cache = ScoreCache(resume_dir) if resume_dir is not None and not rerank else None
     folds, two_stage = [], []
     for fold in protocol_folds(split, protocol):
         total = None
@@ -400,11 +421,15 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
                 scores, info = rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress)
                 two_stage.append(info)
             else:
-                scores = split_scores(model, vocab, fold, budget_bytes, progress, sharded=sharded)
+                scores = split_scores(model, vocab, fold, budget_bytes, progress, sharded=sharded, cache=cache)
             if scores is not None:  # (None: a rank other than 0 of a sharded evaluation)
                 total = scores if total is None else total + scores
         if total is not None:
             folds.append(retrieval_metrics(total / len(models), fold.per_image))
+    resumed = (cache.resumed_blocks, cache.resumed_seconds) if cache is not None else (0, 0.0)
+    if sharded:  # the ranks scored side by side: the earlier runs took the longest rank's seconds
+        per_rank = dist.gather_objects(resumed)
+        resumed = (sum(b for b, _ in per_rank), max(s for _, s in per_rank)) if per_rank is not None else resumed
     if not dist.is_main():
         return dist.broadcast_object(None)
     result = dict(folds[0] if len(folds) == 1 else average_folds(folds))
@@ -412,7 +437,9 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
         result["rerank"] = rerank
     result.update(protocol=protocol, split=split.split, folds=len(folds),
                   n_images=protocol_folds(split, protocol)[0].n_images,
-                  eval_seconds=round(time.perf_counter() - start, 2))
+                  eval_seconds=round(time.perf_counter() - start + resumed[1], 2))
+    if resumed[0]:
+        result["resumed"] = {"blocks": resumed[0], "seconds": round(resumed[1], 2), "from": str(resume_dir)}
     if two_stage:
         result["two_stage"] = two_stage[0] if len(two_stage) == 1 else two_stage
     return dist.broadcast_object(result)

@@ -1,0 +1,109 @@
+"""Finished blocks of an exhaustive score matrix kept on disk, so that a killed evaluation continues.
+
+A pair head such as MMCA's cross-attention module needs hours of CPU for a 1000 x 5000 test split
+(docs/mmca.md); this is what lets such an evaluation survive a kill or the end of a session. Every block
+of the evaluator's plan (`evaluate.score_blocks`) is written atomically once scored, with the seconds it
+took; a later run over the same inputs loads the finished blocks and scores only the others.
+
+"The same inputs" is checked exactly, not trusted: a matrix's key hashes the model's parameters, the
+encoded images and captions (so also the data, the tokenizer and any frozen encoder) and the block plan.
+Encodings may differ in their last bits between thread counts, so a run with another `--threads` does not
+find the blocks of the first one and scores from the start (with a warning that says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from itmatch.io import write_with
+from itmatch.models.base import ImageEmb, Matcher, TextEmb
+
+KEY_CHARS = 20  # of the SHA-256 hex digest: a directory name, collisions out of reach
+
+
+def _update(h: hashlib._Hash, t: torch.Tensor) -> None:
+    h.update(str((t.dtype, tuple(t.shape))).encode())
+    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def matrix_key(model: Matcher, img: ImageEmb, blocks: list[tuple[slice, torch.Tensor | slice, TextEmb]]) -> str:
+    """Hex key of one score matrix: model parameters and buffers, encoded items, block plan."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        _update(h, t)
+    for t in img.tensors():
+        _update(h, t)
+    seen: set[int] = set()
+    for rows, columns, txt in blocks:
+        h.update(repr((rows.start, rows.stop)).encode())
+        if isinstance(columns, slice):
+            h.update(repr((columns.start, columns.stop)).encode())
+        else:
+            _update(h, columns)
+        if id(txt) not in seen:  # a caption bucket serves many blocks: hash it once
+            seen.add(id(txt))
+            for t in txt.tensors():
+                _update(h, t)
+    return h.hexdigest()[:KEY_CHARS]
+
+
+class MatrixBlocks:
+    """The finished blocks of one score matrix: `DIR/<key>/block-<k>.safetensors`."""
+
+    def __init__(self, cache: ScoreCache, key: str) -> None:
+        self.cache, self.dir = cache, cache.root / key
+
+    def _path(self, k: int) -> Path:
+        return self.dir / f"block-{k:06d}.safetensors"
+
+    def load(self, k: int) -> torch.Tensor | None:
+        """Block k's scores if an earlier run finished it (its seconds are added to the cache's tally)."""
+        path = self._path(k)
+        if not path.exists():
+            return None
+        with safe_open(str(path), framework="pt") as f:
+            scores = f.get_tensor("scores")
+            seconds = float(f.metadata()["seconds"])
+        self.cache.resumed_blocks += 1
+        self.cache.resumed_seconds += seconds
+        return scores
+
+    def save(self, k: int, scores: torch.Tensor, seconds: float) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_with(self._path(k), lambda tmp: save_file({"scores": scores.contiguous()}, str(tmp),
+                                                        metadata={"seconds": f"{seconds:.6f}"}))
+
+    def finish(self) -> None:
+        """The matrix is complete: its blocks are no longer needed (nor the cache directory, if empty)."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.cache.root.is_dir() and not any(self.cache.root.iterdir()):
+            self.cache.root.rmdir()
+
+
+class ScoreCache:
+    """A directory of finished score blocks (`itmatch evaluate --resume-dir`), one subdirectory per matrix;
+    counts what it resumed (blocks, and the scoring seconds earlier runs spent on them)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.resumed_blocks = 0
+        self.resumed_seconds = 0.0
+
+    def matrix(self, model: Matcher, img: ImageEmb,
+               blocks: list[tuple[slice, torch.Tensor | slice, TextEmb]]) -> MatrixBlocks:
+        key = matrix_key(model, img, blocks)
+        others = sorted(p.name for p in self.root.glob("*") if p.is_dir() and p.name != key)
+        if others and not (self.root / key).exists():  # said at the start, not after hours of scoring
+            warnings.warn(f"{self.root}: holds unfinished scores of {len(others)} other evaluation(s) "
+                          f"({', '.join(others)}), not of this one, which starts from its first block; they "
+                          f"were made with another model, other data or another --threads (remove them when "
+                          f"they are no longer needed)", stacklevel=2)
+        return MatrixBlocks(self, key)
