@@ -178,9 +178,10 @@ def test_budget_too_small_states_the_minimum(data):
     # one image x one caption of the longest bucket (a bucket that does not fit is cut into runs of captions)
     minimum = 4 * N_IMG * len(captions) + max(model.head.bytes_per_cell * K * t.words.shape[1] for _, t in buckets)
     score_matrix(model, img, buckets, budget_bytes=minimum)  # exactly the minimum works
-    with pytest.raises(ConfigError, match=rf"too small: the minimum .* is {minimum / 2**20:.1f} MB") as err:
+    assert 2**10 < minimum < 2**20  # (so the message gives it in KB, not as "0.0 MB")
+    with pytest.raises(ConfigError, match=rf"too small: the minimum .* is {minimum / 2**10:.1f} KB") as err:
         score_matrix(model, img, buckets, budget_bytes=minimum - 1)
-    assert "--budget-gb" in str(err.value)
+    assert f"at least {minimum / 2**30:.3g} GB (--budget-gb)" in str(err.value)
     # a pair-independent head still needs room for the score matrix
     vsepp = tiny_model("vsepp")
     with pytest.raises(ConfigError, match="score matrix"):

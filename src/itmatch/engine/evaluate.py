@@ -57,6 +57,14 @@ MAX_GATHER_BYTES = 8 << 20
 TextBuckets = list[tuple[torch.Tensor, TextEmb]]  # (caption indices, their embeddings), by length
 
 
+def _size(n_bytes: float) -> str:
+    """Bytes in the unit that shows them (a tiny test budget is not "0.0 MB")."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{n_bytes:.0f} bytes"
+
+
 def _require_items(count: int, what: str, path: object = None) -> None:
     if count == 0:
         raise DataError(f"no {what} to score: the {'gallery' if what == 'images' else 'query set'} is empty",
@@ -139,11 +147,10 @@ def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget
     minimum = out_bytes + max(per_image)
     if budget_bytes < minimum:
         raise ConfigError(
-            f"memory budget {budget_bytes / 2**20:.1f} MB is too small: the minimum for {n} images x {m} "
-            f"captions is {minimum / 2**20:.1f} MB (score matrix {out_bytes / 2**20:.1f} MB + one block of "
-            f"1 image x {len(buckets[int(np.argmax(per_image))][1])} captions "
-            f"{max(per_image) / 2**20:.1f} MB)",
-            hint=f"raise the budget to at least {minimum / 2**30:.3f} GB (--budget-gb), or score fewer items")
+            f"memory budget {_size(budget_bytes)} is too small: the minimum for {n} images x {m} "
+            f"captions is {_size(minimum)} (score matrix {_size(out_bytes)} + one block of "
+            f"1 image x {len(buckets[int(np.argmax(per_image))][1])} captions {_size(max(per_image))})",
+            hint=f"raise the budget to at least {minimum / 2**30:.3g} GB (--budget-gb), or score fewer items")
     if model.head.pair_independent:
         return [n for _ in buckets]
     free = budget_bytes - out_bytes
@@ -309,8 +316,8 @@ def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tenso
     needed = (model.head.bytes_per_cell * k * longest + model.head.bytes_per_pair
               + item_bytes(txt.narrowed(longest)))
     if free < needed:
-        raise ConfigError(f"memory budget {budget_bytes / 2**20:.1f} MB is too small for {len(images)} pairs: "
-                          f"the minimum is {(4.0 * len(images) + needed) / 2**20:.1f} MB",
+        raise ConfigError(f"memory budget {_size(budget_bytes)} is too small for {len(images)} pairs: "
+                          f"the minimum is {_size(4.0 * len(images) + needed)}",
                           hint="raise the budget (--budget-gb), or score fewer pairs")
     fit = functools.cache(lambda length: captions_per_block(model, txt, k, length, free, max_cells))
     # image-major, then by caption length: a block of consecutive pairs shares one image and has
