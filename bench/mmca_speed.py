@@ -1,6 +1,7 @@
 """MMCA scoring cost: exhaustive vs two-stage re-ranking on a slice of Flickr8K dev, untrained model.
 
     python bench/mmca_speed.py --images 40 --threads 1          # docs/mmca.md's figures
+    python bench/mmca_speed.py --images 40 --block-plans        # the head's block cap vs the default
 
 Prints JSON (CPU seconds of one thread): encode times, pairs scored and pairs/s of exhaustive and re-ranked
 scoring (K = 20, 50, 100), the extrapolation to the 1000 x 5000 test split, and the cost of a training step
@@ -21,7 +22,14 @@ import torch
 from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import read_precomp
 from itmatch.data.vocab import WordPieceVocab
-from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
+from itmatch.engine.evaluate import (
+    MAX_BLOCK_CELLS,
+    encode_caption_buckets,
+    encode_captions,
+    encode_images,
+    score_blocks,
+    score_matrix,
+)
 from itmatch.models.registry import build_model, preset_config
 from itmatch.retrieval.two_stage import two_stage_scores
 
@@ -58,6 +66,34 @@ def evaluation_costs(model, vocab, split, ks: list[int]) -> dict:
     return out
 
 
+def block_plan_costs(model, vocab, data: str, images: int, captions: int, rounds: int) -> dict:
+    """Exhaustive scoring with the evaluator's default block plan (blocks up to MAX_BLOCK_CELLS cells) and
+    with the head's own cap (`max_block_cells`), alternated `rounds` times so that the shared machine's
+    load falls on both alike; captions sampled across the dev split, so the length buckets are realistic."""
+    dev = read_precomp(data, "dev")
+    img = encode_images(model, dev.head(images).images)
+    buckets = encode_caption_buckets(model, dev.captions[:: max(1, len(dev.captions) // captions)][:captions], vocab)
+    cap = model.head.max_block_cells
+    plans = {"evaluator_default": 0, "head_cap": cap}
+    seconds: dict[str, list[float]] = {name: [] for name in plans}
+    scores = {}
+    for _ in range(rounds):
+        for name, cells in plans.items():
+            model.head.max_block_cells = cells
+            scores[name], t = timed(lambda: score_matrix(model, img, buckets))
+            seconds[name].append(t)
+    out: dict = {"images": len(img), "captions": sum(len(c) for c, _ in buckets), "rounds": rounds}
+    for name, cells in plans.items():
+        model.head.max_block_cells = cells
+        median = float(np.median(seconds[name]))
+        out[name] = {"max_block_cells": cells or MAX_BLOCK_CELLS, "blocks": len(score_blocks(model, img, buckets)),
+                     "median_seconds": round(median, 2), "pairs_per_s": round(scores[name].numel() / median, 1)}
+    model.head.max_block_cells = cap
+    out["speed_up"] = round(out["head_cap"]["pairs_per_s"] / out["evaluator_default"]["pairs_per_s"], 2)
+    out["max_abs_difference"] = float((scores["head_cap"] - scores["evaluator_default"]).abs().max())
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(ROOT / "runs" / "data" / "flickr8k_lite0"),
@@ -70,6 +106,9 @@ def main() -> int:
     parser.add_argument("--train-negatives", type=int, nargs="*", default=[0, 8],
                         help="model.mmca.train_negatives values of the training-step measurement")
     parser.add_argument("--skip-eval", action="store_true", help="only the training-step measurement")
+    parser.add_argument("--block-plans", action="store_true",
+                        help="only compare exhaustive scoring with the evaluator's default blocks and the head's "
+                             "cap (--images images x 500 dev captions, 3 alternated rounds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -79,6 +118,10 @@ def main() -> int:
     cfg.model.vocab_size, cfg.model.img_dim = len(vocab), int(split.images.shape[2])
     model = build_model(cfg.model).eval()
     out: dict = {"preset": args.preset, "threads": args.threads}
+    if args.block_plans:
+        out["block_plans"] = block_plan_costs(model, vocab, args.data, args.images, captions=500, rounds=3)
+        print(json.dumps(out, indent=2))
+        return 0
     if not args.skip_eval:
         out.update(evaluation_costs(model, vocab, split, args.ks))
 

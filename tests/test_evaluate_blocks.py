@@ -15,6 +15,7 @@ from itmatch.engine.evaluate import (
     encode_images,
     images_per_block,
     item_bytes,
+    score_blocks,
     score_matrix,
     score_pairs,
     unbucket_texts,
@@ -210,3 +211,22 @@ def test_encoders_zero_the_padding(data):
     mask[0, 3:] = False
     img = model.encode_images(torch.from_numpy(feats[:2]), mask)
     assert img.regions[~mask].abs().max() == 0
+
+
+def test_a_heads_block_cap_bounds_every_block_and_changes_no_score(data):
+    """MMCA caps its blocks (max_block_cells) so a block's activations stay in the cache; the evaluator
+    cuts caption buckets into runs and image rows to honour it, and the scores are the head's own."""
+    feats, captions, vocab = data
+    model = tiny_model("mmca")
+    img = encode_images(model, feats)
+    buckets = encode_caption_buckets(model, captions, vocab, bucket_size=8)
+    model.head.max_block_cells = 0  # the evaluator's default cap only
+    uncapped, uncapped_blocks = score_matrix(model, img, buckets), score_blocks(model, img, buckets)
+    cap = K * 2 * 10  # 1 image x 2 captions of 10 tokens: cuts buckets into runs, one image per block
+    model.head.max_block_cells = cap
+    blocks = score_blocks(model, img, buckets)
+    assert len(blocks) > len(uncapped_blocks)
+    for rows, _, txt in blocks:
+        cells = (rows.stop - rows.start) * K * len(txt) * txt.words.shape[1]
+        assert cells <= cap or (rows.stop - rows.start == 1 and len(txt) == 1), (rows, len(txt))
+    assert (score_matrix(model, img, buckets) - uncapped).abs().max() <= 1e-5

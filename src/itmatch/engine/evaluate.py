@@ -157,20 +157,28 @@ def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget
     return [max(1, min(n, int(free // b), max_cells // max(1, c))) for b, c in zip(per_image, cells, strict=True)]
 
 
-def split_buckets(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float) -> TextBuckets:
+def block_cells(model: Matcher, max_cells: int = MAX_BLOCK_CELLS) -> int:
+    """The cap on a block's region-word cells: `max_cells`, or the head's own smaller one."""
+    return min(max_cells, model.head.max_block_cells or max_cells)
+
+
+def split_buckets(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float,
+                  max_cells: int = MAX_BLOCK_CELLS) -> TextBuckets:
     """Caption buckets cut into runs of captions small enough that one image x a run fits the budget
-    beside the score matrix; buckets that fit are returned as they are. A head with large per-pair
-    temporaries (MMCA: a transformer over k + L tokens per pair, ~4 MB per pair at D = 256, so a bucket of
-    1000 long captions needed 4.2 GB) can exceed a budget with one image per block; with runs of captions
-    the minimum budget is one image x one caption."""
+    beside the score matrix and the block cap (block_cells); buckets that fit are returned as they are.
+    A head with large per-pair temporaries (MMCA: a transformer over k + L tokens per pair, ~4 MB per pair
+    at D = 256, so a bucket of 1000 long captions needed 4.2 GB) can exceed a budget with one image per
+    block; with runs of captions the minimum budget is one image x one caption."""
     if model.head.pair_independent:
         return buckets
     free = budget_bytes - 4.0 * len(img) * sum(len(c) for c, _ in buckets)
     k = img.regions.shape[1]
+    cap = block_cells(model, max_cells)
     out: TextBuckets = []
     for columns, txt in buckets:
         per_caption = model.head.bytes_per_cell * k * txt.words.shape[1] + model.head.bytes_per_pair
         run = len(txt) if per_caption * len(txt) <= free else max(1, int(free // per_caption))
+        run = min(run, max(1, cap // (k * txt.words.shape[1])))
         out += [(columns[c0:c0 + run], txt.take(slice(c0, c0 + run)).trimmed()) for c0 in range(0, len(txt), run)]
     return out
 
@@ -181,11 +189,11 @@ Block = tuple[slice, torch.Tensor | slice, TextEmb]  # image rows, caption colum
 def score_blocks(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float = DEFAULT_BUDGET,
                  max_cells: int = MAX_BLOCK_CELLS, world: int = 1) -> list[Block]:
     """The blocks score_matrix fills, in order: per caption bucket (cut by split_buckets if one image x the
-    bucket exceeds the budget), runs of images sized by the budget (see images_per_block, which also refuses
-    a budget too small); a pair-independent head is one matrix product, cut into `world` shards of image
-    rows."""
-    buckets = split_buckets(model, img, buckets, budget_bytes)
-    rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, max_cells)
+    bucket exceeds the budget or the block cap), runs of images sized by the budget and the cap (see
+    images_per_block, which also refuses a budget too small); a pair-independent head is one matrix
+    product, cut into `world` shards of image rows."""
+    buckets = split_buckets(model, img, buckets, budget_bytes, max_cells)
+    rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, block_cells(model, max_cells))
     n = len(img)
     if model.head.pair_independent:
         txt = unbucket_texts(buckets)
@@ -319,7 +327,8 @@ def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tenso
         raise ConfigError(f"memory budget {_size(budget_bytes)} is too small for {len(images)} pairs: "
                           f"the minimum is {_size(4.0 * len(images) + needed)}",
                           hint="raise the budget (--budget-gb), or score fewer pairs")
-    fit = functools.cache(lambda length: captions_per_block(model, txt, k, length, free, max_cells))
+    fit = functools.cache(lambda length: captions_per_block(model, txt, k, length, free,
+                                                            block_cells(model, max_cells)))
     # image-major, then by caption length: a block of consecutive pairs shares one image and has
     # captions of similar lengths
     order = torch.argsort(images * (longest + 1) + lengths, stable=True)

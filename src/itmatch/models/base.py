@@ -153,6 +153,9 @@ class SimilarityHead(nn.Module):
     #: evaluator sizes blocks from them. Both 0: a pair-independent head (one matrix product).
     bytes_per_cell: float = 0.0
     bytes_per_pair: float = 0.0
+    #: largest block (region x word cells) the head computes fastest, 0: the evaluator's default. A head
+    #: with large per-pair activations (MMCA's transformer unit) caps its blocks so they stay in the cache.
+    max_block_cells: int = 0
 
     @property
     def pair_independent(self) -> bool:

@@ -46,6 +46,11 @@ class MMCAHead(SimilarityHead):
         d, f = embed_size, self.cnn.out_dim
         per_token = 4.0 * (6 * d + (ffn_dim or d) + f)
         self.bytes_per_cell = 0.0 if alpha == 0 else 0.2 * per_token
+        # Blocks of 2^15 region-word cells at d = 256 (~47 captions of 14 words x 1 image of 49 regions: each
+        # [pairs, k + L, d] buffer ~3 MB, near the 2 MB L2) scored 1.7-1.9x more pairs/s than the evaluator's
+        # default 2^22 (1 image x 128 captions and more: ~10 MB+ per buffer); the cap scales with 1/d so a
+        # buffer keeps that size. Measured: `python bench/mmca_speed.py --block-plans` (docs/mmca.md).
+        self.max_block_cells = (1 << 15) * 256 // d
 
     # -- per-item parts ---------------------------------------------------------------------------
     def _project(self, x: torch.Tensor) -> torch.Tensor:
