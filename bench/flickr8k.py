@@ -98,10 +98,12 @@ def base_preset(row: str) -> str:
     return CONTROLS.get(row, (row,))[0]
 
 
-def run(cmd: list[str]) -> None:
-    print("+", " ".join(cmd), flush=True)
-    if cmd[0] == "itmatch":  # this interpreter's itmatch, whatever PATH says
-        cmd = [sys.executable, "-m", "itmatch", *cmd[1:]]
+def run(cmd: list[str], ranks: int = 1) -> None:
+    """Run a command; `itmatch` is this interpreter's (whatever PATH says), under torchrun when ranks > 1."""
+    print("+", *([f"torchrun x{ranks}"] if ranks > 1 else []), *cmd, flush=True)
+    if cmd[0] == "itmatch":
+        torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        cmd = [sys.executable, *(torchrun if ranks > 1 else []), "-m", "itmatch", *cmd[1:]]
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
@@ -123,7 +125,7 @@ def training_finished(run: Path) -> bool:
     return state["epoch"] >= epochs and state.get("batch", 0) == 0  # (older runs: no "batch")
 
 
-def run_row(row: str, threads: int, train_only: bool = False) -> None:
+def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 1) -> None:
     preset, rerank = RERANK.get(row, (row, 0))
     members = ENSEMBLES.get(preset, [preset])
     data = ROW_DATA.get(base_preset(preset), DATA)
@@ -150,7 +152,8 @@ def run_row(row: str, threads: int, train_only: bool = False) -> None:
          "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
          "--json", f"runs/flickr8k/{row}.test.json", *(["--threads", str(threads)] if threads else []),
          # exhaustive scoring of a pair head takes hours (MMCA): a killed bench continues from finished blocks
-         *(["--rerank", str(rerank)] if rerank else ["--resume-dir", f"runs/eval_blocks/flickr8k/{row}"])])
+         *(["--rerank", str(rerank)] if rerank else ["--resume-dir", f"runs/eval_blocks/flickr8k/{row}"])],
+        ranks=1 if rerank else eval_ranks)  # (two-stage scoring runs on one process)
 
 
 # settings a run may differ in from its row: filled from the data, or how (not what) it was trained
@@ -215,6 +218,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads per training (0: all)")
     parser.add_argument("--history", action="store_true",
                         help=f"only copy the trained runs' epochs into {HISTORY} (no training, no evaluation)")
+    parser.add_argument("--eval-ranks", type=int, default=1,
+                        help="processes (torchrun) sharing an exhaustive test evaluation, each with --threads "
+                             "threads; the blocks are those of one process, so a run may resume with another count")
     parser.add_argument("--train-only", action="store_true",
                         help="train (or finish training) the rows' models, do not evaluate them")
     args = parser.parse_args()
@@ -228,7 +234,7 @@ def main() -> int:
             run_perturb(preset, args.threads)
         return 0
     for row in args.row or SINGLE + list(CONTROLS) + list(ENSEMBLES) + list(RERANK):
-        run_row(row, args.threads, args.train_only)
+        run_row(row, args.threads, args.train_only, args.eval_ranks)
     run([sys.executable, "scripts/render_results.py"])
     return 0
 
