@@ -78,6 +78,24 @@ def test_results_views_in_a_page_are_filled_from_the_csv(tmp_path):
         render_views(page, results)
 
 
+def test_versus_view_shows_differences_from_its_first_row(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, rsum, seconds in (("mmca", 250.0, 9000.0), ("mmca_rerank20", 247.5, 200.0)):
+        result = {**RESULT, "rsum": rsum, "eval_seconds": seconds}
+        upsert_row(results / "flickr8k.csv", result_row(name, name, "flickr8k", result, "c"))
+    page = tmp_path / "mmca.md"
+    page.write_text("<!-- versus: flickr8k mmca mmca_rerank20 mmca_rerank50 -->\n<!-- versus: end -->\n"
+                    "<!-- versus: flickr8k mmca_h512 mmca_rerank20 -->\n<!-- versus: end -->\n")
+    text = render_views(page, results)
+    assert "| mmca | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 250.0 | 9000.0 | 1× |" in text
+    assert "| mmca_rerank20 | +0.0 | +0.0 | +0.0 | +0.0 | +0.0 | +0.0 | −2.5 | 200.0 | 45.0× |" in text
+    assert "| mmca_rerank50 | not run yet |" in text
+    # no reference row yet: the others keep their own values and no speed-up
+    assert "| mmca_h512 | not run yet |" in text
+    assert "| mmca_rerank20 | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 247.5 | 200.0 | – |" in text
+
+
 def test_committed_tables_and_views_match_their_csv():
     """docs/results/*.md and the results views of docs/*.md are what scripts/render_results.py writes:
     a number typed by hand, or a CSV row added without re-rendering, fails here."""

@@ -140,20 +140,40 @@ def render_history_markdown(path: str | Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+RECALLS = ["image_to_text_r1", "image_to_text_r5", "image_to_text_r10", "text_to_image_r1", "text_to_image_r5",
+           "text_to_image_r10", "rsum"]
+VERSUS_HEAD = ["| name | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 | rsum | eval s | speed-up |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def versus_line(r: dict[str, str], reference: dict[str, str] | None) -> str:
+    """A row against the view's first row (e.g. re-ranked vs exhaustive scoring): the first row's own values,
+    then each other row's difference from it and how many times faster it was evaluated."""
+    if reference is None or r is reference:  # (no reference yet: the row's own values, no speed-up)
+        return (f"| {r['name']} | " + " | ".join(r[k] for k in RECALLS)
+                + f" | {r['eval_seconds']} | {'1×' if r is reference else '–'} |")
+    deltas = [float(r[k]) - float(reference[k]) for k in RECALLS]
+    speed_up = float(reference["eval_seconds"]) / float(r["eval_seconds"])
+    return (f"| {r['name']} | " + " | ".join(f"{d:+.1f}".replace("-", "−") for d in deltas)
+            + f" | {r['eval_seconds']} | {speed_up:.1f}× |")
+
+
 @dataclass(frozen=True)
 class _ViewKind:
     folder: str  # below the results directory
     header: list[str]
     head: list[str]
-    line: Callable[[dict[str, str]], str]
+    line: Callable[[dict[str, str], dict[str, str] | None], str]  # (row, the view's first row)
 
 
 #: Views inside any markdown page: `<!-- results: flickr8k row_a row_b ... -->`, the table, then
 #: `<!-- results: end -->` (a row of docs/results/flickr8k.csv each), or the same with `training:` (every epoch
 #: of each run in docs/results/training/flickr8k.csv). render_views fills them in the order named; a name not in
-#: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for.
-VIEW_KINDS = {"results": _ViewKind("", HEADER, TABLE_HEAD, row_line),
-              "training": _ViewKind("training", HISTORY_HEADER, HISTORY_HEAD, history_line)}
+#: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for. `versus:` shows the
+#: first named row of docs/results/<csv>.csv and every other row as its difference from it (versus_line).
+VIEW_KINDS = {"results": _ViewKind("", HEADER, TABLE_HEAD, lambda r, _: row_line(r)),
+              "training": _ViewKind("training", HISTORY_HEADER, HISTORY_HEAD, lambda r, _: history_line(r)),
+              "versus": _ViewKind("", HEADER, VERSUS_HEAD, versus_line)}
 VIEW = re.compile(rf"^<!-- (?P<kind>{'|'.join(VIEW_KINDS)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
                   r"<!-- (?P=kind): end -->$", re.MULTILINE | re.DOTALL)
 
@@ -183,9 +203,11 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
         for r in read_rows(csv_path, kind.header):
             by_name.setdefault(r["name"], []).append(r)
         blank = " |" * (kind.head[1].count("|") - 3)  # the empty cells after the first two
+        names = match["rows"].split()
+        first = by_name.get(names[0], [None])[0]
         lines: list[str] = []
-        for n in match["rows"].split():
-            lines += [kind.line(r) for r in by_name[n]] if n in by_name else [f"| {n} | not run yet |{blank}"]
+        for n in names:
+            lines += [kind.line(r, first) for r in by_name[n]] if n in by_name else [f"| {n} | not run yet |{blank}"]
         return "\n".join([match.group(0).split("\n", 1)[0], *kind.head, *lines, f"<!-- {match['kind']}: end -->"])
 
     return VIEW.sub(fill, text)
