@@ -187,10 +187,12 @@ def test_extraction_killed_at_random_points_resumes_to_identical_arrays(tmp_path
 
 
 def _evaluate_code(ckpt: Path, data: Path, blocks: Path, out: Path) -> str:
-    # A budget of 0.2 MB cuts the 40 x 200 test matrix into 80 blocks, so that kills land between blocks.
-    argv = ["evaluate", str(ckpt), "--data", str(data), "--split", "test", "--budget-gb", str(2e5 / 2**30),
+    # A budget of 40 KB cuts the 40 x 200 test matrix into ~1300 blocks, so that kills land between blocks.
+    argv = ["evaluate", str(ckpt), "--data", str(data), "--split", "test", "--budget-gb", str(4e4 / 2**30),
             "--threads", "1", "--resume-dir", str(blocks), "--json", str(out), "--quiet"]
-    return f"import sys; from itmatch.cli import main; sys.exit(main({argv!r}))"
+    # Finished blocks are written every FLUSH_SECONDS (60) of scoring; here after every block.
+    return ("import sys; import itmatch.engine.score_cache as c; c.FLUSH_SECONDS = 0.0; "
+            f"from itmatch.cli import main; sys.exit(main({argv!r}))")
 
 
 def test_evaluation_killed_at_random_points_resumes_to_identical_metrics(tiny_precomp, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import WORDS
+from safetensors import safe_open
 
 from itmatch.data.precomp import read_precomp
 from itmatch.data.vocab import Vocab
@@ -41,6 +42,14 @@ def _count_and_stop_after(model, calls: list[int], stop_after: int | None) -> No
     model.score = counted
 
 
+def _blocks_on_disk(root) -> int:
+    count = 0
+    for part in root.glob("*/part-*.safetensors"):
+        with safe_open(str(part), framework="pt") as f:
+            count += len(list(f.keys()))
+    return count
+
+
 @pytest.fixture()
 def split(tiny_precomp):
     return read_precomp(tiny_precomp, "test")
@@ -63,7 +72,7 @@ def test_interrupted_scoring_resumes_to_the_uninterrupted_matrix(inputs, tmp_pat
     _count_and_stop_after(model, first, stop_after=5)
     with pytest.raises(Interrupted):
         score_matrix(model, img, buckets, budget_bytes=BUDGET, cache=ScoreCache(tmp_path / "blocks"))
-    assert len(list((tmp_path / "blocks").glob("*/block-*.safetensors"))) == 5
+    assert _blocks_on_disk(tmp_path / "blocks") == 5  # (kept in memory, written when interrupted)
     cache = ScoreCache(tmp_path / "blocks")
     _count_and_stop_after(model, second, stop_after=None)
     resumed = score_matrix(model, img, buckets, budget_bytes=BUDGET, cache=cache)
@@ -102,3 +111,23 @@ def test_evaluate_reports_resumed_blocks_and_their_time(split, tmp_path):
         assert resumed[key] == plain[key]
     assert "resumed" not in plain
 
+
+
+def test_blocks_are_written_in_parts_every_flush_seconds(inputs, tmp_path, monkeypatch):
+    """One file per part, not per block (an MMCA test matrix has ~100k blocks); a kill loses one part."""
+    import itmatch.engine.score_cache as score_cache
+
+    model, img, buckets = inputs
+    reference = score_matrix(model, img, buckets, budget_bytes=BUDGET)
+    monkeypatch.setattr(score_cache, "FLUSH_SECONDS", 0.0)  # every block its own part
+    _count_and_stop_after(model, [], stop_after=6)
+    with pytest.raises(Interrupted):
+        score_matrix(model, img, buckets, budget_bytes=BUDGET, cache=ScoreCache(tmp_path))
+    assert len(list(tmp_path.glob("*/part-*.safetensors"))) == 6
+    monkeypatch.setattr(score_cache, "FLUSH_SECONDS", 1e9)  # nothing written until interrupted
+    _count_and_stop_after(model, [], stop_after=20)
+    with pytest.raises(Interrupted):
+        score_matrix(model, img, buckets, budget_bytes=BUDGET, cache=ScoreCache(tmp_path))
+    assert len(list(tmp_path.glob("*/part-*.safetensors"))) == 7 and _blocks_on_disk(tmp_path) == 26
+    _count_and_stop_after(model, [], stop_after=None)
+    assert torch.equal(score_matrix(model, img, buckets, budget_bytes=BUDGET, cache=ScoreCache(tmp_path)), reference)

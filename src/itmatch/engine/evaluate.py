@@ -247,19 +247,24 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
     one_product = model.head.pair_independent and world == 1  # the one block is the whole matrix
     out = torch.empty(n, m) if world == 1 and not one_product else None
     pieces = {}  # (sharded: this rank's blocks, sent to rank 0)
-    for k in range(dist.rank() if world > 1 else 0, len(blocks), world):  # this rank's share
-        rows, columns, block_txt = blocks[k]
-        piece = stored.load(k) if stored is not None else None
-        if piece is None:
-            start = time.perf_counter()
-            piece = model.score(img.take(rows), block_txt).float()
-            if stored is not None:
-                stored.save(k, piece, time.perf_counter() - start)
-        if out is not None:
-            out[rows, columns] = piece
-        else:
-            pieces[k] = piece
-        bar.update(piece.numel() * world)
+    try:
+        for k in range(dist.rank() if world > 1 else 0, len(blocks), world):  # this rank's share
+            rows, columns, block_txt = blocks[k]
+            piece = stored.load(k) if stored is not None else None
+            if piece is None:
+                start = time.perf_counter()
+                piece = model.score(img.take(rows), block_txt).float()
+                if stored is not None:
+                    stored.save(k, piece, time.perf_counter() - start)
+            if out is not None:
+                out[rows, columns] = piece
+            else:
+                pieces[k] = piece
+            bar.update(piece.numel() * world)
+    except BaseException:  # interrupted (Ctrl-C, an error): keep what was scored since the last write
+        if stored is not None:
+            stored.flush()
+        raise
     bar.close()
     if world > 1:
         gathered = dist.gather_objects(pieces)  # (also: every rank has finished its blocks)

@@ -2,8 +2,9 @@
 
 A pair head such as MMCA's cross-attention module needs hours of CPU for a 1000 x 5000 test split
 (docs/mmca.md); this is what lets such an evaluation survive a kill or the end of a session. Every block
-of the evaluator's plan (`evaluate.score_blocks`) is written atomically once scored, with the seconds it
-took; a later run over the same inputs loads the finished blocks and scores only the others.
+of the evaluator's plan (`evaluate.score_blocks`) is kept once scored, with the seconds it took, and
+written atomically with the others of the last minute; a later run over the same inputs loads the
+finished blocks and scores only the others.
 
 "The same inputs" is checked exactly, not trusted: a matrix's key hashes the model's parameters, the
 encoded images and captions (so also the data, the tokenizer and any frozen encoder) and the block plan.
@@ -14,6 +15,7 @@ find the blocks of the first one and scores from the start (with a warning that 
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -26,6 +28,7 @@ from itmatch.io import write_with
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 
 KEY_CHARS = 20  # of the SHA-256 hex digest: a directory name, collisions out of reach
+FLUSH_SECONDS = 60.0  # of scoring between two writes of finished blocks (what a kill can lose at most)
 
 
 def _update(h: hashlib._Hash, t: torch.Tensor) -> None:
@@ -56,33 +59,54 @@ def matrix_key(model: Matcher, img: ImageEmb, blocks: list[tuple[slice, torch.Te
 
 
 class MatrixBlocks:
-    """The finished blocks of one score matrix: `DIR/<key>/block-<k>.safetensors`."""
+    """The finished blocks of one score matrix, in `DIR/<key>/part-<first>-<last>.safetensors` files: one
+    tensor per block (`b<k>`) and each block's scoring seconds in the metadata. Blocks are written in parts
+    every FLUSH_SECONDS of scoring, not one file each: an MMCA test matrix has ~100k blocks of ~60 ms, and a
+    kill loses at most one part's work."""
 
     def __init__(self, cache: ScoreCache, key: str) -> None:
         self.cache, self.dir = cache, cache.root / key
-
-    def _path(self, k: int) -> Path:
-        return self.dir / f"block-{k:06d}.safetensors"
+        self.flush_seconds = FLUSH_SECONDS
+        self._finished: dict[int, tuple[torch.Tensor, float]] = {}  # from earlier runs, until used
+        for part in sorted(self.dir.glob("part-*.safetensors")):
+            with safe_open(str(part), framework="pt") as f:
+                seconds = json.loads(f.metadata()["seconds"])
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    self._finished[int(name[1:])] = (f.get_tensor(name), seconds[name])
+        self._pending: dict[int, tuple[torch.Tensor, float]] = {}
+        self._pending_seconds = 0.0
 
     def load(self, k: int) -> torch.Tensor | None:
         """Block k's scores if an earlier run finished it (its seconds are added to the cache's tally)."""
-        path = self._path(k)
-        if not path.exists():
+        if k not in self._finished:
             return None
-        with safe_open(str(path), framework="pt") as f:
-            scores = f.get_tensor("scores")
-            seconds = float(f.metadata()["seconds"])
+        scores, seconds = self._finished.pop(k)
         self.cache.resumed_blocks += 1
         self.cache.resumed_seconds += seconds
         return scores
 
     def save(self, k: int, scores: torch.Tensor, seconds: float) -> None:
+        """Keep block k; written with the others of its part once FLUSH_SECONDS of scoring have passed."""
+        self._pending[k] = (scores, seconds)
+        self._pending_seconds += seconds
+        if self._pending_seconds >= self.flush_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the blocks kept since the last part (nothing if none)."""
+        if not self._pending:
+            return
+        ks = sorted(self._pending)
+        tensors = {f"b{k}": self._pending[k][0].contiguous() for k in ks}
+        seconds = json.dumps({f"b{k}": round(self._pending[k][1], 6) for k in ks})
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_with(self._path(k), lambda tmp: save_file({"scores": scores.contiguous()}, str(tmp),
-                                                        metadata={"seconds": f"{seconds:.6f}"}))
+        write_with(self.dir / f"part-{ks[0]:07d}-{ks[-1]:07d}.safetensors",
+                   lambda tmp: save_file(tensors, str(tmp), metadata={"seconds": seconds}))
+        self._pending, self._pending_seconds = {}, 0.0
 
     def finish(self) -> None:
         """The matrix is complete: its blocks are no longer needed (nor the cache directory, if empty)."""
+        self._pending, self._finished = {}, {}
         shutil.rmtree(self.dir, ignore_errors=True)
         if self.cache.root.is_dir() and not any(self.cache.root.iterdir()):
             self.cache.root.rmdir()
