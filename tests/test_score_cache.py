@@ -4,6 +4,9 @@ from them and ends with exactly the matrix of an uninterrupted run; other inputs
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import pytest
 import torch
 from conftest import WORDS
@@ -29,14 +32,16 @@ def _scan(seed: int = 0):
     return build_model(cfg.model).eval()
 
 
-def _count_and_stop_after(model, calls: list[int], stop_after: int | None) -> None:
-    """Count the head's block calls; raise (a stand-in for a kill) after `stop_after` of them."""
+def _count_and_stop_after(model, calls: list[int], stop_after: int | None, delay: float = 0.0) -> None:
+    """Count the head's block calls; raise (a stand-in for a kill) after `stop_after` of them; each call
+    takes at least `delay` seconds."""
     score = type(model).score.__get__(model)  # the head's own method, even if wrapped before
 
     def counted(img, txt):
         if stop_after is not None and len(calls) == stop_after:
             raise Interrupted
         calls.append(len(img) * len(txt))
+        time.sleep(delay)
         return score(img, txt)
 
     model.score = counted
@@ -100,17 +105,16 @@ def test_blocks_of_other_inputs_are_not_reused(inputs, split, tmp_path):
 def test_evaluate_reports_resumed_blocks_and_their_time(split, tmp_path):
     model, vocab = _scan(), Vocab(WORDS)
     plain = evaluate_models([(model, vocab)], split, budget_bytes=BUDGET)
-    _count_and_stop_after(model, [], stop_after=4)
+    _count_and_stop_after(model, [], stop_after=4, delay=0.05)  # 4 blocks of >= 0.05 s before the "kill"
     with pytest.raises(Interrupted):
         evaluate_models([(model, vocab)], split, budget_bytes=BUDGET, resume_dir=tmp_path / "blocks")
     del model.score  # the head's own method again
     resumed = evaluate_models([(model, vocab)], split, budget_bytes=BUDGET, resume_dir=tmp_path / "blocks")
-    assert resumed["resumed"]["blocks"] == 4 and resumed["resumed"]["seconds"] > 0
+    assert resumed["resumed"]["blocks"] == 4 and resumed["resumed"]["seconds"] >= 0.2  # the first run's time
     assert resumed["eval_seconds"] >= resumed["resumed"]["seconds"]
     for key in ("image_to_text", "text_to_image", "rsum"):
         assert resumed[key] == plain[key]
     assert "resumed" not in plain
-
 
 
 def test_blocks_are_written_in_parts_every_flush_seconds(inputs, tmp_path, monkeypatch):
@@ -131,3 +135,18 @@ def test_blocks_are_written_in_parts_every_flush_seconds(inputs, tmp_path, monke
     assert len(list(tmp_path.glob("*/part-*.safetensors"))) == 7 and _blocks_on_disk(tmp_path) == 26
     _count_and_stop_after(model, [], stop_after=None)
     assert torch.equal(score_matrix(model, img, buckets, budget_bytes=BUDGET, cache=ScoreCache(tmp_path)), reference)
+
+
+def test_a_long_scoring_without_cache_suggests_resume_dir(inputs, monkeypatch):
+    import itmatch.engine.evaluate as evaluate
+
+    model, img, buckets = inputs
+    monkeypatch.setattr(evaluate, "ADVICE_AFTER_SECONDS", 0.0)
+    monkeypatch.setattr(evaluate, "LONG_SCORING_SECONDS", 0.0)  # every scoring is "long"
+    with pytest.warns(UserWarning, match="--resume-dir DIR") as record:
+        score_matrix(model, img, buckets, budget_bytes=BUDGET)
+    assert len(record) == 1  # once, not per block
+    monkeypatch.setattr(evaluate, "LONG_SCORING_SECONDS", 1e9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # short: nothing said
+        score_matrix(model, img, buckets, budget_bytes=BUDGET)

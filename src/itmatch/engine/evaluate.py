@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -233,6 +234,32 @@ def sharded_score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBucke
                          world=dist.world_size(), cache=cache)
 
 
+ADVICE_AFTER_SECONDS = 60.0  # of scoring, before estimating the whole matrix's time
+LONG_SCORING_SECONDS = 900.0  # estimated scoring time from which a run without --resume-dir is told about it
+
+
+class _LongScoringAdvice:
+    """Says once, after a minute of scoring without a cache, when the whole matrix will take long enough
+    that losing it to a kill would hurt, and how to avoid that."""
+
+    def __init__(self, pairs: int) -> None:
+        self.pairs, self.after, self.long = pairs, ADVICE_AFTER_SECONDS, LONG_SCORING_SECONDS
+        self.start, self.done, self.said = time.perf_counter(), 0, False
+
+    def __call__(self, scored: int) -> None:
+        self.done += scored
+        elapsed = time.perf_counter() - self.start
+        if self.said or elapsed < self.after:
+            return
+        self.said = True
+        total = elapsed * self.pairs / self.done
+        if total >= self.long and dist.is_main():
+            warnings.warn(f"scoring {self.pairs:,} pairs will take about {total / 60:.0f} min at this rate; "
+                          "nothing is kept if it is killed: `itmatch evaluate --resume-dir DIR` (resume_dir=) "
+                          "keeps finished blocks so that a rerun continues, `--rerank K` scores only a first "
+                          "stage's top K", stacklevel=4)
+
+
 def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, budget_bytes: float,
                   progress: bool, captions_per_block: int, max_cells: int, world: int,
                   cache: ScoreCache | None = None) -> torch.Tensor | None:
@@ -247,6 +274,7 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
     one_product = model.head.pair_independent and world == 1  # the one block is the whole matrix
     out = torch.empty(n, m) if world == 1 and not one_product else None
     pieces = {}  # (sharded: this rank's blocks, sent to rank 0)
+    advise = _LongScoringAdvice(n * m) if stored is None and not model.head.pair_independent else None
     try:
         for k in range(dist.rank() if world > 1 else 0, len(blocks), world):  # this rank's share
             rows, columns, block_txt = blocks[k]
@@ -261,6 +289,8 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
             else:
                 pieces[k] = piece
             bar.update(piece.numel() * world)
+            if advise is not None:
+                advise(piece.numel() * world)
     except BaseException:  # interrupted (Ctrl-C, an error): keep what was scored since the last write
         if stored is not None:
             stored.flush()
