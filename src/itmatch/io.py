@@ -30,25 +30,13 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _remove_dead_writers_leftovers(final: Path) -> None:
-    """Delete `.{name}.{host}-{pid}.{random}.partial` files of `final` left by processes of this host that
-    no longer run (killed between creating and renaming them). Files of running processes, of other hosts
-    (a shared file system) and of the older unnamed form are left alone."""
-    host = socket.gethostname()
-    for tmp in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
-        writer = tmp.name[len(final.name) + 2:-len(".partial")].rpartition(".")[0]
-        writer_host, _, pid = writer.rpartition("-")
-        if writer_host == host and pid.isdigit() and not _running(int(pid)) and tmp.is_file():
-            tmp.unlink(missing_ok=True)
-
-
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds. Temporary
-    files of `path` that killed writers left behind are removed first (see _remove_dead_writers_leftovers)."""
+    files of `path` that killed writers left behind are removed first (remove_atomic_leftovers)."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_writers_leftovers(final)
+    remove_atomic_leftovers(final, only_dead_writers=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.{_writer()}.", suffix=".partial", dir=final.parent)
     os.close(fd)
     tmp_path = Path(tmp)
@@ -65,11 +53,19 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
             tmp_path.unlink()
 
 
-def remove_atomic_leftovers(path: str | Path) -> None:
-    """Delete the temporary files that atomic writes of `path` left beside it when the process was killed
-    between creating and renaming them (`.{name}.*.partial`). Only for a path no one else is writing now."""
+def remove_atomic_leftovers(path: str | Path, only_dead_writers: bool = False) -> None:
+    """Delete the temporary files (`.{name}.{host}-{pid}.{random}.partial`) that atomic writes of `path` left
+    beside it when their process was killed between creating and renaming them. All of them: only for a path
+    no one else is writing now. `only_dead_writers`: those of processes of this host that no longer run;
+    files of running processes, of other hosts (a shared file system) and of the older unnamed form stay."""
     final = Path(path)
+    host = socket.gethostname()
     for tmp in final.parent.glob(f".{glob.escape(final.name)}.*.partial"):
+        if only_dead_writers:
+            writer = tmp.name[len(final.name) + 2:-len(".partial")].rpartition(".")[0]
+            writer_host, _, pid = writer.rpartition("-")
+            if writer_host != host or not pid.isdigit() or _running(int(pid)) or not tmp.is_file():
+                continue
         tmp.unlink(missing_ok=True)
 
 
