@@ -150,3 +150,19 @@ def test_a_long_scoring_without_cache_suggests_resume_dir(inputs, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # short: nothing said
         score_matrix(model, img, buckets, budget_bytes=BUDGET)
+
+
+def test_resumed_seconds_are_the_earlier_runs_wall_time_whatever_their_ranks(tmp_path):
+    """A block scored while two ranks scored side by side took half its seconds of the run's wall time; so
+    blocks of a two-rank run and of a single-process run add up to the wall time of both runs."""
+    from itmatch.engine.score_cache import MatrixBlocks
+
+    cache = ScoreCache(tmp_path)
+    for ranks, first in ((2, 0), (1, 4)):
+        earlier = MatrixBlocks(cache, "key", ranks)
+        for k in range(first, first + 4):
+            earlier.save(k, torch.zeros(2, 3), seconds=1.0)
+        earlier.flush()
+    resumed = MatrixBlocks(cache, "key", ranks=2)
+    assert all(resumed.load(k) is not None for k in range(8))
+    assert cache.resumed_blocks == 8 and cache.resumed_seconds == pytest.approx(4 / 2 + 4 / 1)

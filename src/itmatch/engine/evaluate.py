@@ -268,7 +268,7 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
     n, m = len(img), sum(len(c) for c, _ in buckets)
     blocks = score_blocks(model, img, buckets, budget_bytes, max_cells, world)
     # (a pair-independent head is one matrix product: nothing worth keeping)
-    stored = cache.matrix(model, img, blocks) if cache is not None and not model.head.pair_independent else None
+    stored = cache.matrix(model, img, blocks, world) if cache is not None and not model.head.pair_independent else None
     bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
                leave=False)
     one_product = model.head.pair_independent and world == 1  # the one block is the whole matrix
@@ -478,9 +478,9 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
         if total is not None:
             folds.append(retrieval_metrics(total / len(models), fold.per_image))
     resumed = (cache.resumed_blocks, cache.resumed_seconds) if cache is not None else (0, 0.0)
-    if sharded:  # the ranks scored side by side: the earlier runs took the longest rank's seconds
+    if sharded:  # each rank resumed its share of the blocks (their seconds are already wall-time shares)
         per_rank = dist.gather_objects(resumed)
-        resumed = (sum(b for b, _ in per_rank), max(s for _, s in per_rank)) if per_rank is not None else resumed
+        resumed = (sum(b for b, _ in per_rank), sum(s for _, s in per_rank)) if per_rank is not None else resumed
     if not dist.is_main():
         return dist.broadcast_object(None)
     result = dict(folds[0] if len(folds) == 1 else average_folds(folds))

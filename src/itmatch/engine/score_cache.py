@@ -60,24 +60,30 @@ def matrix_key(model: Matcher, img: ImageEmb, blocks: list[tuple[slice, torch.Te
 
 class MatrixBlocks:
     """The finished blocks of one score matrix, in `DIR/<key>/part-<first>-<last>.safetensors` files: one
-    tensor per block (`b<k>`) and each block's scoring seconds in the metadata. Blocks are written in parts
-    every FLUSH_SECONDS of scoring, not one file each: an MMCA test matrix has ~100k blocks of ~60 ms, and a
-    kill loses at most one part's work."""
+    tensor per block (`b<k>`); the metadata holds each block's scoring seconds and how many ranks were
+    scoring side by side when it was made. Blocks are written in parts every FLUSH_SECONDS of scoring, not
+    one file each: an MMCA test matrix has ~100k blocks of ~60 ms, and a kill loses at most one part's work.
 
-    def __init__(self, cache: ScoreCache, key: str) -> None:
-        self.cache, self.dir = cache, cache.root / key
+    `ranks` is this run's number of processes (torchrun's world size). A block's share of an earlier run's
+    wall time is its seconds / that run's ranks, so resumed seconds add up to the earlier runs' wall time
+    whether those ran alone or sharded, and whatever this run's ranks."""
+
+    def __init__(self, cache: ScoreCache, key: str, ranks: int = 1) -> None:
+        self.cache, self.dir, self.ranks = cache, cache.root / key, ranks
         self.flush_seconds = FLUSH_SECONDS
         self._finished: dict[int, tuple[torch.Tensor, float]] = {}  # from earlier runs, until used
         for part in sorted(self.dir.glob("part-*.safetensors")):
             with safe_open(str(part), framework="pt") as f:
-                seconds = json.loads(f.metadata()["seconds"])
+                meta = f.metadata()
+                seconds, ranks_then = json.loads(meta["seconds"]), int(meta.get("ranks", 1))
                 for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    self._finished[int(name[1:])] = (f.get_tensor(name), seconds[name])
+                    self._finished[int(name[1:])] = (f.get_tensor(name), seconds[name] / ranks_then)
         self._pending: dict[int, tuple[torch.Tensor, float]] = {}
         self._pending_seconds = 0.0
 
     def load(self, k: int) -> torch.Tensor | None:
-        """Block k's scores if an earlier run finished it (its seconds are added to the cache's tally)."""
+        """Block k's scores if an earlier run finished it (its share of that run's wall time is added to the
+        cache's tally)."""
         if k not in self._finished:
             return None
         scores, seconds = self._finished.pop(k)
@@ -101,7 +107,8 @@ class MatrixBlocks:
         seconds = json.dumps({f"b{k}": round(self._pending[k][1], 6) for k in ks})
         self.dir.mkdir(parents=True, exist_ok=True)
         write_with(self.dir / f"part-{ks[0]:07d}-{ks[-1]:07d}.safetensors",
-                   lambda tmp: save_file(tensors, str(tmp), metadata={"seconds": seconds}))
+                   lambda tmp: save_file(tensors, str(tmp),
+                                                 metadata={"seconds": seconds, "ranks": str(self.ranks)}))
         self._pending, self._pending_seconds = {}, 0.0
 
     def finish(self) -> None:
@@ -114,7 +121,7 @@ class MatrixBlocks:
 
 class ScoreCache:
     """A directory of finished score blocks (`itmatch evaluate --resume-dir`), one subdirectory per matrix;
-    counts what it resumed (blocks, and the scoring seconds earlier runs spent on them)."""
+    counts what it resumed (blocks, and the wall seconds earlier runs spent scoring them)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -122,7 +129,7 @@ class ScoreCache:
         self.resumed_seconds = 0.0
 
     def matrix(self, model: Matcher, img: ImageEmb,
-               blocks: list[tuple[slice, torch.Tensor | slice, TextEmb]]) -> MatrixBlocks:
+               blocks: list[tuple[slice, torch.Tensor | slice, TextEmb]], ranks: int = 1) -> MatrixBlocks:
         key = matrix_key(model, img, blocks)
         others = sorted(p.name for p in self.root.glob("*") if p.is_dir() and p.name != key)
         if others and not (self.root / key).exists():  # said at the start, not after hours of scoring
@@ -130,4 +137,4 @@ class ScoreCache:
                           f"({', '.join(others)}), not of this one, which starts from its first block; they "
                           f"were made with another model, other data or another --threads (remove them when "
                           f"they are no longer needed)", stacklevel=2)
-        return MatrixBlocks(self, key)
+        return MatrixBlocks(self, key, ranks)
