@@ -19,13 +19,17 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from itmatch.io import write_with
-from itmatch.models.base import ImageEmb, Matcher, TextEmb
+from itmatch.models.base import ImageEmb, Matcher
+
+if TYPE_CHECKING:  # (evaluate imports this module)
+    from itmatch.engine.evaluate import Block
 
 KEY_CHARS = 20  # of the SHA-256 hex digest: a directory name, collisions out of reach
 FLUSH_SECONDS = 60.0  # of scoring between two writes of finished blocks (what a kill can lose at most)
@@ -36,7 +40,7 @@ def _update(h: hashlib._Hash, t: torch.Tensor) -> None:
     h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def matrix_key(model: Matcher, img: ImageEmb, blocks: list[tuple[slice, torch.Tensor | slice, TextEmb]]) -> str:
+def matrix_key(model: Matcher, img: ImageEmb, blocks: list[Block]) -> str:
     """Hex key of one score matrix: model parameters and buffers, encoded items, block plan."""
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
@@ -129,7 +133,7 @@ class ScoreCache:
         self.resumed_seconds = 0.0
 
     def matrix(self, model: Matcher, img: ImageEmb,
-               blocks: list[tuple[slice, torch.Tensor | slice, TextEmb]], ranks: int = 1) -> MatrixBlocks:
+               blocks: list[Block], ranks: int = 1) -> MatrixBlocks:
         key = matrix_key(model, img, blocks)
         others = sorted(p.name for p in self.root.glob("*") if p.is_dir() and p.name != key)
         if others and not (self.root / key).exists():  # said at the start, not after hours of scoring
