@@ -41,6 +41,26 @@ def test_header_is_exactly_the_design(tmp_path):
     assert "| scan_t2i_avg | 1k | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 123.5 | 20.6 | 1.2 |" in md  # mR = rsum / 6
 
 
+def _add_rows(path: str, worker: int, count: int) -> None:
+    for i in range(count):
+        upsert_row(path, result_row(f"w{worker}_{i}", "m", "d", RESULT, "c"))
+
+
+def test_evaluations_writing_one_results_file_at_once_lose_no_row(tmp_path):
+    """Processes appending rows side by side (two bench jobs finishing together) keep every row."""
+    import multiprocessing
+
+    path = str(tmp_path / "flickr8k.csv")
+    context = multiprocessing.get_context("spawn")  # (no fork of a process that may hold torch threads)
+    workers = [context.Process(target=_add_rows, args=(path, w, 25)) for w in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+        assert w.exitcode == 0
+    assert sorted(r["name"] for r in read_rows(path)) == sorted(f"w{w}_{i}" for w in range(4) for i in range(25))
+
+
 def test_foreign_csv_is_rejected(tmp_path):
     path = tmp_path / "x.csv"
     path.write_text("a,b\n1,2\n")

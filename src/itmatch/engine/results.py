@@ -7,9 +7,12 @@ import csv
 import io
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from filelock import FileLock
 
 from itmatch.errors import DataError, OverwriteError
 from itmatch.io import write_text_atomic
@@ -48,18 +51,30 @@ def write_rows(path: str | Path, header: list[str], rows: list[dict[str, str]]) 
     write_text_atomic(path, buf.getvalue())
 
 
+@contextmanager
+def exclusive(path: str | Path) -> Iterator[None]:
+    """Hold the lock of a results file (`.NAME.lock` beside it) for a read-modify-write. Two evaluations
+    finishing at once (two bench jobs, one a core) would otherwise each write back the rows they read, and
+    the row of one would be lost; the atomic rename only keeps the file whole, not both rows."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(path.with_name(f".{path.name}.lock")):
+        yield
+
+
 def upsert_row(path: str | Path, row: dict[str, str], force: bool = False) -> None:
     """Add `row`; a row with the same name is replaced only with force."""
-    rows = read_rows(path)
-    names = [r["name"] for r in rows]
-    if row["name"] in names:
-        if not force:
-            raise OverwriteError(f"row {row['name']!r} already exists", path=path,
-                                 hint="pass --force to replace it, or choose another --name")
-        rows[names.index(row["name"])] = row
-    else:
-        rows.append(row)
-    write_rows(path, HEADER, rows)
+    with exclusive(path):
+        rows = read_rows(path)
+        names = [r["name"] for r in rows]
+        if row["name"] in names:
+            if not force:
+                raise OverwriteError(f"row {row['name']!r} already exists", path=path,
+                                     hint="pass --force to replace it, or choose another --name")
+            rows[names.index(row["name"])] = row
+        else:
+            rows.append(row)
+        write_rows(path, HEADER, rows)
 
 
 #: docs/results/training/<dataset>.csv: one row per (run, epoch), read from the run's metrics.jsonl, so that
@@ -88,10 +103,12 @@ def history_rows(name: str, metrics: str | Path) -> list[dict[str, str]]:
 
 def replace_history(path: str | Path, name: str, rows: list[dict[str, str]]) -> None:
     """Put `rows` in place of every history row of run `name` (a retrained run replaces its history)."""
-    old = read_rows(path, HISTORY_HEADER)
-    names = list(dict.fromkeys([r["name"] for r in old] + [name]))  # file order; a new run goes last
-    kept = [r for r in old if r["name"] != name]
-    write_rows(path, HISTORY_HEADER, sorted(kept + rows, key=lambda r: (names.index(r["name"]), int(r["epoch"]))))
+    with exclusive(path):
+        old = read_rows(path, HISTORY_HEADER)
+        names = list(dict.fromkeys([r["name"] for r in old] + [name]))  # file order; a new run goes last
+        kept = [r for r in old if r["name"] != name]
+        write_rows(path, HISTORY_HEADER,
+                   sorted(kept + rows, key=lambda r: (names.index(r["name"]), int(r["epoch"]))))
 
 
 TABLE_HEAD = ["| name | protocol | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 | rsum | mR | eval s |",
