@@ -17,13 +17,14 @@ from itmatch.config import Config, LossConfig  # noqa: E402
 from itmatch.data.datasets import pad_tokens  # noqa: E402
 from itmatch.data.vocab import WordPieceVocab, load_vocab  # noqa: E402
 from itmatch.engine.evaluate import score_matrix  # noqa: E402
+from itmatch.engine.metrics import retrieval_metrics  # noqa: E402
 from itmatch.errors import ConfigError, DataError  # noqa: E402
 from itmatch.features.text_backbone import load_pretrained_tokenizer  # noqa: E402
 from itmatch.models.base import ImageEmb, TextEmb, l2norm  # noqa: E402
 from itmatch.models.heads.mmca import MMCAHead  # noqa: E402
 from itmatch.models.losses import mmca_loss  # noqa: E402
 from itmatch.models.registry import build_model, preset_config  # noqa: E402
-from itmatch.retrieval.two_stage import two_stage_scores  # noqa: E402
+from itmatch.retrieval.two_stage import pruned_scores, two_stage_scores  # noqa: E402
 
 CAPTIONS = ["A man is surfing on a wave.", "two dogs play in the snow", "a girl", "Kids!",
             "A black and white dog jumps over a red-and-white barrier at the agility show."]
@@ -225,6 +226,59 @@ def test_rerank_with_all_candidates_equals_exhaustive(vocab, model):
     assert (few[chosen] - exhaustive[chosen]).abs().max() <= 1e-5
 
 
+def _spread_items(vocab, model, n: int, alpha: float):
+    """n images and 5n captions whose global cosines spread over [-1, 1] (caption ~ its image + noise), so
+    that a bound of alpha rules many pairs out, as for a trained model."""
+    torch.manual_seed(5)
+    model.head.alpha = alpha
+    with torch.inference_mode():
+        img = model.encode_images(torch.randn(n, 6, 32))
+        words = ["dog", "cat", "car", "tree", "boat", "horse", "bird", "child", "ball", "bike"]
+        tokens, lengths = _tokens(vocab, [f"a {words[j % 10]} near a {words[j // 10 % 10]}" for j in range(5 * n)])
+        txt = model.encode_texts(tokens, lengths)
+    centres = F.normalize(torch.randn(n, img.vector.shape[1]), dim=1)
+    img.vector = F.normalize(centres + 0.3 * torch.randn_like(centres), dim=1)
+    txt.vector = F.normalize(centres.repeat_interleave(5, 0) + 0.6 * torch.randn(5 * n, centres.shape[1]), dim=1)
+    return img, txt
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.0])
+def test_safe_pruning_gives_the_exhaustive_ranks(vocab, alpha):
+    torch.manual_seed(0)
+    model = build_model(small_config(vocab).model).eval()
+    img, txt = _spread_items(vocab, model, 12, alpha)
+    exhaustive = score_matrix(model, img, txt)
+    result = pruned_scores(model, img, txt)
+    assert retrieval_metrics(result.scores) == retrieval_metrics(exhaustive)
+    # reference from the definition: a query's targets are its ground truth's exact scores; every pair that
+    # kept its global cosine s lies, with its true score S, on the same side of both its targets
+    first = img.vector @ txt.vector.T
+    owner = torch.arange(60) // 5
+    own = exhaustive[owner, torch.arange(60)]
+    best = exhaustive.masked_fill(owner[None, :] != torch.arange(12)[:, None], float("-inf")).amax(1)
+    kept = result.scores == first
+    for target in (best[:, None].expand(12, 60), own[None, :].expand(12, 60)):
+        assert torch.equal((exhaustive[kept] >= target[kept]), (first[kept] >= target[kept]))
+    scored = ~kept
+    assert (result.scores[scored] - exhaustive[scored]).abs().max() <= 1e-5
+    assert result.pairs_total == 720
+    if alpha == 0:
+        assert result.pairs_scored == 60  # only the ground truth: S is the global cosine
+    else:
+        assert 60 < result.pairs_scored < 720
+
+
+def test_safe_pruning_needs_a_score_bound():
+    cfg = preset_config("scan_t2i_avg").model
+    cfg.img_dim, cfg.vocab_size, cfg.embed_size = 32, 20, 8
+    scan = build_model(cfg).eval()
+    with torch.inference_mode():
+        img = scan.encode_images(torch.randn(2, 6, 32))
+        txt = scan.encode_texts(torch.randint(1, 20, (10, 4)), torch.full((10,), 4))
+    with pytest.raises(ConfigError, match="no bound"):
+        pruned_scores(scan, img, txt)
+
+
 def test_a_few_training_steps_reduce_the_loss(vocab):
     torch.manual_seed(4)
     cfg = small_config(vocab, img_dim=16)
@@ -278,6 +332,15 @@ def test_train_checkpoint_and_load_end_to_end(tiny_precomp, tmp_path, vocab):
     assert main(["evaluate", str(tmp_path / "run" / "best"), "--split", "test", "--rerank", "5", "--quiet",
                  "--json", str(tmp_path / "test.json")]) == 0
     assert json.loads((tmp_path / "test.json").read_text())["rerank"] == 5
+    # safe pruning from the command line: the exhaustive metrics from fewer pairs
+    for how in ("--prune", "--threads=0"):
+        assert main(["evaluate", str(tmp_path / "run" / "best"), "--split", "test", how, "--quiet",
+                     "--json", str(tmp_path / f"{how}.json")]) == 0
+    pruned, exhaustive = (json.loads((tmp_path / f"{how}.json").read_text()) for how in ("--prune", "--threads=0"))
+    for direction in ("image_to_text", "text_to_image"):
+        assert pruned[direction] == exhaustive[direction]
+    assert pruned["two_stage"]["pruned"] and pruned["two_stage"]["pairs_total"] == 40 * 200
+    assert main(["evaluate", str(tmp_path / "run" / "best"), "--prune", "--rerank", "5", "--quiet"]) == 2
 
     # a (valid, manifest-consistent) checkpoint trained with another frozen encoder than the one installed
     # now is refused

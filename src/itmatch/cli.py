@@ -114,7 +114,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
                              args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank,
-                             first_stage=first_stage, index=args.faiss, resume_dir=args.resume_dir)
+                             first_stage=first_stage, index=args.faiss, resume_dir=args.resume_dir,
+                             prune=args.prune)
     if not dist.is_main():
         return 0
     if "resumed" in result:
@@ -132,8 +133,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     print(format_table(result))
     if "two_stage" in result and not isinstance(result["two_stage"], list):
         ts = result["two_stage"]
-        print(f"two-stage: top {ts['k']} ({ts['index']}), {ts['pairs_scored']} of {ts['pairs_total']} pairs "
-              f"scored ({100 * ts['fraction_scored']:.1f}%)")
+        how = (f"safe pruning (bound {ts['bound']:g})" if ts.get("pruned")
+               else f"two-stage: top {ts['k']} ({ts['index']})")
+        print(f"{how}, {ts['pairs_scored']} of {ts['pairs_total']} pairs scored "
+              f"({100 * ts['fraction_scored']:.1f}%)")
     if args.json:
         write_json_atomic(args.json, result)
     if args.results:
@@ -305,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--rerank", type=int, default=0, metavar="K",
                    help="two-stage: re-score only the first stage's top K per query, both directions "
                         "(default 0: exhaustive)")
+    s.add_argument("--prune", action="store_true",
+                   help="safe pruning: the exhaustive metrics, scoring exactly only the pairs whose score the "
+                        "head's bound around its global cosine leaves on either side of a query's ground truth "
+                        "(MMCA: |S - i0.c0| <= alpha)")
     s.add_argument("--first-stage", metavar="CKPT",
                    help="checkpoint whose global embedding proposes the candidates (e.g. VSE++ trained on "
                         "the same data); default: the evaluated model's own, if it has one")

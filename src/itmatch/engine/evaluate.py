@@ -8,6 +8,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +22,9 @@ from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.engine.score_cache import ScoreCache
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
+
+if TYPE_CHECKING:  # (two_stage imports this module)
+    from itmatch.retrieval.two_stage import TwoStageResult
 
 PROTOCOLS = ("1k", "full", "coco1k", "coco5k")
 DEFAULT_BUDGET = 4 * 1024**3
@@ -433,18 +437,33 @@ def rerank_split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, k:
         img_vec, txt_vec = first_stage_vectors(encode_images(fs_model.eval(), split.images),
                                                encode_captions(fs_model, split.captions, fs_vocab))
     result = two_stage_scores(model, img, txt, k, img_vec, txt_vec, index, progress)
-    info = {"k": k, "index": index, "pairs_scored": result.pairs_scored, "pairs_total": result.pairs_total,
+    return result.scores, {"k": k, "index": index, **_two_stage_info(result)}
+
+
+def pruned_split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, progress: bool = False
+                        ) -> tuple[torch.Tensor, dict]:
+    """Safe-pruned scores of a split (retrieval.two_stage.pruned_scores): exhaustive ranks, fewer pairs."""
+    from itmatch.retrieval.two_stage import pruned_scores
+
+    img = encode_images(model, split.images, progress=progress)
+    txt = encode_captions(model, split.captions, vocab, progress=progress)
+    result = pruned_scores(model, img, txt, split.per_image, progress)
+    return result.scores, {"pruned": True, "bound": model.head.score_bound, **_two_stage_info(result)}
+
+
+def _two_stage_info(result: TwoStageResult) -> dict:
+    return {"pairs_scored": result.pairs_scored, "pairs_total": result.pairs_total,
             "fraction_scored": round(result.fraction, 5),
             "seconds": {key: round(v, 3) for key, v in result.timings.items()}}
-    return result.scores, info
 
 
 def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit, protocol: str = "full",
                     budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0,
                     first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat",
-                    resume_dir: str | Path | None = None) -> dict:
+                    resume_dir: str | Path | None = None, prune: bool = False) -> dict:
     """Metrics of one model, or of an ensemble (score matrices averaged before ranking). With
     `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model.
+    With `prune`: safe pruning (exhaustive metrics, only the pairs the head's score bound leaves open).
 
     With `resume_dir`, exhaustive scoring keeps its finished blocks there and continues from those an
     interrupted run over the same inputs left (engine.score_cache); `eval_seconds` then adds the scoring
@@ -453,23 +472,27 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     Under torchrun every rank calls this: exhaustive scoring is sharded across the ranks (see
     sharded_score_matrix), rank 0 computes the metrics (two-stage scoring runs on rank 0 alone) and every
     rank returns rank 0's result."""
-    if rerank and len(models) != 1:
-        raise ConfigError("two-stage re-ranking takes one model, not an ensemble",
-                          hint="evaluate one checkpoint with --rerank, or drop --rerank")
+    if rerank and prune:
+        raise ConfigError("--rerank K and --prune are two different scorings", hint="choose one of them")
+    two_staged = bool(rerank or prune)
+    if two_staged and len(models) != 1:
+        raise ConfigError(f"{'safe pruning' if prune else 'two-stage re-ranking'} takes one model, not an ensemble",
+                          hint=f"evaluate one checkpoint with {'--prune' if prune else '--rerank'}, or drop it")
     sharded = dist.is_distributed()
-    if sharded and (rerank or not dist.is_main()):
+    if sharded and (two_staged or not dist.is_main()):
         progress = False
     start = time.perf_counter()
-    cache = ScoreCache(resume_dir) if resume_dir is not None and not rerank else None
+    cache = ScoreCache(resume_dir) if resume_dir is not None and not two_staged else None
     folds, two_stage = [], []
     for fold in protocol_folds(split, protocol):
         total = None
         for model, vocab in models:
             model.eval()
-            if rerank:
+            if two_staged:
                 if not dist.is_main():
                     continue
-                scores, info = rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress)
+                scores, info = (pruned_split_scores(model, vocab, fold, progress) if prune else
+                                rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress))
                 two_stage.append(info)
             else:
                 scores = split_scores(model, vocab, fold, budget_bytes, progress, sharded=sharded, cache=cache)

@@ -156,6 +156,10 @@ class SimilarityHead(nn.Module):
     #: largest block (region x word cells) the head computes fastest, 0: the evaluator's default. A head
     #: with large per-pair activations (MMCA's transformer unit) caps its blocks so they stay in the cache.
     max_block_cells: int = 0
+    #: b such that |score(i, t) - vector_i . vector_t| <= b for every pair: a head whose score is its
+    #: global cosine plus a bounded pair term (MMCA: alpha * i1 . c1 of unit vectors). None: no such bound.
+    #: Safe pruning (retrieval.two_stage.pruned_scores) scores exactly only the pairs it cannot rule out.
+    score_bound: float | None = None
 
     @property
     def pair_independent(self) -> bool:

@@ -1,6 +1,10 @@
 """Two-stage scoring: a global first stage proposes K candidates per query in both directions, the
 model's pair head re-scores exactly those pairs. The result is an ordinary [n_img, n_txt] score matrix
-with -inf outside the candidates, so the retrieval metrics apply unchanged (docs/performance.md)."""
+with -inf outside the candidates, so the retrieval metrics apply unchanged (docs/performance.md).
+
+Safe pruning (`pruned_scores`) is the exact variant for a head whose score stays within a known bound of
+its global cosine (MMCA): it gives every query the rank exhaustive scoring gives, scoring exactly only the
+pairs whose bound interval straddles their query's ground-truth score (docs/mmca.md)."""
 
 from __future__ import annotations
 
@@ -76,3 +80,50 @@ def two_stage_scores(model: Matcher, img: ImageEmb, txt: TextEmb, k: int, img_ve
     scores[images, captions] = score_pairs(model, img, txt, images, captions, budget_bytes - 4.0 * n * m, progress)
     timings["rerank"] = time.perf_counter() - t0
     return TwoStageResult(scores, len(pairs), n * m, timings)
+
+
+#: slack added to a head's score bound: the same pair's score differs by ~1e-6 between block shapes (float32
+#: sums in another order), and i1 . c1 of l2norm'ed vectors by as much beyond 1
+PRUNING_SLACK = 1e-4
+
+
+@torch.inference_mode()
+def pruned_scores(model: Matcher, img: ImageEmb, txt: TextEmb, per_image: int = 5, progress: bool = False,
+                  budget_bytes: float = DEFAULT_BUDGET) -> TwoStageResult:
+    """A score matrix that ranks every query's ground truth exactly as exhaustive scoring does (so every
+    metric equals the exhaustive one), with exact head scores only where the ranking needs them.
+
+    The head's `score_bound` b bounds every pair's score S to [s - b, s + b] around its global cosine s.
+    A query's rank counts the other items scoring >= its ground truth's exact score G (engine.metrics), so a
+    pair with s + b < G cannot count and one with s - b > G must; only pairs with |s - G| <= b, in the
+    row of their image or the column of their caption, are scored exactly. The others keep s, which lies
+    on the same side of both their targets as S does: one matrix serves both directions.
+    Caption j belongs to image j // per_image (the evaluation protocol's layout)."""
+    bound = model.head.score_bound
+    if bound is None:
+        raise ConfigError(f"{type(model.head).__name__} has no bound on its score around a global cosine, so "
+                          "no pair can be ruled out without scoring it",
+                          hint="evaluate it exhaustively, or two-stage with --rerank K")
+    img_vec, txt_vec = first_stage_vectors(img, txt)
+    n, m = len(img), len(txt)
+    if m != per_image * n:
+        raise ConfigError(f"{m} captions for {n} images: safe pruning needs {per_image} captions per image")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    scores = img_vec.float() @ txt_vec.float().T  # s = i0 . c0, kept where the bound decides
+    timings["search"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    free = budget_bytes - 5.0 * n * m  # the matrix and the undecided mask
+    captions = torch.arange(m)
+    owners = captions // per_image
+    truth = score_pairs(model, img, txt, owners, captions, free, progress)  # G of each caption (text -> image)
+    best = truth.view(n, per_image).amax(1)  # G of each image (image -> text): its best caption
+    margin = bound + PRUNING_SLACK
+    undecided = ((scores - best[:, None]).abs() <= margin) | ((scores - truth[None, :]).abs() <= margin)
+    undecided[owners, captions] = False  # scored above
+    images, others = undecided.nonzero(as_tuple=True)
+    del undecided
+    scores[owners, captions] = truth
+    scores[images, others] = score_pairs(model, img, txt, images, others, free, progress)
+    timings["rerank"] = time.perf_counter() - t0
+    return TwoStageResult(scores, m + len(images), n * m, timings)

@@ -8,6 +8,8 @@ from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb
 
 
 class GlobalCosineHead(SimilarityHead):
+    score_bound = 0.0  # the score is the global cosine itself
+
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         if img.vector is None or txt.vector is None:
             raise ValueError("the global head needs pooled image and caption vectors")

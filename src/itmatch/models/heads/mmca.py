@@ -52,6 +52,11 @@ class MMCAHead(SimilarityHead):
         # buffer keeps that size. Measured: `python bench/mmca_speed.py --block-plans` (docs/mmca.md).
         self.max_block_cells = (1 << 15) * 256 // d
 
+    @property
+    def score_bound(self) -> float:  # type: ignore[override]
+        """|S - i0 . c0| = |alpha| |i1 . c1| <= |alpha|: i1 and c1 are l2-normalised (norm <= 1)."""
+        return abs(self.alpha)
+
     # -- per-item parts ---------------------------------------------------------------------------
     def _project(self, x: torch.Tensor) -> torch.Tensor:
         attn = self.unit.self_attn
