@@ -1,11 +1,15 @@
-"""MMCA scoring cost: exhaustive vs two-stage re-ranking on a slice of Flickr8K dev, untrained model.
+"""MMCA scoring cost: exhaustive vs two-stage re-ranking vs safe pruning on a slice of Flickr8K, side by side.
 
-    python bench/mmca_speed.py --images 40 --threads 1          # docs/mmca.md's figures
+    python bench/mmca_speed.py --images 40 --threads 1          # docs/mmca.md's figures (untrained model)
     python bench/mmca_speed.py --images 40 --block-plans        # the head's block cap vs the default
+    python bench/mmca_speed.py --checkpoint runs/flickr8k/mmca/best --split test --images 200 --ks --skip-train
+                                                                # safe pruning on a trained model
 
 Prints JSON (CPU seconds of one thread): encode times, pairs scored and pairs/s of exhaustive and re-ranked
-scoring (K = 20, 50, 100), the extrapolation to the 1000 x 5000 test split, and the cost of a training step
-(every pair vs model.mmca.train_negatives) with the frozen text encoder's share of it.
+scoring (K = 20, 50, 100), safe pruning's pairs and its speed-up over exhaustive scoring (whose metrics it must
+equal), the extrapolation to the 1000 x 5000 test split, and the cost of a training step (every pair vs
+model.mmca.train_negatives) with the frozen text encoder's share of it. How much safe pruning saves depends on
+how far a trained model spreads its global cosines; an untrained model leaves nearly every pair undecided.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import read_precomp
 from itmatch.data.vocab import WordPieceVocab
+from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.evaluate import (
     MAX_BLOCK_CELLS,
     encode_caption_buckets,
@@ -30,8 +35,9 @@ from itmatch.engine.evaluate import (
     score_blocks,
     score_matrix,
 )
+from itmatch.engine.metrics import retrieval_metrics
 from itmatch.models.registry import build_model, preset_config
-from itmatch.retrieval.two_stage import two_stage_scores
+from itmatch.retrieval.two_stage import pruned_scores, two_stage_scores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +69,12 @@ def evaluation_costs(model, vocab, split, ks: list[int]) -> dict:
                               "matches_exhaustive": same,
                               "test_1000x5000_hours_upper_bound": round(test_pairs / (pairs / t_k) / 3600, 2)}
     out["test_1000x5000_exhaustive_hours"] = round(1000 * 5000 / (n * m / t_full) / 3600, 1)
+    pruned, t_pruned = timed(lambda: pruned_scores(model, img, txt, split.per_image))
+    out["pruned"] = {"pairs": pruned.pairs_scored, "fraction_scored": round(pruned.fraction, 4),
+                     "seconds": round(t_pruned, 1), "speed_up": round(t_full / t_pruned, 2),
+                     "same_metrics": retrieval_metrics(pruned.scores, split.per_image)
+                     == retrieval_metrics(full, split.per_image),
+                     "rsum": round(retrieval_metrics(full, split.per_image)["rsum"], 2)}
     return out
 
 
@@ -98,32 +110,43 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default=str(ROOT / "runs" / "data" / "flickr8k_lite0"),
                         help="precomp directory (default: the Flickr8K features of README's extract command)")
-    parser.add_argument("--preset", default="mmca", help="mmca, mmca_h512, ...")
-    parser.add_argument("--images", type=int, default=100, help="dev images (5 captions each)")
+    parser.add_argument("--preset", default="mmca", help="mmca, mmca_h512, ... (an untrained model)")
+    parser.add_argument("--checkpoint", help="a trained MMCA checkpoint instead of an untrained --preset")
+    parser.add_argument("--split", default="dev", help="split whose first --images images are scored")
+    parser.add_argument("--images", type=int, default=100, help="images (5 captions each)")
     parser.add_argument("--ks", type=int, nargs="*", default=[20, 50, 100], help="re-rank depths")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--batch", type=int, default=64, help="training batch for the encoder-share measurement")
     parser.add_argument("--train-negatives", type=int, nargs="*", default=[0, 8],
                         help="model.mmca.train_negatives values of the training-step measurement")
     parser.add_argument("--skip-eval", action="store_true", help="only the training-step measurement")
+    parser.add_argument("--skip-train", action="store_true", help="only the evaluation measurements")
     parser.add_argument("--block-plans", action="store_true",
                         help="only compare exhaustive scoring with the evaluator's default blocks and the head's "
                              "cap (--images images x 500 dev captions, 3 alternated rounds)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    split = read_precomp(args.data, "dev").head(args.images)
-    cfg = preset_config(args.preset)
-    vocab = WordPieceVocab.from_pretrained(cfg.model.mmca.text_model, cfg.model.mmca.max_tokens)
-    cfg.model.vocab_size, cfg.model.img_dim = len(vocab), int(split.images.shape[2])
-    model = build_model(cfg.model).eval()
-    out: dict = {"preset": args.preset, "threads": args.threads}
+    split = read_precomp(args.data, args.split).head(args.images)
+    if args.checkpoint:
+        ckpt = load_checkpoint(args.checkpoint)
+        cfg, vocab, model = ckpt.config, ckpt.vocab, ckpt.model.eval()
+    else:
+        cfg = preset_config(args.preset)
+        vocab = WordPieceVocab.from_pretrained(cfg.model.mmca.text_model, cfg.model.mmca.max_tokens)
+        cfg.model.vocab_size, cfg.model.img_dim = len(vocab), int(split.images.shape[2])
+        model = build_model(cfg.model).eval()
+    out: dict = {"model": args.checkpoint or f"{args.preset} (untrained)", "split": args.split,
+                 "threads": args.threads}
     if args.block_plans:
         out["block_plans"] = block_plan_costs(model, vocab, args.data, args.images, captions=500, rounds=3)
         print(json.dumps(out, indent=2))
         return 0
     if not args.skip_eval:
         out.update(evaluation_costs(model, vocab, split, args.ks))
+    if args.skip_train:
+        print(json.dumps(out, indent=2))
+        return 0
 
     # a training step (forward + backward of a batch): cost with every pair vs train_negatives, and the
     # frozen encoder's share (is caching its outputs per caption worth it?)
