@@ -243,7 +243,7 @@ def _spread_items(vocab, model, n: int, alpha: float):
 
 
 @pytest.mark.parametrize("alpha", [0.2, 0.5, 0.0])
-def test_safe_pruning_gives_the_exhaustive_ranks(vocab, alpha):
+def test_safe_pruning_gives_the_exhaustive_ranks(vocab, alpha, monkeypatch):
     torch.manual_seed(0)
     model = build_model(small_config(vocab).model).eval()
     img, txt = _spread_items(vocab, model, 12, alpha)
@@ -266,6 +266,9 @@ def test_safe_pruning_gives_the_exhaustive_ranks(vocab, alpha):
         assert result.pairs_scored == 60  # only the ground truth: S is the global cosine
     else:
         assert 60 < result.pairs_scored < 720
+        # the bound is what makes it exact: one ten times too small leaves pairs on the wrong side
+        monkeypatch.setattr(MMCAHead, "score_bound", alpha / 10)
+        assert retrieval_metrics(pruned_scores(model, img, txt).scores) != retrieval_metrics(exhaustive)
 
 
 def test_safe_pruning_needs_a_score_bound():
