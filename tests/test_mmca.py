@@ -282,6 +282,29 @@ def test_safe_pruning_needs_a_score_bound():
         pruned_scores(scan, img, txt)
 
 
+@pytest.mark.slow
+def test_dev_selection_with_safe_pruning_is_exhaustive(tiny_precomp, tmp_path, vocab):
+    from itmatch.data.precomp import read_precomp
+    from itmatch.engine.checkpoint import load_checkpoint
+    from itmatch.engine.evaluate import evaluate_models
+    from itmatch.engine.train import train
+
+    cfg = small_config(vocab)
+    cfg.model.img_dim = cfg.model.vocab_size = 0
+    cfg.data.path = str(tiny_precomp)
+    cfg.train.epochs, cfg.train.max_batches, cfg.train.batch_size, cfg.train.val_prune = 1, 3, 16, True
+    result = train(cfg, tmp_path / "run", progress=False)
+    assert result["best"]["two_stage"]["pruned"]
+    best = load_checkpoint(tmp_path / "run" / "best")
+    dev = read_precomp(tiny_precomp, "dev").head(cfg.train.val_images)
+    exhaustive = evaluate_models([(best.model, best.vocab)], dev, "full")
+    for direction in ("image_to_text", "text_to_image"):
+        assert result["best"][direction] == exhaustive[direction]
+    cfg.model.arch = "scan"
+    with pytest.raises(ConfigError, match="val_prune"):
+        train(cfg, tmp_path / "scan", progress=False)
+
+
 def test_a_few_training_steps_reduce_the_loss(vocab):
     torch.manual_seed(4)
     cfg = small_config(vocab, img_dim=16)

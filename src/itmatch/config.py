@@ -150,6 +150,9 @@ class TrainConfig:
     max_batches: int = 0  # >0: cap batches per epoch (quick runs); 0: the whole split
     val_images: int = 1000  # model selection on the first N dev images (SCAN)
     val_rerank: int = 0  # >0: validate by re-ranking the top-K of the global stage (pair heads, e.g. MMCA)
+    # validate with safe pruning: the exhaustive dev metrics, scoring only the pairs a head's score bound leaves
+    # undecided (MMCA; docs/mmca.md)
+    val_prune: bool = False
     log_every: int = 20
     threads: int = 0  # 0: all cores
     # >0: also save run/last every N batches (mid-epoch), so a killed run loses at most N batches of work

@@ -271,6 +271,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         init = load_checkpoint(cfg.train.init_from, expect_arch=cfg.model.arch) if cfg.train.init_from else None
         train_split, val_split, vocab = prepare_data(cfg, init.vocab if init else None)
         model = build_model(cfg.model)
+        if cfg.train.val_prune and (cfg.train.val_rerank or model.head.score_bound is None):
+            raise ConfigError("train.val_prune needs a head with a score bound (MMCA) and no train.val_rerank",
+                              hint="drop train.val_prune, or train.val_rerank")
         if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
             counts = apply_word_vectors(model, vocab, cfg.model.word_vectors, cfg.model.word_vectors_scale)
             header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
@@ -372,7 +375,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
         model.eval()
         truncated = getattr(vocab, "truncated", 0) - truncated_before
-        result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank)
+        result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank,
+                                 prune=cfg.train.val_prune)
         record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
                   "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
                   "train_cpu_seconds": round(train_cpu_seconds, 1),  # this process; == wall on a free core
