@@ -171,7 +171,15 @@ for name, caption, split in job["table"]:
 extract_precomp(job["images"], table, job["out"] + "/extracted", batch_size=1, progress=False,
                 skip_bad_images=True, num_threads=1)
 
+import time
+from itmatch.retrieval import index as index_module
 from itmatch.retrieval.index import build_index
+read_parts = index_module._read_parts
+def late_read_parts(*args):  # rank 1 reads the parts directory late: rank 0 must not write there before that
+    if rank == 1:
+        time.sleep(3)
+    return read_parts(*args)
+index_module._read_parts = late_read_parts
 summary = build_index(job["photos"], job["checkpoint"], job["out"] + "/index", batch_size=1, chunk=4,
                       progress=False)
 with open(job["out"] + f"/index_summary{rank}.json", "w") as fh:

@@ -334,6 +334,10 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
         todo.append(r)
 
     skipped: list[dict[str, str]] = []
+    # every rank has read the parts directory and made its `todo` before any rank writes a part there: a rank
+    # that read late would see another's new parts, make a shorter `todo` and shard it differently, so that
+    # some images would be encoded by no rank (seen once under load: rank 0 then found no row for them)
+    dist.barrier()
     start, stop = dist.shard_bounds(len(todo))  # this rank's share (everything in one process)
     mine = todo[start:stop]
     bar = tqdm(total=len(mine), desc="encode images", unit="img", disable=not progress)
