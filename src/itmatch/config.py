@@ -166,6 +166,10 @@ class TrainConfig:
     # rank's own share of it
     backend: str = "auto"
     gather_negatives: bool = False
+    # where training (and its validation) runs: auto (the GPU when torch sees one) | cpu | cuda | cuda:N; and its
+    # arithmetic: fp32 (exact, no autocast) | bf16 | fp16 (autocast; fp16 with a gradient scaler). docs/gpu.md
+    device: str = "auto"
+    precision: str = "fp32"
 
 
 @dataclass
@@ -229,6 +233,7 @@ RULES: dict[str, Rule] = {
     "train.grad_clip": Rule(min=0), "train.seed": Rule(min=0, max=2**32 - 1), "train.max_batches": Rule(min=0),
     "train.val_images": Rule(min=1), "train.log_every": Rule(min=1), "train.threads": Rule(min=0),
     "train.checkpoint_every": Rule(min=0), "train.backend": Rule(choices=("auto", "gloo", "nccl")),
+    "train.precision": Rule(choices=("fp32", "bf16", "fp16")),
 }
 
 

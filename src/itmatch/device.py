@@ -1,0 +1,159 @@
+"""Where the tensors live and in which precision the arithmetic runs: one setting for every verb.
+
+`--device auto|cpu|cuda|cuda:N` (config `train.device`, `itmatch.load(path, device=...)`) and
+`--precision fp32|bf16|fp16` (config `train.precision`) are resolved here, once, before any work: a device
+torch cannot use, or a precision the device does not run, is a ConfigError naming the setting and what this
+machine offers (docs/gpu.md).
+
+Precision is autocast, never a cast of the weights: parameters, optimizer state and checkpoints stay float32,
+so a checkpoint trained in bf16 evaluates in fp32 and the reverse. fp32 is the default and is exact: no
+autocast at all (the same numbers as before this setting existed). fp16 needs CUDA and trains with a
+gradient scaler; bf16 runs on a GPU that supports it and also on the CPU, where torch's CPU autocast
+implements it: allowed there (useful to check a bf16 run before renting a GPU, and fast on CPUs with bf16
+matrix units), but on most CPUs it is slower than fp32, which is why it is never chosen for you."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from itmatch.errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: torch.OutOfMemoryError (torch >= 2.5); torch.cuda's older name otherwise
+OutOfMemoryError: type[BaseException] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+
+
+def available_devices() -> str:
+    """What this machine offers, in words (for error messages)."""
+    if not torch.cuda.is_available():
+        return "this torch sees no GPU (torch.cuda.is_available() is False): only cpu"
+    names = ", ".join(f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count()))
+    return f"cpu, {names}"
+
+
+def resolve_device(spec: str | torch.device | None = "auto", setting: str = "--device") -> torch.device:
+    """`auto` (the GPU when torch sees one, else the CPU), `cpu`, `cuda` (this process's GPU: LOCAL_RANK's
+    under torchrun, else the first), `cuda:N`. A device torch cannot use raises ConfigError naming
+    `setting` (the flag or config key the value came from) and the devices available."""
+    if isinstance(spec, torch.device):
+        spec = str(spec)
+    spec = (spec or "auto").strip().lower()
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    kind, _, index = spec.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ConfigError(f"{setting} {spec!r} is not a device", hint=f"choose one of {', '.join(DEVICES)}")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{setting} {spec}: {available_devices()}",
+                          hint=f"use {setting} cpu (or auto), or install a CUDA build of torch on a GPU machine")
+    n = int(index) if index else int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if n >= count:
+        raise ConfigError(f"{setting} {spec}: there is no GPU {n}; torch sees {count} ({available_devices()})",
+                          hint=f"use cuda:0 .. cuda:{count - 1}, or cuda (this process's GPU)")
+    return torch.device("cuda", n)
+
+
+def check_precision(precision: str, device: torch.device, setting: str = "--precision") -> torch.dtype:
+    """The autocast dtype of `precision` on `device` (float32: no autocast); ConfigError when `device`
+    cannot run it."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"{setting} {precision!r} is not a precision",
+                          hint=f"choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError(f"{setting} fp16 needs a CUDA device, this run is on {device}",
+                          hint="use fp32 (exact) or bf16 on the CPU, or --device cuda on a GPU machine")
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"{setting} bf16: {torch.cuda.get_device_name(device)} has no bfloat16 support",
+                          hint="use fp16 (with its gradient scaler) or fp32 on this GPU")
+    return PRECISIONS[precision]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A resolved device and precision: where tensors go and how the arithmetic runs."""
+
+    device: torch.device
+    precision: str = "fp32"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast to the precision's dtype; fp32: nothing at all (exact, the default)."""
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=PRECISIONS[self.precision])
+
+    def grad_scaler(self) -> torch.amp.GradScaler:
+        """A loss scaler, enabled for fp16 only (bf16 has fp32's exponent range and needs none)."""
+        return torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+
+
+def resolve(device: str | torch.device | None = "auto", precision: str = "fp32", *,
+            device_setting: str = "--device", precision_setting: str = "--precision") -> Placement:
+    """Both settings checked together (before any work): see resolve_device and check_precision."""
+    where = resolve_device(device, device_setting)
+    check_precision(precision, where, precision_setting)
+    return Placement(where, precision)
+
+
+def module_device(module: torch.nn.Module) -> torch.device:
+    """The device of a module's parameters (or buffers); the CPU for a module with neither."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """Tensors inside `value` (a tensor, dict, list or tuple of them, others left alone) moved to `device`."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=non_blocking)
+    if isinstance(value, dict):
+        return {k: to_device(v, device, non_blocking) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(to_device(v, device, non_blocking) for v in value)
+    return value
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes the device has free now (CUDA: the driver's count); None for the CPU (the user's budget rules)."""
+    if device.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+#: of the free GPU memory a block plan may use: the rest is headroom for the allocator's fragmentation and
+#: the encoder's cached activations
+DEVICE_MEMORY_FRACTION = 0.8
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Give the caching allocator's free blocks back (after an out-of-memory error, before a retry)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def default_device(device: str | torch.device) -> Iterator[None]:
+    """Within the block, factory functions called without `device=` create their tensors on `device`. A
+    test runs CPU models under `default_device("meta")`: a tensor created without its inputs' device then
+    lands on the meta device and mixing it with the CPU tensors fails, as a CPU tensor would on a GPU."""
+    previous = torch.get_default_device()
+    torch.set_default_device(device)
+    try:
+        yield
+    finally:
+        torch.set_default_device(previous)
