@@ -76,8 +76,11 @@ class Embeddings:
         slice, copies for indices (or a bool mask)."""
         # index_select, not value[index], for a list of indices: advanced indexing measured ~10x slower
         # on CPU for a [540, 30, 512] gather (torch 2.13), and the re-ranker gathers captions per block
+        # (an index tensor may live elsewhere than the embeddings: e.g. the evaluator's CPU caption order)
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.dtype != torch.bool:
-            return self.map_tensors(lambda value: value.index_select(0, index))
+            return self.map_tensors(lambda value: value.index_select(0, index.to(value.device)))
+        if isinstance(index, torch.Tensor):
+            return self.map_tensors(lambda value: value[index.to(value.device)])
         return self.map_tensors(lambda value: value[index])
 
     def to(self, device: torch.device | str) -> Self:

@@ -46,10 +46,10 @@ class RNNTextEncoder(nn.Module):
             words = (words[..., :half] + words[..., half:]) / 2
         vector = None
         if self.pool == "last":
-            vector = words[torch.arange(words.shape[0]), lengths - 1]
+            vector = words[torch.arange(words.shape[0], device=words.device), lengths.to(words.device) - 1]
         elif self.pool == "mean":
-            m = (torch.arange(words.shape[1])[None, :] < lengths[:, None]).unsqueeze(-1).to(words.dtype)
-            vector = (words * m).sum(1) / lengths[:, None].to(words.dtype)
+            m = length_mask(lengths.to(words.device), words.shape[1]).unsqueeze(-1).to(words.dtype)
+            vector = (words * m).sum(1) / lengths[:, None].to(words)
         if self.norm:
             words = l2norm(words)
             vector = l2norm(vector) if vector is not None else None
