@@ -46,7 +46,8 @@ def attention_logits(s: torch.Tensor, query_mask: torch.Tensor, context_mask: to
     if not bool(context_mask.all()):
         bias = torch.zeros(context_mask.shape, dtype=s.dtype, device=s.device)
         bias = bias.masked_fill_(~context_mask, float("-inf"))[:, :, None, None]
-        return torch.addcmul(bias, x, torch.as_tensor(scale, dtype=s.dtype, device=s.device))  # one pass: mask and scale
+        # one pass: mask and scale
+        return torch.addcmul(bias, x, torch.as_tensor(scale, dtype=s.dtype, device=s.device))
     if isinstance(scale, float) and scale == 1.0:
         return x
     return x.mul_(scale) if inplace and x is not s else x * scale
