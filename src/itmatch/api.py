@@ -11,8 +11,8 @@ from PIL import Image
 
 from itmatch.data.precomp import MultiScaleArray
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
-from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
 from itmatch.errors import DataError
+from itmatch.inference import encode_captions, encode_images, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.models.registry import image_inputs
 from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two_stage_scores

@@ -19,17 +19,14 @@ import json
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from itmatch.inference import Block
 from itmatch.io import write_with
 from itmatch.models.base import ImageEmb, Matcher
-
-if TYPE_CHECKING:  # (evaluate imports this module)
-    from itmatch.engine.evaluate import Block
 
 KEY_CHARS = 20  # of the SHA-256 hex digest: a directory name, collisions out of reach
 FLUSH_SECONDS = 60.0  # of scoring between two writes of finished blocks (what a kill can lose at most)

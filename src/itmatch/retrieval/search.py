@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from PIL import Image
 
-from itmatch.engine.evaluate import encode_captions, score_matrix
 from itmatch.errors import ConfigError, DataError, ItmatchError
+from itmatch.inference import encode_captions, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
 

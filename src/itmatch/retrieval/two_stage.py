@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from itmatch.engine.evaluate import DEFAULT_BUDGET, score_pairs
 from itmatch.errors import ConfigError
+from itmatch.inference import DEFAULT_BUDGET, score_pairs
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
 
