@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from itmatch.data.precomp import MultiScaleArray
+from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.errors import DataError
 from itmatch.inference import encode_captions, encode_images, score_matrix
@@ -21,22 +22,29 @@ ImageInput = str | Path | Image.Image
 
 
 class ImageTextMatcher:
-    """A trained model with its vocabulary and (lazily) the CNN its features came from."""
+    """A trained model with its vocabulary and (lazily) the CNN its features came from, both on one device.
+    Embeddings stay on that device; scores come back on the host."""
 
-    def __init__(self, checkpoint: Checkpoint, backbone: str | None = None) -> None:
+    def __init__(self, checkpoint: Checkpoint, backbone: str | None = None,
+                 placement: Placement | None = None) -> None:
         self.checkpoint = checkpoint
-        self.model, self.vocab = checkpoint.model.eval(), checkpoint.vocab
+        self.placement = placement or Placement(torch.device("cpu"))
+        self.model, self.vocab = checkpoint.model.eval().to(self.device), checkpoint.vocab
         save = checkpoint.config.model.save
         own = save.backbone if image_inputs(checkpoint.config.model) else ""
         self.backbone_name = backbone or checkpoint.config.data.backbone or own or "lite0"
         self._backbone = None
 
     @property
+    def device(self) -> torch.device:
+        return self.placement.device
+
+    @property
     def backbone(self):
         if self._backbone is None:
             from itmatch.features.backbones import load_backbone
 
-            self._backbone = load_backbone(self.backbone_name)
+            self._backbone = load_backbone(self.backbone_name).to(self.device)
         return self._backbone
 
     @torch.inference_mode()
@@ -59,36 +67,44 @@ class ImageTextMatcher:
                 except OSError as exc:
                     raise DataError(f"cannot read image ({exc})", path=item,
                                     hint="pass a readable JPEG/PNG file") from None
-            x = torch.stack(batch)
+            x = torch.stack(batch)  # (decoded on the host; the features come back to it)
             if inputs == ("pixels",):
                 parts.append(x)
-            elif inputs:
-                maps = self.backbone.stage_maps(x)
-                parts.append({s: maps[s].flatten(2).transpose(1, 2) for s in inputs})
-            else:
-                parts.append(self.backbone(x))
+                continue
+            with self.placement.autocast():
+                if inputs:
+                    maps = self.backbone.stage_maps(x.to(self.device))
+                    parts.append({s: maps[s].flatten(2).transpose(1, 2).float().cpu() for s in inputs})
+                else:
+                    parts.append(self.backbone(x.to(self.device)).float().cpu())
         if isinstance(parts[0], dict):
             return MultiScaleArray({s: torch.cat([p[s] for p in parts]).numpy() for s in inputs})
         return torch.cat(parts)
 
     def encode_images(self, images: Sequence[ImageInput] | torch.Tensor | np.ndarray) -> ImageEmb:
         """Paths or PIL images (run through the backbone), or precomputed [N, k, D] features."""
-        if isinstance(images, np.ndarray | torch.Tensor):
-            return encode_images(self.model, np.asarray(images, dtype=np.float32))
+        if isinstance(images, torch.Tensor):
+            images = images.detach().cpu().numpy()
+        if isinstance(images, np.ndarray):
+            with self.placement.autocast():
+                return encode_images(self.model, np.asarray(images, dtype=np.float32))
         feats = self.image_features(list(images))
-        return encode_images(self.model, feats if isinstance(feats, MultiScaleArray) else feats.numpy())
+        with self.placement.autocast():
+            return encode_images(self.model, feats if isinstance(feats, MultiScaleArray) else feats.numpy())
 
     def encode_texts(self, texts: Sequence[str]) -> TextEmb:
         if isinstance(texts, str):
             texts = [texts]
-        return encode_captions(self.model, list(texts), self.vocab)
+        with self.placement.autocast():
+            return encode_captions(self.model, list(texts), self.vocab)
 
     def score(self, images: ImageEmb | Sequence[ImageInput] | torch.Tensor,
               texts: TextEmb | Sequence[str]) -> torch.Tensor:
         """Scores [n_images, n_texts] (embeddings from encode_* or raw inputs)."""
         img = images if isinstance(images, ImageEmb) else self.encode_images(images)
         txt = texts if isinstance(texts, TextEmb) else self.encode_texts(texts)
-        return score_matrix(self.model, img, txt)
+        with self.placement.autocast():
+            return score_matrix(self.model, img, txt)
 
     def rerank_scores(self, images: ImageEmb | Sequence[ImageInput] | torch.Tensor,
                       texts: TextEmb | Sequence[str], k: int = 100,
@@ -106,7 +122,8 @@ class ImageTextMatcher:
                                 hint="pass paths / features and strings")
             img_vec, txt_vec = first_stage_vectors(first_stage.encode_images(images),
                                                    first_stage.encode_texts(texts))
-        return two_stage_scores(self.model, img, txt, k, img_vec, txt_vec, index)
+        with self.placement.autocast():
+            return two_stage_scores(self.model, img, txt, k, img_vec, txt_vec, index)
 
     def rank(self, query: str | ImageInput, candidates: ImageEmb | TextEmb | Sequence, top_k: int = 10
              ) -> list[tuple[int, float]]:
@@ -119,6 +136,10 @@ class ImageTextMatcher:
         return [(int(i), float(s)) for s, i in zip(top.values, top.indices, strict=True)]
 
 
-def load(checkpoint: str | Path, backbone: str | None = None) -> ImageTextMatcher:
-    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best)."""
-    return ImageTextMatcher(load_checkpoint(checkpoint), backbone)
+def load(checkpoint: str | Path, backbone: str | None = None, device: str | torch.device = "cpu",
+         precision: str = "fp32") -> ImageTextMatcher:
+    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best) onto `device` (auto | cpu | cuda |
+    cuda:N; a checkpoint written on any device loads on any other), to run in `precision` (fp32 | bf16 | fp16:
+    autocast; fp32, the default, is exact). Bad settings raise ConfigError before the checkpoint is read."""
+    placement = resolve(device, precision, device_setting="device=", precision_setting="precision=")
+    return ImageTextMatcher(load_checkpoint(checkpoint), backbone, placement)

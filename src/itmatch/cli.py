@@ -11,6 +11,13 @@ from pathlib import Path
 from itmatch.errors import ConfigError, ItmatchError
 
 
+def _placement(args: argparse.Namespace):
+    """--device / --precision resolved (ConfigError naming the flag and what is available), before any work."""
+    from itmatch.device import resolve
+
+    return resolve(args.device or "auto", args.precision or "fp32")
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from itmatch.models.registry import PRESETS, list_models
 
@@ -35,13 +42,14 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from itmatch.data.captions import read_captions
     from itmatch.features.extract import extract_precomp
 
+    placement = _placement(args)
     images = Path(args.images)
     table = read_captions(args.captions, images_dir=images, fmt=args.format)
     for problem in table.skipped:
         print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
-                           scales=args.scales)
+                           scales=args.scales, device=placement.device, precision=placement.precision)
     from itmatch.engine.distributed import is_main
 
     if is_main():  # (under torchrun: rank 0 reports)
@@ -62,6 +70,10 @@ def _resolve_train_config(args: argparse.Namespace):
     cfg = resolve_config(args.preset, *layers)
     if args.name:
         cfg.name = args.name
+    if args.device:  # (train passes them to train() instead, which also applies them to a resumed run)
+        cfg.train.device = args.device
+    if args.precision:
+        cfg.train.precision = args.precision
     return cfg
 
 
@@ -69,12 +81,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from itmatch.engine import distributed as dist
     from itmatch.engine.train import train
 
+    if args.device or args.precision:
+        _placement(args)  # (before any work: reading a checkpoint or data)
     cfg = None if args.resume else _resolve_train_config(args)
     if args.resume:
         from itmatch.config import Config
 
         cfg = Config()  # replaced by the checkpoint's config
-    result = train(cfg, Path(args.out), resume=args.resume, force=args.force)
+    result = train(cfg, Path(args.out), resume=args.resume, force=args.force, device=args.device,
+                   precision=args.precision)
     if not dist.is_main():
         return 0
     print(f"best dev rsum {result['best_rsum']:.1f} at epoch {result['best_epoch']}; "
@@ -91,7 +106,10 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from itmatch.io import write_json_atomic
     from itmatch.models.registry import image_inputs
 
+    placement = _placement(args)
     checkpoints = [load_checkpoint(p) for p in args.checkpoints]
+    for c in checkpoints:
+        c.model.to(placement.device)
     inputs = {image_inputs(c.config.model) for c in checkpoints}
     if len(inputs) > 1:
         raise ConfigError(f"the ensemble's models read different image inputs ({sorted(inputs)})",
@@ -110,12 +128,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         if not args.rerank:
             raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
         fs = load_checkpoint(args.first_stage)
-        first_stage = (fs.model, fs.vocab)
+        first_stage = (fs.model.to(placement.device), fs.vocab)
     dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
                              args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank,
                              first_stage=first_stage, index=args.faiss, resume_dir=args.resume_dir,
-                             prune=args.prune)
+                             prune=args.prune, precision=placement.precision)
     if not dist.is_main():
         return 0
     if "resumed" in result:
@@ -153,6 +171,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     from itmatch.analysis.perturb import run_perturbation_study
 
     # only one analysis so far: `analyze perturb`
+    _placement(args)
     cfg = _resolve_train_config(args)
     report = run_perturbation_study(cfg, Path(args.out), args.perturbations, split=args.split,
                                     protocol=args.protocol, seed=args.seed, force=args.force,
@@ -184,15 +203,19 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from itmatch.demo import run_demo
 
-    run_demo(Path(args.out), force=args.force, epochs=args.epochs)
+    placement = _placement(args)
+    run_demo(Path(args.out), force=args.force, epochs=args.epochs, device=str(placement.device),
+             precision=placement.precision)
     return 0
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
     from itmatch.retrieval.index import build_index
 
+    placement = _placement(args)
     summary = build_index(Path(args.images), Path(args.model), Path(args.out), force=args.force,
-                          batch_size=args.batch_size, progress=not args.quiet)
+                          batch_size=args.batch_size, progress=not args.quiet, device=placement.device,
+                          precision=placement.precision)
     from itmatch.engine.distributed import is_main
 
     if not is_main():  # (under torchrun: rank 0 reports)
@@ -212,9 +235,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
         from itmatch.errors import ConfigError
 
         raise ConfigError("give either a text QUERY or --image PHOTO", hint="itmatch search INDEX 'a dog' -k 10")
+    placement = _placement(args)
     captions = read_captions_file(args.captions) if args.captions else None
     searcher = Searcher(Path(args.index), args.model, captions=captions, shortlist=args.shortlist,
-                        shortlist_index=args.faiss)
+                        shortlist_index=args.faiss, device=placement.device, precision=placement.precision)
     if args.image is not None:
         results = searcher.search_image(Path(args.image), args.k)
     else:
@@ -238,8 +262,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"`itmatch serve` needs FastAPI and uvicorn ({exc})",
                           hint='pip install "itmatch[serve]"') from None
 
+    placement = _placement(args)
     serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
-          images_dir=args.images, log_level=args.log_level, shortlist=args.shortlist, shortlist_index=args.faiss)
+          images_dir=args.images, log_level=args.log_level, shortlist=args.shortlist, shortlist_index=args.faiss,
+          device=str(placement.device), precision=placement.precision)
     return 0
 
 
@@ -250,6 +276,14 @@ def _add_shortlist_arguments(s: argparse.ArgumentParser) -> None:
                         "(VSE++, OAN, MMCA, SMAN; not SCAN), re-ranked exactly; default 0 = every photo")
     s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
                    help="first-stage index for --shortlist: flat (exact top N, default) or ivf (approximate)")
+
+
+def _add_device_arguments(s: argparse.ArgumentParser, default: str = "auto") -> None:
+    """--device / --precision of every verb that runs a network (docs/gpu.md)."""
+    s.add_argument("--device", default=None, metavar="DEVICE",
+                   help=f"auto (the GPU when torch sees one), cpu, cuda or cuda:N (default: {default})")
+    s.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="fp32 (exact, default), bf16 (autocast) or fp16 (autocast, CUDA only)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also cache the backbone's finer stage maps for multi-scale models (SAVE), e.g. "
                         "c3,c4,c5: writes {split}_ims_c3.npy, {split}_ims_c4.npy beside {split}_ims.npy (c5)")
     s.add_argument("--force", action="store_true", help="replace existing outputs")
+    _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_extract)
 
     s = sub.add_parser("train", help="train a model on a precomp dataset")
@@ -293,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, repeatable")
     s.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     s.add_argument("--force", action="store_true", help="start over in a non-empty --out")
+    _add_device_arguments(s, "train.device, auto")
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("evaluate", help="evaluate one checkpoint, or an ensemble of several")
@@ -328,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--command", help="command recorded in --results (default: this command line)")
     s.add_argument("--force", action="store_true", help="replace an existing row of the same name")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_evaluate)
 
     s = sub.add_parser("analyze", help="analyses over trained models (the OAN perturbation study)")
@@ -351,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--force", action="store_true",
                    help="retrain runs that exist (default: reuse finished runs, resume interrupted ones)")
     a.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_device_arguments(a, "train.device, auto")
     a.set_defaults(func=_cmd_analyze, resume=False)
 
     s = sub.add_parser("convert", help="import an original SCAN/VSE++ .pth.tar checkpoint (no code is executed)")
@@ -365,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="runs/demo", help="working directory (default runs/demo)")
     s.add_argument("--epochs", type=int, default=6)
     s.add_argument("--force", action="store_true", help="start over in an existing --out")
+    _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_demo)
 
     s = sub.add_parser("index", help="index a photo folder for search (incremental, resumable)")
@@ -374,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=8, help="images per backbone forward pass")
     s.add_argument("--force", action="store_true", help="replace an index built with another model")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_index)
 
     s = sub.add_parser("search", help="query an index: text -> photos, or --image PHOTO -> captions")
@@ -385,6 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     _add_shortlist_arguments(s)
+    _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_search)
 
     s = sub.add_parser("serve", help="HTTP API and web page over an index (needs the `serve` extra)")
@@ -397,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (info logs every request)")
     _add_shortlist_arguments(s)
+    _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_serve)
     return p
 

@@ -21,16 +21,18 @@ DEMO_SETTINGS = {
 
 
 def run_demo(out: Path, *, force: bool = False, epochs: int = 6, n_train: int = 1000, n_eval: int = 100,
-             progress: bool = True) -> dict:
+             progress: bool = True, device: str = "auto", precision: str = "fp32") -> dict:
     from itmatch.data.captions import read_captions
     from itmatch.data.precomp import features_path, read_precomp
     from itmatch.data.synth import render_synthetic
+    from itmatch.device import resolve
     from itmatch.engine.checkpoint import load_checkpoint
     from itmatch.engine.evaluate import evaluate_models, format_table
     from itmatch.engine.train import train
     from itmatch.features.extract import extract_precomp
     from itmatch.models.registry import resolve_config
 
+    placement = resolve(device, precision)  # (before any work)
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not force and not (out / "demo.started").exists():
         raise OverwriteError(f"{out} exists and is not a demo directory", path=out,
@@ -50,7 +52,8 @@ def run_demo(out: Path, *, force: bool = False, epochs: int = 6, n_train: int = 
     precomp = out / "precomp"
     if force or not features_path(precomp, "test").exists():
         table = read_captions(scenes / "dataset_synth.json")
-        extract_precomp(scenes / "images", table, precomp, force=True, progress=progress)
+        extract_precomp(scenes / "images", table, precomp, force=True, progress=progress,
+                        device=placement.device, precision=precision)
     timings["extract"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -62,11 +65,13 @@ def run_demo(out: Path, *, force: bool = False, epochs: int = 6, n_train: int = 
     finished = state_file.is_file() and json.loads(state_file.read_text(encoding="utf-8")).get("epoch", 0) >= epochs
     if force or not finished:
         # a killed demo continues its training from its last (mid-epoch) checkpoint; --force starts over
-        train(cfg, run, resume=not force and (run / "config.json").exists(), force=True, progress=progress)
+        train(cfg, run, resume=not force and (run / "config.json").exists(), force=True, progress=progress,
+              device=str(placement.device), precision=precision)
     timings["train"] = time.perf_counter() - t
 
     ckpt = load_checkpoint(run / "best")
-    result = evaluate_models([(ckpt.model, ckpt.vocab)], read_precomp(precomp, "test"), "full")
+    result = evaluate_models([(ckpt.model.to(placement.device), ckpt.vocab)], read_precomp(precomp, "test"), "full",
+                             precision=precision)
     timings = {k: round(v, 1) for k, v in timings.items()}
     print(format_table(result))
     # a random ranking puts a positive first with probability ~1/N in both directions

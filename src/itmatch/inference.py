@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,14 @@ from tqdm.auto import tqdm
 from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import ImageSource, batch_tensor
 from itmatch.data.vocab import AnyVocab
+from itmatch.device import (
+    DEVICE_MEMORY_FRACTION,
+    OutOfMemoryError,
+    free_memory,
+    module_device,
+    release_cached_memory,
+    to_device,
+)
 from itmatch.engine import distributed as dist
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
@@ -28,6 +37,9 @@ if TYPE_CHECKING:  # (score_cache imports this module's Block)
     from itmatch.engine.score_cache import ScoreCache
 
 DEFAULT_BUDGET = 4 * 1024**3
+#: where finished scores go: the score matrix lives on the host whatever the model's device, and only
+#: finished blocks are copied to it
+HOST = torch.device("cpu")
 
 
 def concat_texts(parts: list[TextEmb]) -> TextEmb:
@@ -80,12 +92,13 @@ def _require_items(count: int, what: str, path: object = None) -> None:
 def encode_images(model: Matcher, features: ImageSource, batch_size: int = 128, progress: bool = False
                   ) -> ImageEmb:
     """Encode every image of a split's `images` (a feature array, cached multi-scale maps, or image
-    files for pixel-input models) once, in batches."""
+    files for pixel-input models) once, in batches, on the model's device (where the embeddings stay)."""
     _require_items(len(features), "images")
+    device = module_device(model)
     parts = []
     for start in tqdm(range(0, len(features), batch_size), desc="encode images", disable=not progress,
                       leave=False):
-        parts.append(model.encode_images(batch_tensor(features[start:start + batch_size])))
+        parts.append(model.encode_images(to_device(batch_tensor(features[start:start + batch_size]), device)))
     return concat_images(parts)
 
 
@@ -97,6 +110,7 @@ def encode_caption_buckets(model: Matcher, captions: Sequence[str], vocab: AnyVo
     its own longest caption (the evaluator's blocks): no [M, longest caption, D] tensor is ever built,
     about 5x less memory than padding everything to the longest caption on Flickr30K/COCO."""
     _require_items(len(captions), "captions")
+    device = module_device(model)
     tokens = [vocab.encode(c) for c in captions]
     order = sorted(range(len(tokens)), key=lambda j: len(tokens[j]))
     buckets: TextBuckets = []
@@ -106,15 +120,15 @@ def encode_caption_buckets(model: Matcher, captions: Sequence[str], vocab: AnyVo
         parts = []
         for start in range(0, len(chunk), batch_size):
             batch = pad_tokens([tokens[j] for j in chunk[start:start + batch_size]])
-            parts.append(model.encode_texts(batch.tokens, batch.lengths))
-        buckets.append((torch.tensor(chunk), concat_texts(parts).trimmed()))
+            parts.append(model.encode_texts(batch.tokens.to(device), batch.lengths.to(device)))
+        buckets.append((torch.tensor(chunk, device=HOST), concat_texts(parts).trimmed()))
     return buckets
 
 
 def bucket_texts(txt: TextEmb, bucket_size: int = CAPTIONS_PER_BLOCK) -> TextBuckets:
     """Length buckets of already-encoded captions (see encode_caption_buckets)."""
     _require_items(len(txt), "captions")
-    order = torch.argsort(txt.lengths, stable=True)
+    order = torch.argsort(txt.lengths.to(HOST), stable=True)  # (host: the columns of the host matrix)
     return [(order[b0:b0 + bucket_size], txt.take(order[b0:b0 + bucket_size]).trimmed())
             for b0 in range(0, len(txt), bucket_size)]
 
@@ -123,8 +137,8 @@ def unbucket_texts(buckets: TextBuckets) -> TextEmb:
     """The captions of `buckets` as one padded TextEmb in their original order."""
     merged = concat_texts([t for _, t in buckets])
     order = torch.cat([c for c, _ in buckets])
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[order] = torch.arange(len(order))
+    inverse = torch.empty(len(order), dtype=torch.long, device=order.device)
+    inverse[order] = torch.arange(len(order), device=order.device)
     return merged.take(inverse)
 
 
@@ -247,13 +261,15 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
     _require_items(len(img), "images")
     buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
     n, m = len(img), sum(len(c) for c, _ in buckets)
+    budget_bytes = device_budget(module_device(model), budget_bytes, 4.0 * n * m)
     blocks = score_blocks(model, img, buckets, budget_bytes, max_cells, world)
+    score_block = BlockScorer(model)
     # (a pair-independent head is one matrix product: nothing worth keeping)
     stored = cache.matrix(model, img, blocks, world) if cache is not None and not model.head.pair_independent else None
     bar = tqdm(total=n * m, desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
                leave=False)
     one_product = model.head.pair_independent and world == 1  # the one block is the whole matrix
-    out = torch.empty(n, m) if world == 1 and not one_product else None
+    out = torch.empty(n, m, device=HOST) if world == 1 and not one_product else None
     pieces = {}  # (sharded: this rank's blocks, sent to rank 0)
     try:
         for k in range(dist.rank() if world > 1 else 0, len(blocks), world):  # this rank's share
@@ -261,7 +277,7 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
             piece = stored.load(k) if stored is not None else None
             if piece is None:
                 start = time.perf_counter()
-                piece = model.score(img.take(rows), block_txt).float()
+                piece = score_block(img.take(rows), block_txt).to(HOST)
                 if stored is not None:
                     stored.save(k, piece, time.perf_counter() - start)
             if out is not None:
@@ -288,10 +304,68 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
         return out
     if one_product:
         return pieces[0]
-    out = torch.empty(n, m)
+    out = torch.empty(n, m, device=HOST)
     for k, (rows, columns, _) in enumerate(blocks):
         out[rows, columns] = pieces.pop(k)  # (frees each piece as it is placed)
     return out
+
+
+def device_budget(device: torch.device, budget_bytes: float, out_bytes: float) -> float:
+    """The budget a block plan is sized by. On the CPU: the user's budget (the score matrix and one block's
+    temporaries share the host memory). On a GPU the matrix stays on the host and the block's temporaries
+    take the device's memory: the host matrix plus DEVICE_MEMORY_FRACTION of the device's free memory,
+    rounded down to a power of two so that the block plan (and so a --resume-dir key) does not change with
+    a few MB of free memory more or less between two runs."""
+    free = free_memory(device)
+    if free is None:
+        return budget_bytes
+    usable = DEVICE_MEMORY_FRACTION * free
+    return out_bytes + (2.0 ** int(np.log2(usable)) if usable >= 1 else 0.0)
+
+
+class BlockScorer:
+    """`model.score` of one block (in float32), cut into smaller pieces when the device runs out of memory:
+    halve the images, then the captions, until a piece fits. The smaller size is kept for later blocks, and
+    said once (a warning), so one tight block plan costs one failed attempt, not one per block. The scores
+    are the head's own, whatever the cut (each pair is computed by the same code; within float32 summation
+    order). A single pair that does not fit is a ConfigError."""
+
+    def __init__(self, model: Matcher) -> None:
+        self.model = model
+        self.rows: int | None = None  # largest piece that fitted, once a block did not
+        self.columns: int | None = None
+        self.warned = False
+
+    def __call__(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        n, m = len(img), len(txt)
+        rows, columns = min(n, self.rows or n), min(m, self.columns or m)
+        if rows == n and columns == m:
+            return self._attempt(img, txt)
+        # (each piece through __call__ again: it is cut further if the sizes shrank meanwhile)
+        pieces = [[self(img.take(slice(i, i + rows)), txt.take(slice(j, j + columns)).trimmed())
+                   for j in range(0, m, columns)] for i in range(0, n, rows)]
+        return torch.cat([torch.cat(row, 1) for row in pieces], 0)
+
+    def _attempt(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+        try:
+            return self.model.score(img, txt).float()
+        except OutOfMemoryError:
+            release_cached_memory(module_device(self.model))
+            n, m = len(img), len(txt)
+            if n == 1 and m == 1:
+                raise ConfigError("out of device memory scoring a single image-caption pair",
+                                  hint="free the GPU (other processes), use a smaller model, or --device cpu"
+                                  ) from None
+            if n > 1:
+                self.rows = (n + 1) // 2
+            else:
+                self.columns = (m + 1) // 2
+            if not self.warned:
+                self.warned = True
+                warnings.warn(f"out of device memory scoring a block of {n} images x {m} captions: retrying with "
+                              f"smaller blocks (at most {self.rows or n} x {self.columns or m}); nothing scored is "
+                              "lost", stacklevel=3)
+            return self(img, txt)
 
 
 def item_bytes(emb: ImageEmb | TextEmb) -> int:
@@ -327,13 +401,13 @@ def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tenso
     images, captions = images.long().reshape(-1), captions.long().reshape(-1)
     if len(images) != len(captions):
         raise ConfigError(f"{len(images)} image indices but {len(captions)} caption indices: pairs need one of each")
-    out = torch.empty(len(images))
+    out = torch.empty(len(images), device=HOST)
     if len(images) == 0:
         return out
     if int(images.min()) < 0 or int(images.max()) >= len(img) or int(captions.min()) < 0 \
             or int(captions.max()) >= len(txt):
         raise ConfigError(f"pair indices out of range for {len(img)} images x {len(txt)} captions")
-    lengths = txt.lengths[captions]
+    lengths = txt.lengths.to(HOST)[captions]
     k, longest = img.regions.shape[1], int(lengths.max())
     free = budget_bytes - 4.0 * len(images)  # the [P] result, then one block's temporaries and copies
     needed = (model.head.bytes_per_cell * k * longest + model.head.bytes_per_pair
@@ -351,6 +425,7 @@ def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tenso
     firsts, counts = torch.unique_consecutive(images, return_counts=True)
     bar = tqdm(total=len(images), desc="score pairs", unit="pair", unit_scale=True, disable=not progress,
                leave=False)
+    score_block = BlockScorer(model)
     start = 0
     for i, count in zip(firsts.tolist(), counts.tolist(), strict=True):
         one_image = img.take(slice(i, i + 1))
@@ -360,7 +435,7 @@ def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tenso
             end = min(end_of_image, start + fit(lengths[start]))
             while fit(lengths[end - 1]) < end - start:
                 end = start + fit(lengths[end - 1])
-            out[order[start:end]] = model.score(one_image, txt.take_trimmed(captions[start:end]))[0].float()
+            out[order[start:end]] = score_block(one_image, txt.take_trimmed(captions[start:end]))[0].to(HOST)
             bar.update(end - start)
             start = end
     bar.close()

@@ -26,12 +26,18 @@ class TextBatch:
     tokens: torch.Tensor  # [B, L] long, 0-padded
     lengths: torch.Tensor  # [B] long
 
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TextBatch:
+        return TextBatch(self.tokens.to(device, non_blocking=non_blocking),
+                         self.lengths.to(device, non_blocking=non_blocking))
+
 
 def pad_tokens(sequences: list[list[int]]) -> TextBatch:
-    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-    tokens = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
+    """Token ids padded with 0 into a host batch (explicitly the CPU: a batch is built on the host and moved
+    to the model's device whole, with TextBatch.to / PairBatch.to)."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long, device="cpu")
+    tokens = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long, device="cpu")
     for i, s in enumerate(sequences):
-        tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        tokens[i, : len(s)] = torch.tensor(s, dtype=torch.long, device="cpu")
     return TextBatch(tokens, lengths)
 
 
@@ -53,6 +59,22 @@ class PairBatch:
     text: TextBatch
     image_index: torch.Tensor  # [B] index of the image in the split
     caption_index: torch.Tensor  # [B]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PairBatch:
+        """The whole batch on `device` (images, tokens, lengths and indices: the loss builds its masks from
+        image_index). `non_blocking` overlaps the copy with compute when the batch is in pinned memory."""
+        images = ({k: v.to(device, non_blocking=non_blocking) for k, v in self.images.items()}
+                  if isinstance(self.images, dict) else self.images.to(device, non_blocking=non_blocking))
+        return PairBatch(images, self.text.to(device, non_blocking),
+                         self.image_index.to(device, non_blocking=non_blocking),
+                         self.caption_index.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> PairBatch:
+        """Page-locked copies (the DataLoader calls this with pin_memory=True, for a GPU run)."""
+        images = ({k: v.pin_memory() for k, v in self.images.items()} if isinstance(self.images, dict)
+                  else self.images.pin_memory())
+        return PairBatch(images, TextBatch(self.text.tokens.pin_memory(), self.text.lengths.pin_memory()),
+                         self.image_index.pin_memory(), self.caption_index.pin_memory())
 
 
 class PairDataset(Dataset):

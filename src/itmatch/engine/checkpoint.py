@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from itmatch.config import Config, config_from_dict
 from itmatch.data.vocab import AnyVocab, load_vocab
+from itmatch.device import to_device
 from itmatch.errors import CheckpointError, ConfigError
 from itmatch.io import file_sha256
 from itmatch.models.base import Matcher
@@ -139,9 +140,10 @@ def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: Any
         (tmp / CONFIG).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
         vocab.save(tmp / VOCAB)
         if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+            # host copies: a checkpoint written on a GPU loads on a CPU-only machine (and the reverse)
+            torch.save(to_device(optimizer.state_dict(), torch.device("cpu")), tmp / OPTIMIZER)
         if trainer is not None:
-            torch.save(trainer, tmp / TRAINER)
+            torch.save(to_device(trainer, torch.device("cpu")), tmp / TRAINER)
         (tmp / STATE).write_text(json.dumps(state or {}, indent=2) + "\n", encoding="utf-8")
         _write_manifest(tmp)  # last: its presence means every file above is complete
         for p in tmp.iterdir():

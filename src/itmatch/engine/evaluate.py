@@ -12,6 +12,7 @@ import torch
 
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import AnyVocab
+from itmatch.device import Placement, check_precision, module_device
 from itmatch.engine import distributed as dist
 from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.engine.score_cache import ScoreCache
@@ -155,7 +156,7 @@ def _two_stage_info(result: TwoStageResult) -> dict:
 def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit, protocol: str = "full",
                     budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0,
                     first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat",
-                    resume_dir: str | Path | None = None, prune: bool = False) -> dict:
+                    resume_dir: str | Path | None = None, prune: bool = False, precision: str = "fp32") -> dict:
     """Metrics of one model, or of an ensemble (score matrices averaged before ranking). With
     `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model.
     With `prune`: safe pruning (exhaustive metrics, only the pairs the head's score bound leaves open).
@@ -166,7 +167,12 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
 
     Under torchrun every rank calls this: exhaustive scoring is sharded across the ranks (see
     sharded_score_matrix), rank 0 computes the metrics (two-stage scoring runs on rank 0 alone) and every
-    rank returns rank 0's result."""
+    rank returns rank 0's result.
+
+    Each model encodes and scores on its own device (where its parameters are; the caller places it), in
+    `precision` (fp32: exact, no autocast; bf16 / fp16: autocast, scores kept in float32 on the host)."""
+    for model, _ in models:  # (before any work)
+        check_precision(precision, module_device(model))
     if rerank and prune:
         raise ConfigError("--rerank K and --prune are two different scorings", hint="choose one of them")
     two_staged = bool(rerank or prune)
@@ -183,14 +189,15 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
         total = None
         for model, vocab in models:
             model.eval()
-            if two_staged:
-                if not dist.is_main():
-                    continue
-                scores, info = (pruned_split_scores(model, vocab, fold, progress) if prune else
-                                rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress))
-                two_stage.append(info)
-            else:
-                scores = split_scores(model, vocab, fold, budget_bytes, progress, sharded=sharded, cache=cache)
+            if two_staged and not dist.is_main():
+                continue
+            with Placement(module_device(model), precision).autocast():
+                if two_staged:
+                    scores, info = (pruned_split_scores(model, vocab, fold, progress) if prune else
+                                    rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress))
+                    two_stage.append(info)
+                else:
+                    scores = split_scores(model, vocab, fold, budget_bytes, progress, sharded=sharded, cache=cache)
             if scores is not None:  # (None: a rank other than 0 of a sharded evaluation)
                 total = scores if total is None else total + scores
         if total is not None:

@@ -34,7 +34,7 @@ FLUSH_SECONDS = 60.0  # of scoring between two writes of finished blocks (what a
 
 def _update(h: hashlib._Hash, t: torch.Tensor) -> None:
     h.update(str((t.dtype, tuple(t.shape))).encode())
-    h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def matrix_key(model: Matcher, img: ImageEmb, blocks: list[Block]) -> str:

@@ -28,6 +28,7 @@ from itmatch.config import Config, config_from_dict
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairBatch, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
+from itmatch.device import Placement, resolve
 from itmatch.engine import distributed as dist
 from itmatch.engine.checkpoint import (
     init_weights_from,
@@ -127,8 +128,11 @@ def rng_state() -> dict[str, Any]:
     """Every global RNG a training step may draw from, as tensors and plain values (loadable with
     weights_only=True)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout masks drawn on the GPU
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -136,6 +140,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    # (a run resumed on another machine kind: the GPU generators start from the seed instead)
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def epoch_batches(cfg: Config, lengths: list[int], n_captions: int, epoch: int) -> list[list[int]]:
@@ -206,6 +213,19 @@ class _LossStep(torch.nn.Module):
         return batch_loss(self.model, batch, self.cfg, hardest)
 
 
+def resolve_placement(cfg: Config, device: str | None = None, precision: str | None = None) -> Placement:
+    """Where and in which precision `cfg` trains: train.device / train.precision, or the --device /
+    --precision flags given instead (recorded in cfg, so config.json says where the run ran). Errors name
+    the setting the value came from."""
+    if device is not None:
+        cfg.train.device = device
+    if precision is not None:
+        cfg.train.precision = precision
+    return resolve(cfg.train.device, cfg.train.precision,
+                   device_setting="--device" if device is not None else "train.device",
+                   precision_setting="--precision" if precision is not None else "train.precision")
+
+
 def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, PrecompSplit, AnyVocab]:
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
@@ -222,15 +242,18 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
 
 
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
-          transform: CaptionTransform | None = None, progress: bool = True) -> dict[str, Any]:
+          transform: CaptionTransform | None = None, progress: bool = True, device: str | None = None,
+          precision: str | None = None) -> dict[str, Any]:
     """Train `cfg` into `run_dir` (run_dir/best, run_dir/last, config.json, metrics.jsonl).
-    Returns the best validation result.
+    Returns the best validation result. `device` / `precision` override train.device / train.precision
+    (also when resuming: a run may continue on another device; docs/gpu.md).
 
     Under torchrun (docs/distributed.md) every rank runs this with the same arguments: the model is
     wrapped in DistributedDataParallel, every global batch is split across the ranks, validation is
     sharded, and only rank 0 writes to `run_dir`."""
     run_dir = Path(run_dir)
-    distributed = dist.init_from_env(cfg.train.backend)
+    placement = resolve_placement(cfg, device, precision)  # (before any work)
+    distributed = dist.init_from_env(cfg.train.backend, placement.device.type)
     main = dist.is_main()
     progress = progress and main
     last = run_dir / "last"
@@ -257,6 +280,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     if resume:
         ckpt = load_checkpoint(last)
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
+        placement = resolve_placement(cfg, device, precision)
         check_world(cfg)
         train_split, val_split, vocab = prepare_data(cfg, vocab)
     else:
@@ -290,10 +314,14 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         write_json_atomic(run_dir / "config.json", cfg.to_dict())  # first: --resume can restart from it
     if cfg.train.threads:  # the thread count changes float summation order: part of the config
         torch.set_num_threads(cfg.train.threads)
+    model.to(placement.device)  # (before the optimizer: its state follows the parameters' device)
     optimizer = make_optimizer(cfg, model, state["epoch"])
+    scaler = placement.grad_scaler()  # fp16 only; otherwise a no-op
     if resume:
         load_optimizer_state(last, optimizer)
         trainer = load_trainer_state(last)
+        if scaler.is_enabled() and "scaler" in trainer:
+            scaler.load_state_dict(trainer["scaler"])
         ranks = trainer.get("rng_ranks", [])
         if len(ranks) == dist.world_size() and distributed:
             set_rng_state(ranks[dist.rank()])
@@ -318,8 +346,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         from torch.nn.parallel import DistributedDataParallel
 
         # find_unused_parameters: some configurations leave parameters out of the loss (e.g. a one-step SMAN)
-        device_ids = [dist.local_rank()] if dist.device().type == "cuda" else None
-        step = DistributedDataParallel(step.to(dist.device()), device_ids=device_ids,
+        device_ids = [placement.device.index] if placement.is_cuda else None
+        step = DistributedDataParallel(step.to(placement.device), device_ids=device_ids,
                                        find_unused_parameters=True)
 
     def save_last() -> None:
@@ -329,7 +357,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         log.flush()
         os.fsync(log.fileno())
         state["log_bytes"] = metrics_path.stat().st_size
-        trainer = {"rng": rng_state(), **({"rng_ranks": ranks} if distributed else {})}
+        trainer = {"rng": rng_state(), **({"rng_ranks": ranks} if distributed else {}),
+                   **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}
         save_checkpoint(last, model, cfg, vocab, optimizer, state, trainer=trainer)
 
     best: dict[str, Any] = state.get("best_result", {})
@@ -338,7 +367,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         n_batches = len(batches) if cfg.train.max_batches <= 0 else min(len(batches), cfg.train.max_batches)
         first = int(state["batch"])  # > 0 when resuming mid-epoch
         loader = DataLoader(dataset, batch_sampler=shard_batches(batches[first:n_batches]),
-                            collate_fn=collate_pairs)
+                            collate_fn=collate_pairs, pin_memory=placement.is_cuda)
         lr = learning_rate(cfg, epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -352,12 +381,15 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         started_cpu = time.process_time() - float(state.get("epoch_cpu_seconds", 0.0))
         truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
         for b, batch in enumerate(loader, start=first):
-            loss = step(batch, hardest)
+            with placement.autocast():  # (fp32: no autocast at all)
+                loss = step(batch.to(placement.device, non_blocking=True), hardest)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()  # (scale, unscale_, step, update: plain calls unless fp16)
             if cfg.train.grad_clip > 0:
+                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            optimizer.step()
+            scaler.step(optimizer)
+            scaler.update()
             state["step"] += 1
             value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks averaged
             running += value
@@ -376,7 +408,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         model.eval()
         truncated = getattr(vocab, "truncated", 0) - truncated_before
         result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank,
-                                 prune=cfg.train.val_prune)
+                                 prune=cfg.train.val_prune, precision=cfg.train.precision)
         record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
                   "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
                   "train_cpu_seconds": round(train_cpu_seconds, 1),  # this process; == wall on a free core

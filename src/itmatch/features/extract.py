@@ -56,6 +56,7 @@ from itmatch.data.precomp import (
     split_manifest,
     write_captions,
 )
+from itmatch.device import module_device, resolve
 from itmatch.engine import distributed as dist
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
@@ -260,7 +261,7 @@ def parse_extract_scales(spec: str | list[str] | None) -> tuple[str, ...]:
 def stage_shapes(bb: Backbone) -> dict[str, tuple[int, int]]:
     """(cells, channels) of every stage map at the backbone's input size (one dummy forward)."""
     with torch.inference_mode():
-        maps = bb.stage_maps(torch.zeros(1, 3, bb.image_size, bb.image_size))
+        maps = bb.stage_maps(torch.zeros(1, 3, bb.image_size, bb.image_size, device=module_device(bb)))
     return {k: (int(v.shape[2] * v.shape[3]), int(v.shape[1])) for k, v in maps.items()}
 
 
@@ -375,12 +376,12 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                 w = int(state["written"])
                 if tensors:
                     with torch.inference_mode():
-                        x = torch.stack(tensors)
+                        x = torch.stack(tensors).to(module_device(bb))  # (decoded on the host)
                         if extras:  # one pass: c5 (== bb(x), the main array) and the finer maps
                             maps = bb.stage_maps(x)
                             for s, a in extra_arrs.items():
-                                a[w:w + len(tensors)] = maps[s].flatten(2).transpose(1, 2).float().numpy()
-                            feats = maps["c5"].flatten(2).transpose(1, 2).float().numpy()
+                                a[w:w + len(tensors)] = maps[s].flatten(2).transpose(1, 2).float().cpu().numpy()
+                            feats = maps["c5"].flatten(2).transpose(1, 2).float().cpu().numpy()
                         else:
                             feats = bb(x).float().cpu().numpy()
                     arr[w:w + len(tensors)] = feats
@@ -515,7 +516,8 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
                     skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
-                    on_batch: BatchHook | None = None, scales: str | list[str] | None = None) -> dict[str, Any]:
+                    on_batch: BatchHook | None = None, scales: str | list[str] | None = None,
+                    device: str | torch.device = "cpu", precision: str = "fp32") -> dict[str, Any]:
     """Extract backbone grid features of every image of `table` into the precomp layout in `out_dir`.
 
     Writes, per split (default: every non-empty split name of the table), `{split}_ims.npy` float32
@@ -531,8 +533,11 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     array, from the same forward pass (see the module docstring).
     Under torchrun every rank calls this with the same arguments and extracts a share of the images
     (see the module docstring); the output directory must be on a file system all ranks see.
+    The backbone runs on `device` in `precision` (docs/gpu.md); images are decoded on a host thread and the
+    features are written as float32 whatever the device. Settings are checked before any work.
     Returns the metadata written to meta.json.
     """
+    placement = resolve(device, precision)
     dist.init_from_env("gloo")
     images_dir, out_dir = Path(images_dir), Path(out_dir)
     if batch_size < 1:
@@ -563,7 +568,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                                  "or pass --skip-bad-images to drop them and their captions")
 
     extras = parse_extract_scales(scales)
-    bb = load_backbone(backbone)
+    bb = load_backbone(backbone).to(placement.device)
     out_dir.mkdir(parents=True, exist_ok=True)
     fingerprints = {s: _fingerprint(bb, rows[s][0], extras) for s in splits}
     # Splits an earlier run of this same command completed (meta.json records them with the same image
@@ -606,7 +611,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                               "grid": int(round(shapes[s][0] ** 0.5)), "stride": 8 * 2 ** i}
                           for i, s in enumerate(STAGE_NAMES) if s in extras or s == "c5"}
 
-    with _strict_pil(), _torch_threads(num_threads):
+    with _strict_pil(), _torch_threads(num_threads), placement.autocast():
         for split in splits:
             if split in done_before:
                 log.info("split %s is complete from an earlier run of this command; kept", split)

@@ -247,8 +247,11 @@ def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
 
 def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | str, *, force: bool = False,
                 batch_size: int = 8, chunk: int = 64, progress: bool = True,
-                on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Index (or update the index of) every image under `images_dir` with the model of `checkpoint`.
+                on_chunk: Callable[[int, int], None] | None = None, device: str | torch.device = "cpu",
+                precision: str = "fp32") -> dict[str, Any]:
+    """Index (or update the index of) every image under `images_dir` with the model of `checkpoint`, the
+    backbone and the model on `device` (in `precision`; photos are decoded on the host; what is stored is
+    float32 on the host, whatever the device).
 
     Returns a summary: counts of images total / added (newly encoded) / reused / removed, skipped
     unreadable files, seconds. An index built with another model is replaced only with `force` (its
@@ -269,12 +272,12 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     images_dir, out_dir = Path(images_dir).resolve(), Path(out_dir)
     if not images_dir.is_dir():
         raise DataError("images folder not found", path=images_dir, hint="pass the folder that holds your photos")
-    matcher = load(checkpoint)
-    model, backbone_name = matcher.model, matcher.backbone_name
+    matcher = load(checkpoint, device=device, precision=precision)
+    model, backbone_name, on = matcher.model, matcher.backbone_name, matcher.device
     identity = model_identity(checkpoint, backbone_name)
     k, dim = matcher.backbone.grid ** 2, matcher.backbone.out_dim
     with torch.inference_mode():
-        probe = model.encode_images(torch.zeros(1, k, dim))
+        probe = model.encode_images(torch.zeros(1, k, dim, device=on))
     row_shapes = {"features": (k, dim), "regions": tuple(probe.regions.shape[1:])}
     if probe.vector is not None:
         row_shapes["vectors"] = tuple(probe.vector.shape[1:])
@@ -365,12 +368,14 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
             need = [i for i, f in enumerate(feats) if f.dim() == 3]  # pixels [3, S, S], not features [k, D]
             for b0 in range(0, len(need), batch_size):
                 idx = need[b0:b0 + batch_size]
-                out = matcher.backbone(torch.stack([feats[i] for i in idx]))
+                with matcher.placement.autocast():
+                    out = matcher.backbone(torch.stack([feats[i] for i in idx]).to(on)).float().cpu()
                 for j, i in enumerate(idx):
                     feats[i] = out[j]
             if good:
                 f = torch.stack(feats).float()
-                emb = model.encode_images(f)
+                with matcher.placement.autocast():
+                    emb = model.encode_images(f.to(on)).map_tensors(lambda x: x.float().cpu())
                 vec = emb.vector.numpy() if emb.vector is not None else np.zeros((0,), np.float32)
                 chunk_data = {"sha256": np.array([r["sha256"] for r in good]), "features": f.numpy(),
                               "regions": emb.regions.numpy(), "vectors": vec,

@@ -26,7 +26,7 @@ import torch
 from PIL import Image
 
 from itmatch.errors import ConfigError, DataError, ItmatchError
-from itmatch.inference import encode_captions, score_matrix
+from itmatch.inference import score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
 
@@ -109,22 +109,26 @@ class Searcher:
 
     def __init__(self, index_dir: Path | str, checkpoint: Path | str | None = None, *,
                  images_dir: Path | str | None = None, captions: Sequence[str] | None = None,
-                 verify: bool = True, shortlist: int = 0, shortlist_index: str = "flat") -> None:
+                 verify: bool = True, shortlist: int = 0, shortlist_index: str = "flat",
+                 device: str | torch.device = "cpu", precision: str = "fp32") -> None:
         """`shortlist` N > 0: text queries score only the first stage's top N images (FAISS `shortlist_index`,
-        flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive."""
+        flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive.
+        The model and the index's embeddings are kept on `device` (a GPU for a service: one copy, loaded
+        once), run in `precision`; scores come back to the host."""
         from itmatch.api import load
         from itmatch.retrieval.index import load_index, model_identity
 
         self.index = load_index(index_dir, verify=verify)
         ckpt = Path(checkpoint) if checkpoint is not None else Path(self.index.manifest["model"]["checkpoint"])
-        self.matcher = load(ckpt, backbone=self.index.manifest["model"]["backbone"])
+        self.matcher = load(ckpt, backbone=self.index.manifest["model"]["backbone"], device=device,
+                            precision=precision)
         self.index.check_model(model_identity(ckpt, self.matcher.backbone_name))
         self.model, self.vocab = self.matcher.model, self.matcher.vocab
         self.images_root = Path(images_dir) if images_dir is not None else self.index.images_root
         self.ids = self.index.ids
         self.position = {i: n for n, i in enumerate(self.ids)}
         with torch.inference_mode():
-            self.images: ImageEmb = self.model.head.prepare_images(self.index.image_emb())
+            self.images: ImageEmb = self.model.head.prepare_images(self.index.image_emb().to(self.matcher.device))
         self.shortlist = shortlist
         self.first_stage: FirstStageIndex | None = None
         if shortlist < 0:
@@ -159,7 +163,7 @@ class Searcher:
 
     def encode_query(self, query: str) -> TextEmb:
         self.tokens(query)
-        return encode_captions(self.model, [query], self.vocab)
+        return self.matcher.encode_texts([query])
 
     def candidates(self, query: TextEmb) -> list[int]:
         """Rows of the index to score exactly for `query`: every row (exhaustive, the default), or the
@@ -176,12 +180,13 @@ class Searcher:
         check_k(k)
         with self._lock:
             txt = self.encode_query(query)
-            rows = torch.tensor(self.candidates(txt), dtype=torch.long)
+            rows = torch.tensor(self.candidates(txt), dtype=torch.long, device=self.matcher.device)
             if len(rows) == 0:
                 return []
             # all rows: score the stored embeddings as they are (take() would copy them per query)
             images = self.images if len(rows) == len(self.ids) else self.images.take(rows)
-            scores = score_matrix(self.model, images, txt)[:, 0]
+            with self.matcher.placement.autocast():
+                scores = score_matrix(self.model, images, txt)[:, 0]
         top = torch.topk(scores, min(k, len(rows)))
         return [Hit(self.ids[int(rows[i])], float(s), r + 1)
                 for r, (s, i) in enumerate(zip(top.values, top.indices, strict=True))]
@@ -194,9 +199,10 @@ class Searcher:
                              hint="pass --captions FILE (one caption a line)")
         with self._lock:
             if self._caption_emb is None:
-                self._caption_emb = encode_captions(self.model, self.captions, self.vocab)
+                self._caption_emb = self.matcher.encode_texts(self.captions)
             img = self.matcher.encode_images([image])
-            scores = score_matrix(self.model, img, self._caption_emb)[0]
+            with self.matcher.placement.autocast():
+                scores = score_matrix(self.model, img, self._caption_emb)[0]
         top = torch.topk(scores, min(k, len(self.captions)))
         return [{"rank": r + 1, "caption": self.captions[int(i)], "score": round(float(s), 6)}
                 for r, (s, i) in enumerate(zip(top.values, top.indices, strict=True))]
@@ -233,9 +239,9 @@ class Searcher:
             raise QueryError(f"the {self.index.manifest['model']['arch']} model has no attention to explain",
                              status=409, hint="explanations need a cross-attention model such as SCAN")
         img = self.images.take(slice(row, row + 1))
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), self.matcher.placement.autocast():
             txt = self.encode_query(query)
-            alpha = head.attention(img, txt)[0, :, 0, :]  # [k, L]
+            alpha = head.attention(img, txt)[0, :, 0, :].float().cpu()  # [k, L]
             score = float(self.model.score(img, txt)[0, 0])
         grid = self.index.grid
         length = int(txt.lengths[0])

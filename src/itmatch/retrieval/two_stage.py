@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from itmatch.errors import ConfigError
-from itmatch.inference import DEFAULT_BUDGET, score_pairs
+from itmatch.inference import DEFAULT_BUDGET, HOST, score_pairs
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
 
@@ -70,12 +70,13 @@ def two_stage_scores(model: Matcher, img: ImageEmb, txt: TextEmb, k: int, img_ve
 
     t0 = time.perf_counter()
     # the union of both directions' candidates, each pair once (image-major, as score_pairs groups them)
-    rows = torch.cat([torch.arange(n)[:, None].expand_as(txt_of_img).reshape(-1), img_of_txt.reshape(-1)])
-    cols = torch.cat([txt_of_img.reshape(-1), torch.arange(m)[:, None].expand_as(img_of_txt).reshape(-1)])
+    # (on the host, where FAISS answers and the score matrix lives)
+    rows = torch.cat([torch.arange(n, device=HOST)[:, None].expand_as(txt_of_img).reshape(-1), img_of_txt.reshape(-1)])
+    cols = torch.cat([txt_of_img.reshape(-1), torch.arange(m, device=HOST)[:, None].expand_as(img_of_txt).reshape(-1)])
     found = (rows >= 0) & (cols >= 0)  # IVF may return -1 when a query's probed lists hold < k items
     pairs = torch.unique(rows[found].long() * m + cols[found].long())
     images, captions = pairs // m, pairs % m
-    scores = torch.full((n, m), float("-inf"))
+    scores = torch.full((n, m), float("-inf"), device=HOST)
     # the budget covers the [n, m] matrix too, as in score_matrix
     scores[images, captions] = score_pairs(model, img, txt, images, captions, budget_bytes - 4.0 * n * m, progress)
     timings["rerank"] = time.perf_counter() - t0
@@ -110,11 +111,11 @@ def pruned_scores(model: Matcher, img: ImageEmb, txt: TextEmb, per_image: int = 
         raise ConfigError(f"{m} captions for {n} images: safe pruning needs {per_image} captions per image")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    scores = img_vec.float() @ txt_vec.float().T  # s = i0 . c0, kept where the bound decides
+    scores = (img_vec.float() @ txt_vec.float().T).to(HOST)  # s = i0 . c0, kept where the bound decides
     timings["search"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     free = budget_bytes - 5.0 * n * m  # the matrix and the undecided mask
-    captions = torch.arange(m)
+    captions = torch.arange(m, device=HOST)
     owners = captions // per_image
     truth = score_pairs(model, img, txt, owners, captions, free, progress)  # G of each caption (text -> image)
     best = truth.view(n, per_image).amax(1)  # G of each image (image -> text): its best caption
