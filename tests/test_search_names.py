@@ -105,17 +105,33 @@ def test_cli_prints_every_name_escaped(hostile_index, hostile_photos, capsys):
         assert r["path"] == public_id(str(hostile_photos.resolve() / os.fsdecode(_name_of(r["id"]))))
 
 
+def _make_deep_folder(root: Path, levels: int) -> None:
+    """Nested folders of 240-byte names, the deepest holding a photo file, made relative to each other:
+    the full path is longer than the system's limit (4096 bytes), so it cannot be listed by its path."""
+    fd = os.open(root, os.O_RDONLY)
+    for i in range(levels):
+        name = f"d{i:02d}" + "x" * 237
+        os.mkdir(name, dir_fd=fd)
+        inner = os.open(name, os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(os.open("photo.png", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.close(fd)
+
+
 def test_entries_that_cannot_be_read_are_skipped_with_a_warning_naming_them(tiny_search_setup, hostile_photos,
                                                                             tmp_path, caplog, capsys):
     photos = tmp_path / "photos"
     shutil.copytree(hostile_photos, photos)
     os.symlink(b"nowhere.png", bytes(photos) + b"/gone \xe9\n.png")  # a dangling link: no file to hash or read
     (photos / "folder.png").mkdir()  # a folder with an image's suffix is a folder
+    _make_deep_folder(photos, levels=18)  # a path of over 4096 bytes: a folder that cannot be listed
     with caplog.at_level("WARNING", logger="itmatch.retrieval"):
         assert main(["index", str(photos), "--model", str(tiny_search_setup["checkpoint"]),
                      "--out", str(tmp_path / "index"), "--quiet"]) == 0
     assert f"{len(HOSTILE_NAMES)} images" in capsys.readouterr().out
     assert "gone \\xe9\\n.png" in caplog.text
+    assert "cannot list the folder d00" + "x" * 237 + "/d01" in caplog.text and "too long" in caplog.text
     summary = build_index(photos, tiny_search_setup["checkpoint"], tmp_path / "index", progress=False)
     assert [public_id(s["id"]) for s in summary["skipped"]] == ["gone \\xe9\\n.png"]
     assert summary["encoded"] == 0 and summary["images"] == len(HOSTILE_NAMES)

@@ -79,11 +79,18 @@ def same_model(a: dict, b: dict) -> bool:
 
 def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
     """Relative POSIX paths of the image files under `root` (recursive, sorted; hidden files and
-    folders and the folder `exclude`, e.g. an index kept inside the photo folder, are left out)."""
+    folders and the folder `exclude`, e.g. an index kept inside the photo folder, are left out; a folder
+    that cannot be listed, e.g. no permission or a path over the system's limit, is left out with a warning)."""
     found, outside = [], []
     exclude = exclude.resolve() if exclude is not None else None
     real_root = root.resolve()
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unlisted(exc: OSError) -> None:  # os.walk would leave out a folder it cannot list without a word
+        where = os.path.relpath(exc.filename, root) if exc.filename else str(root)
+        log.warning("cannot list the folder %s (%s): the photos in it are not indexed", public_id(where),
+                    exc.strerror or exc)
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlisted):
         here = Path(dirpath)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
                              and (exclude is None or (here / d).resolve() != exclude))
