@@ -200,7 +200,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
         return 0
     for item in summary["skipped"]:
         print(f"skipped: {public_id(item['id'])}: {item['reason']}", file=sys.stderr)
-    print(f"{summary['images']} images in {summary['index']}: {summary['encoded']} encoded, "
+    print(f"{summary['images']} images in {public_id(summary['index'])}: {summary['encoded']} encoded, "
           f"{summary['reused']} reused; {len(summary['added'])} added, {len(summary['changed'])} changed, "
           f"{len(summary['removed'])} removed since the last run ({summary['seconds']} s)")
     return 0

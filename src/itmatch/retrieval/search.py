@@ -211,9 +211,9 @@ class Searcher:
             return self.position[image_id]
         if (not image_id or image_id.startswith(("/", "\\")) or ".." in Path(image_id).parts
                 or re.match(r"^[A-Za-z]:", image_id)):  # absolute, parent, or a Windows drive
-            raise QueryError(f"invalid image id {image_id!r}", status=400,
+            raise QueryError(f"invalid image id '{public_id(image_id)}'", status=400,
                              hint="ids are relative paths as returned by the search")
-        raise QueryError(f"no image {public_id(image_id)!r} in the index", status=404,
+        raise QueryError(f"no image '{public_id(image_id)}' in the index", status=404,
                          hint="ids are relative paths as returned by the search, with odd characters escaped")
 
     def path_of(self, image_id: str) -> Path:
@@ -225,7 +225,7 @@ class Searcher:
         root = self.images_root.resolve()
         path = self.path_of(image_id).resolve()
         if not path.is_relative_to(root) or not path.is_file():
-            raise QueryError(f"image {image_id!r} is not available", status=404)
+            raise QueryError(f"image '{image_id}' is not available", status=404)
         return path
 
     def explain(self, query: str, image_id: str) -> dict[str, Any]:
