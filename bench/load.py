@@ -27,6 +27,9 @@ from pathlib import Path
 
 import httpx
 
+from itmatch.retrieval.names import public_id
+from itmatch.retrieval.service import image_url
+
 QUERIES = [
     "a red circle", "two blue squares", "a large yellow star in the center", "a small green triangle on the left",
     "a white diamond above a black square", "three orange shapes", "a purple circle in the top left corner",
@@ -69,7 +72,7 @@ async def _run(base: str, ids: list[str], n: int, concurrency: int, deadline: fl
         elif r < 0.9:
             plan.append(("explain", "/api/explain", {"q": q, "id": rng.choice(ids)}))
         else:
-            plan.append(("image", f"/api/images/{rng.choice(ids)}", None))
+            plan.append(("image", image_url(rng.choice(ids)), None))
     latencies: dict[str, list[float]] = {"search": [], "explain": [], "image": []}
     errors: list[str] = []
     position = 0
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 time.sleep(0.5)
         manifest = json.loads((Path(args.index) / "manifest.json").read_text())
-        ids = [e["id"] for e in manifest["images"]]
+        ids = [public_id(e["id"]) for e in manifest["images"]]  # the names as the API knows them
         # warm-up at full concurrency, so that the server's thread pool and allocator arenas have grown
         # before the "before" RSS is read (the difference then shows growth under load, not start-up)
         asyncio.run(_run(base, ids, min(200, args.requests), args.concurrency, time.monotonic() + 90, 1))

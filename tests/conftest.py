@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +78,70 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+# File names a photo folder can hold on Linux (bytes; not all UTF-8), mapped to the id the index gives them
+# (itmatch.retrieval.names.public_id): search, serve and the web page must handle every one.
+HOSTILE_NAMES: dict[bytes, str] = {
+    b"caf\xe9.png": "caf\\xe9.png",  # Latin-1, not UTF-8
+    b"\xff\xfe half \xc3.png": "\\xff\\xfe half \\xc3.png",
+    "café ünïcode 😀.png".encode(): "café ünïcode 😀.png",
+    b"<img src=x onerror=window.pwned=1>.png": "<img src=x onerror=window.pwned=1>.png",
+    b"<script>window.pwned=2<\\script>.png": "<script>window.pwned=2<\\\\script>.png",
+    b"it's \"quoted\" & more.png": "it's \"quoted\" & more.png",
+    b"hash#frag.png": "hash#frag.png",
+    b"what?q=1&id=x.png": "what?q=1&id=x.png",
+    b"100% real %2e%2e%2Fetc.png": "100% real %2e%2e%2Fetc.png",
+    b"  two  spaces .png": "  two  spaces .png",
+    b"new\nline\ttab.png": "new\\nline\\ttab.png",
+    b"-rf --help.png": "-rf --help.png",
+    b"C:drive.png": "C:drive.png",
+    "\u202egnp.exe.png".encode(): "\\u202egnp.exe.png",
+    b"L" * 251 + b".png": "L" * 251 + ".png",  # 255 bytes: the longest name ext4 allows
+    b"caf\xe9 dir/in a folder.png": "caf\\xe9 dir/in a folder.png",
+    b"sub #1?/new\nline dir/deep.png": "sub #1?/new\\nline dir/deep.png",
+    b"-dash dir/a..b.png": "-dash dir/a..b.png",
+}
+
+
+@pytest.fixture(scope="session")
+def hostile_photos(tiny_search_setup, tmp_path_factory) -> Path:
+    """A photo folder whose files have the HOSTILE_NAMES (2:1 photos, distinct contents; nothing else in it)."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("hostile")
+    sources = sorted(tiny_search_setup["photos"].iterdir())
+    for n, name in enumerate(HOSTILE_NAMES):
+        path = Path(os.fsdecode(bytes(folder) + b"/" + name))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with Image.open(sources[n % len(sources)]) as im:
+            im.convert("RGB").resize((336, 168)).rotate(20 * n).save(path, format="PNG")
+    return folder
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """Run an ASGI app under uvicorn on a free 127.0.0.1 port in a thread; yields its base URL. A real server,
+    not fastapi's TestClient: that one decodes the request path twice (a name holding `%2e` arrives as `.`)."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            pytest.fail("the server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

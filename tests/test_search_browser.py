@@ -1,18 +1,19 @@
 """End to end in a real headless browser: uvicorn on 127.0.0.1, Debian's chromium driven by Playwright:
-type a query, see ranked photos, open one, see one attention heatmap per word; a screenshot is saved."""
+type a query, see ranked photos, open one, see one attention heatmap per word; a screenshot is saved.
+Then a folder of hostile file names (not UTF-8, markup, `#`, `?`, `%`, newlines, 255 bytes) of 2:1 photos:
+every name shown as text, every photo loaded, the explain view uncropped and unsquashed, and its URL a
+deep link that opens it again."""
 
 from __future__ import annotations
 
 import shutil
-import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from conftest import HOSTILE_NAMES, serving
 
 pytest.importorskip("fastapi", reason="the `serve` extra (fastapi, uvicorn) is not installed")
-uvicorn = pytest.importorskip("uvicorn", reason="the `serve` extra (uvicorn) is not installed")
+pytest.importorskip("uvicorn", reason="the `serve` extra (uvicorn) is not installed")
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="Playwright (dev extra) is not installed")
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -26,76 +27,164 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_search_setup, tmp_path_factory):
+def _server(photos: Path, checkpoint: Path, out: Path):
     from itmatch.retrieval.index import build_index
     from itmatch.retrieval.search import Searcher
     from itmatch.retrieval.service import create_app
 
+    build_index(photos, checkpoint, out, progress=False)
+    return serving(create_app(Searcher(out)))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_search_setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("browser") / "index"
-    build_index(tiny_search_setup["photos"], tiny_search_setup["checkpoint"], out, progress=False)
-    port = _free_port()
-    config = uvicorn.Config(create_app(Searcher(out)), host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            pytest.fail("the server did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    with _server(tiny_search_setup["photos"], tiny_search_setup["checkpoint"], out) as base:
+        yield base
 
 
-def test_query_results_and_heatmaps_in_a_real_browser(server, tmp_path):
+@pytest.fixture(scope="module")
+def hostile_server(tiny_search_setup, hostile_photos, tmp_path_factory):
+    out = tmp_path_factory.mktemp("browser_names") / "index"
+    with _server(hostile_photos, tiny_search_setup["checkpoint"], out) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def browser():
     with playwright_sync.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM if CHROMIUM.exists() else shutil.which("chromium")),
-                                    args=CHROMIUM_ARGS, headless=True)
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM if CHROMIUM.exists() else shutil.which("chromium")),
+                                     args=CHROMIUM_ARGS, headless=True)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture()
+def page(browser):
+    page = browser.new_page(viewport={"width": 1280, "height": 1100})
+    page.errors = []
+    page.on("pageerror", lambda exc: page.errors.append(str(exc)))
+    yield page
+    page.close()
+
+
+def _search(page, query: str, k: int | None = None) -> None:
+    if k is not None:
+        page.select_option("#k", str(k))
+    page.fill("#q", query)
+    page.press("#q", "Enter")
+    page.wait_for_selector("#results .result img", timeout=20_000)
+    # every result photo actually loaded
+    page.wait_for_function("[...document.querySelectorAll('#results img')].every(i => i.complete && "
+                           "i.naturalWidth > 0)", timeout=20_000)
+
+
+def _assert_rank_name_score_apart(page) -> None:
+    """In every card the rank, the name and the score sit side by side with a gap: none runs into another."""
+    boxes = page.evaluate("""() => [...document.querySelectorAll('#results .result')].map(card => {
+        const box = (sel) => card.querySelector(sel).getBoundingClientRect();
+        const [c, r, i, s] = [card.querySelector('.meta').getBoundingClientRect(), box('.rank'), box('.id'),
+                              box('.score')];
+        return {rank: card.querySelector('.rank').textContent, left: c.left, right: c.right,
+                r: [r.left, r.right], i: [i.left, i.right], s: [s.left, s.right]};
+    })""")
+    for b in boxes:
+        assert b["left"] <= b["r"][0] and b["r"][1] + 3 <= b["i"][0], b  # rank, gap, name
+        assert b["i"][1] + 3 <= b["s"][0] and b["s"][1] <= b["right"] + 0.5, b  # name, gap, score
+        assert b["i"][1] > b["i"][0], b  # the name is visible, not squeezed out
+
+
+def _assert_photo_and_heatmaps_show_the_same_pixels(page) -> None:
+    """The explain photo and every heatmap show the whole photo at its own aspect ratio."""
+    geometry = page.evaluate("""() => {
+        const img = document.querySelector('#explain-photo');
+        const r = img.getBoundingClientRect();
+        return {natural: img.naturalWidth / img.naturalHeight, shown: r.width / r.height,
+                fit: getComputedStyle(img).objectFit,
+                canvases: [...document.querySelectorAll('#word-maps canvas')].map(c => {
+                    const b = c.getBoundingClientRect();
+                    return [c.width / c.height, b.width / b.height];
+                })};
+    }""")
+    natural = geometry["natural"]
+    assert abs(geometry["shown"] - natural) <= 0.02 * natural, geometry  # not squashed into a box
+    assert geometry["fit"] in ("fill", "contain", "scale-down"), geometry  # not cropped ("cover")
+    for drawn, shown in geometry["canvases"]:
+        assert abs(drawn - natural) <= 0.02 * natural and abs(shown - natural) <= 0.02 * natural, geometry
+
+
+def test_query_results_and_heatmaps_in_a_real_browser(server, page, tmp_path):
+    page.goto(server + "/")
+    _search(page, "a large red circle in the center")
+    cards = page.locator("#results .result")
+    assert cards.count() == 12
+    ranks = [int(t.lstrip("#")) for t in page.locator("#results .rank").all_inner_texts()]
+    scores = [float(t) for t in page.locator("#results .score").all_inner_texts()]
+    assert ranks == list(range(1, 13)) and scores == sorted(scores, reverse=True)
+    _assert_rank_name_score_apart(page)  # ranks 10 to 12 included
+
+    cards.nth(0).click()
+    page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)
+    words = page.locator("#word-maps .word").all_inner_texts()
+    assert words == ["<start>", "a", "large", "red", "circle", "in", "the", "center", "<end>"]
+    # each canvas holds a drawn heatmap: the photo plus a colour overlay that varies over the grid
+    spread = page.evaluate("""() => [...document.querySelectorAll('#word-maps canvas')].map(c => {
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        let lo = 255, hi = 0;
+        for (let i = 0; i < d.length; i += 4 * 97) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }
+        return [c.width, hi - lo];
+    })""")
+    assert len(spread) == len(words) and all(w == 300 and s > 30 for w, s in spread)
+    _assert_photo_and_heatmaps_show_the_same_pixels(page)
+    shot = tmp_path / "search_page.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    print(f"screenshot: {shot}")
+
+    page.fill("#q", "qwzx")  # an error is shown on the page, not thrown
+    page.press("#q", "Enter")
+    page.wait_for_function("document.querySelector('#status').textContent.includes('vocabulary')")
+    assert not page.errors, page.errors
+
+
+def test_hostile_names_non_square_photos_and_a_deep_link(hostile_server, browser, page, tmp_path):
+    page.goto(hostile_server + "/")
+    _search(page, "a red circle", k=24)
+    names = page.locator("#results .result .id").all_text_contents()
+    assert sorted(names) == sorted(HOSTILE_NAMES.values())  # every name, shown as text (escaped), not markup
+    assert page.evaluate("window.pwned") is None and page.locator("#results script, #results .id img").count() == 0
+    _assert_rank_name_score_apart(page)  # ranks 10 to 18, and a 255-byte name among them
+
+    page.locator("#results .result", has=page.get_by_text("caf\\xe9.png", exact=True)).click()
+    page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)
+    assert "caf\\xe9.png" in page.locator("#explain-title").inner_text()
+    _assert_photo_and_heatmaps_show_the_same_pixels(page)  # the photos are 2:1
+    page.screenshot(path=str(tmp_path / "hostile_names.png"), full_page=True)
+    link = page.url
+    assert "id=" in link
+
+    # the link opens the same explanation in a fresh page (with the results of its query)
+    other = browser.new_page(viewport={"width": 1280, "height": 1100})
+    try:
+        other.goto(link)
+        other.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)
+        assert other.locator("#explain-title").inner_text() == page.locator("#explain-title").inner_text()
+        assert other.locator("#word-maps canvas").count() == page.locator("#word-maps canvas").count()
+        assert other.input_value("#q") == "a red circle"
+    finally:
+        other.close()
+
+    # a link to a photo whose name holds '#', '?', '%' and '&' (each would cut or bend a naive URL)
+    for name in ("what?q=1&id=x.png", "100% real %2e%2e%2Fetc.png", "hash#frag.png"):
+        page.locator("#results .result", has=page.get_by_text(name, exact=True)).click()
+        page.wait_for_function("(name) => document.querySelector('#explain').dataset.id === name", arg=name)
+        again = browser.new_page()
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 1100})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(server + "/")
-            page.fill("#q", "a large red circle in the center")
-            page.press("#q", "Enter")
-            page.wait_for_selector("#results .result img", timeout=20_000)
-            cards = page.locator("#results .result")
-            assert cards.count() == 12
-            ranks = [int(t.lstrip("#")) for t in page.locator("#results .rank").all_inner_texts()]
-            scores = [float(t) for t in page.locator("#results .score").all_inner_texts()]
-            assert ranks == list(range(1, 13)) and scores == sorted(scores, reverse=True)
-            # every result photo actually loaded
-            page.wait_for_function("[...document.querySelectorAll('#results img')].every(i => i.complete && "
-                                   "i.naturalWidth > 0)", timeout=20_000)
-
-            cards.nth(0).click()
-            page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)
-            words = page.locator("#word-maps .word").all_inner_texts()
-            assert words == ["<start>", "a", "large", "red", "circle", "in", "the", "center", "<end>"]
-            # each canvas holds a drawn heatmap: the photo plus a colour overlay that varies over the grid
-            spread = page.evaluate("""() => [...document.querySelectorAll('#word-maps canvas')].map(c => {
-                const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-                let lo = 255, hi = 0;
-                for (let i = 0; i < d.length; i += 4 * 97) { lo = Math.min(lo, d[i]); hi = Math.max(hi, d[i]); }
-                return [c.width, hi - lo];
-            })""")
-            assert len(spread) == len(words) and all(w == 300 and s > 30 for w, s in spread)
-            shot = tmp_path / "search_page.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 10_000
-            print(f"screenshot: {shot}")
-
-            page.fill("#q", "qwzx")  # an error is shown on the page, not thrown
-            page.press("#q", "Enter")
-            page.wait_for_function("document.querySelector('#status').textContent.includes('vocabulary')")
-            assert not errors, errors
+            again.goto(page.url)
+            again.wait_for_function("(name) => document.querySelector('#explain').dataset.id === name", arg=name,
+                                    timeout=20_000)
         finally:
-            browser.close()
+            again.close()
+    page.click("#explain-close")
+    assert "id=" not in page.url  # closing the explanation takes it out of the link
+    assert not page.errors, page.errors

@@ -211,6 +211,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_index(args: argparse.Namespace) -> int:
     from itmatch.retrieval.index import build_index
+    from itmatch.retrieval.names import public_id
 
     placement = _placement(args)
     summary = build_index(Path(args.images), Path(args.model), Path(args.out), force=args.force,
@@ -221,14 +222,15 @@ def _cmd_index(args: argparse.Namespace) -> int:
     if not is_main():  # (under torchrun: rank 0 reports)
         return 0
     for item in summary["skipped"]:
-        print(f"skipped: {item['id']}: {item['reason']}", file=sys.stderr)
-    print(f"{summary['images']} images in {summary['index']}: {summary['encoded']} encoded, "
+        print(f"skipped: {public_id(item['id'])}: {item['reason']}", file=sys.stderr)
+    print(f"{summary['images']} images in {public_id(summary['index'])}: {summary['encoded']} encoded, "
           f"{summary['reused']} reused; {len(summary['added'])} added, {len(summary['changed'])} changed, "
           f"{len(summary['removed'])} removed since the last run ({summary['seconds']} s)")
     return 0
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
+    from itmatch.retrieval.names import public_id
     from itmatch.retrieval.search import Searcher, read_captions_file
 
     if (args.query is None) == (args.image is None):
@@ -242,9 +244,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
     if args.image is not None:
         results = searcher.search_image(Path(args.image), args.k)
     else:
-        results = [h.as_dict() for h in searcher.search(args.query, args.k)]
-        for r in results:
-            r["path"] = str(searcher.images_root / r["id"])
+        # ids and paths escaped (docs/search.md): a name need not be UTF-8 and may hold a newline
+        results = [{**h.as_dict(), "path": public_id(str(searcher.path_of(h.id)))}
+                   for h in searcher.search(args.query, args.k)]
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -44,6 +44,7 @@ from tqdm import tqdm
 from itmatch.errors import CheckpointError, DataError, OverwriteError
 from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
 from itmatch.models.base import ImageEmb
+from itmatch.retrieval.names import public_id
 
 log = logging.getLogger("itmatch.retrieval")
 
@@ -78,11 +79,18 @@ def same_model(a: dict, b: dict) -> bool:
 
 def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
     """Relative POSIX paths of the image files under `root` (recursive, sorted; hidden files and
-    folders and the folder `exclude`, e.g. an index kept inside the photo folder, are left out)."""
+    folders and the folder `exclude`, e.g. an index kept inside the photo folder, are left out; a folder
+    that cannot be listed, e.g. no permission or a path over the system's limit, is left out with a warning)."""
     found, outside = [], []
     exclude = exclude.resolve() if exclude is not None else None
     real_root = root.resolve()
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unlisted(exc: OSError) -> None:  # os.walk would leave out a folder it cannot list without a word
+        where = os.path.relpath(exc.filename, root) if exc.filename else str(root)
+        log.warning("cannot list the folder %s (%s): the photos in it are not indexed", public_id(where),
+                    exc.strerror or exc)
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlisted):
         here = Path(dirpath)
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
                              and (exclude is None or (here / d).resolve() != exclude))
@@ -95,7 +103,7 @@ def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
     if outside:
         log.warning("%d image(s) in %s are links to files outside it and are not indexed (the server only "
                     "serves files inside the photo folder), e.g. %s; copy them in instead",
-                    len(outside), root, outside[0])
+                    len(outside), root, public_id(outside[0]))
     return sorted(found)
 
 
@@ -321,10 +329,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     parts = _read_parts(parts_dir, identity)
 
     paths = scan_images(images_dir, exclude=out_dir)
-    records = []
-    for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
-        p = images_dir / rel
-        records.append({"id": rel, "bytes": p.stat().st_size, "sha256": file_sha256(p)})
+    records, unreadable = _hash_files(images_dir, paths, progress)
 
     has_regions = "regions" in old_arrays
     todo = []  # unique contents with no encodings yet
@@ -358,7 +363,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                 try:
                     pix, size = _load_image(images_dir / r["id"], matcher.backbone)
                 except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-                    log.warning("skipping %s: cannot read image (%s)", r["id"], exc)
+                    log.warning("skipping %s: cannot read image (%s)", public_id(r["id"]), exc)
                     skipped.append({"id": r["id"], "reason": f"cannot read image: {exc}"})
                     continue
                 feats.append(pix)
@@ -397,17 +402,20 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
         skipped = [s for part in gathered for s in part]
         parts = _read_parts(parts_dir, identity)
 
+    encoded = {t["sha256"] for t in todo}
+    encoded_count = len(encoded) - len(skipped)  # the files that failed to decode were not encoded
     bad = {s["id"] for s in skipped}
     records = [r for r in records if r["id"] not in bad]
+    skipped = unreadable + skipped
     old_ids = {e["id"]: e["sha256"] for e in old["images"]} if old is not None else {}
     now_ids = {r["id"]: r["sha256"] for r in records}
-    encoded = {t["sha256"] for t in todo}
-    summary = {"index": str(out_dir), "images": len(records), "encoded": len(encoded) - len(skipped),
+    summary = {"index": str(out_dir), "images": len(records), "encoded": encoded_count,
                "reused": sum(1 for r in records if r["sha256"] not in encoded),
                "added": sorted(set(now_ids) - set(old_ids)), "removed": sorted(set(old_ids) - set(now_ids)),
                "changed": sorted(i for i in set(now_ids) & set(old_ids) if now_ids[i] != old_ids[i]),
                "skipped": skipped}
-    unchanged = (old is not None and has_regions and not encoded and not skipped and not parts
+    # (files that still cannot be read need no rewrite: they are listed in the old manifest already)
+    unchanged = (old is not None and has_regions and not encoded and skipped == old.get("skipped") and not parts
                  and old.get("images_root") == str(images_dir)
                  and [(e["id"], e["sha256"]) for e in old["images"]] == [(r["id"], r["sha256"]) for r in records])
     if unchanged:  # nothing to rewrite (an up-to-date index of a large collection costs only the hashing)
@@ -420,6 +428,20 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     write_json_atomic(out_dir / MANIFEST, manifest)  # the commit point
     _cleanup(out_dir, manifest)
     return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
+
+
+def _hash_files(images_dir: Path, paths: list[str], progress: bool) -> tuple[list[dict], list[dict[str, str]]]:
+    """A record (id, bytes, sha256) per file, and the files that could not be read (a dangling link, no
+    permission, a name too long for the system's path limit), which are skipped with a warning."""
+    records, unreadable = [], []
+    for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
+        p = images_dir / rel
+        try:
+            records.append({"id": rel, "bytes": p.stat().st_size, "sha256": file_sha256(p)})
+        except OSError as exc:
+            log.warning("skipping %s: cannot read the file (%s)", public_id(rel), exc.strerror or exc)
+            unreadable.append({"id": rel, "reason": f"cannot read the file: {exc.strerror or exc}"})
+    return records, unreadable
 
 
 def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarray], old_rows: dict[str, int],

@@ -29,6 +29,7 @@ from itmatch.errors import ConfigError, DataError, ItmatchError
 from itmatch.inference import score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
+from itmatch.retrieval.names import public_id
 
 MAX_QUERY_CHARS = 300
 MAX_QUERY_WORDS = 40
@@ -125,7 +126,9 @@ class Searcher:
         self.index.check_model(model_identity(ckpt, self.matcher.backbone_name))
         self.model, self.vocab = self.matcher.model, self.matcher.vocab
         self.images_root = Path(images_dir) if images_dir is not None else self.index.images_root
-        self.ids = self.index.ids
+        # the filesystem's names (what to open) and the ids they are known by outside (docs/search.md)
+        self.paths = self.index.ids
+        self.ids = [public_id(p) for p in self.paths]
         self.position = {i: n for n, i in enumerate(self.ids)}
         with torch.inference_mode():
             self.images: ImageEmb = self.model.head.prepare_images(self.index.image_emb().to(self.matcher.device))
@@ -208,22 +211,27 @@ class Searcher:
                 for r, (s, i) in enumerate(zip(top.values, top.indices, strict=True))]
 
     def row_of(self, image_id: str) -> int:
-        """Index row of an image id (its path relative to the photo folder); QueryError 400/404."""
+        """Index row of an image id (its path relative to the photo folder, escaped by `public_id`);
+        QueryError 400/404."""
+        if image_id in self.position:  # before the checks: `C:x.png` or `\\x.png` may be real names
+            return self.position[image_id]
         if (not image_id or image_id.startswith(("/", "\\")) or ".." in Path(image_id).parts
                 or re.match(r"^[A-Za-z]:", image_id)):  # absolute, parent, or a Windows drive
-            raise QueryError(f"invalid image id {image_id!r}", status=400,
+            raise QueryError(f"invalid image id '{public_id(image_id)}'", status=400,
                              hint="ids are relative paths as returned by the search")
-        if image_id not in self.position:
-            raise QueryError(f"no image {image_id!r} in the index", status=404)
-        return self.position[image_id]
+        raise QueryError(f"no image '{public_id(image_id)}' in the index", status=404,
+                         hint="ids are relative paths as returned by the search, with odd characters escaped")
+
+    def path_of(self, image_id: str) -> Path:
+        """Where an indexed image's file is: the photo folder joined with the name the filesystem gave."""
+        return self.images_root / self.paths[self.row_of(image_id)]
 
     def image_path(self, image_id: str) -> Path:
         """The file of an indexed image, resolved inside the photo folder (never outside it)."""
-        self.row_of(image_id)
         root = self.images_root.resolve()
-        path = (root / image_id).resolve()
+        path = self.path_of(image_id).resolve()
         if not path.is_relative_to(root) or not path.is_file():
-            raise QueryError(f"image {image_id!r} is not available", status=404)
+            raise QueryError(f"image '{image_id}' is not available", status=404)
         return path
 
     def explain(self, query: str, image_id: str) -> dict[str, Any]:

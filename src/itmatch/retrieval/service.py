@@ -3,8 +3,9 @@
     GET  /api/search?q=&k=        text -> ranked photos            {"query", "k", "results": [{rank, id, score, url}]}
     POST /api/search              the same with a JSON body        {"q": "...", "k": 10}
     POST /api/search/image?k=     photo bytes (body) -> captions   (needs a caption collection: --captions)
-    GET  /api/images/{id}         an indexed photo (ids are relative paths; nothing else is served)
-    GET  /api/explain?q=&id=      per-word attention over the photo's grid (see Searcher.explain)
+    GET  /api/images/{id}         an indexed photo (ids are relative paths, escaped: retrieval/names.py;
+                                  nothing else is served)
+    GET  /api/explain?q=&id=      per-word attention over the photo's grid (see Searcher.explain), its url
     GET  /health, GET /metrics    liveness; request counts and latency per route
     GET  /                        the single-page web UI (static files in itmatch/retrieval/web/)
 
@@ -74,6 +75,11 @@ def _error(status: int, message: str, hint: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"status": status, "message": message, "hint": hint}}, status_code=status)
 
 
+def image_url(image_id: str) -> str:
+    """The photo's URL: the id percent-encoded (`#`, `?`, `%`, spaces), sub-folders kept as path segments."""
+    return "/api/images/" + quote(image_id)
+
+
 def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> FastAPI:
     """The FastAPI app over a loaded `Searcher` (tests use it with TestClient, `serve` with uvicorn)."""
     app = FastAPI(title="itmatch search", docs_url="/api/docs", openapi_url="/api/openapi.json")
@@ -112,7 +118,7 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
 
     def hits(query: str, k: int) -> dict[str, Any]:
         start = time.perf_counter()
-        results = [{**h.as_dict(), "url": "/api/images/" + quote(h.id)} for h in searcher.search(query, k)]
+        results = [{**h.as_dict(), "url": image_url(h.id)} for h in searcher.search(query, k)]
         return {"query": query, "k": k, "results": results, "took_ms": round(1000 * (time.perf_counter() - start), 2)}
 
     @app.get("/health")
@@ -160,7 +166,7 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
 
     @app.get("/api/explain")
     def explain(q: str = Query("", description="text query"), id: str = Query("", description="image id")):
-        return searcher.explain(q, id)
+        return {**searcher.explain(q, id), "url": image_url(id)}  # a deep link opens it without a search
 
     @app.get("/", include_in_schema=False)
     def page():

@@ -1,5 +1,7 @@
 // itmatch search page: query -> result grid; click a result -> per-word attention heatmaps drawn on
 // canvases from /api/explain's numbers (SCAN Fig. 4 style). No dependencies.
+// The URL holds the view (?q=...&id=...): a link to an explanation opens it. Image ids are file names
+// escaped by the server (docs/search.md) and are only ever written as text (textContent), never as markup.
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
@@ -49,10 +51,11 @@ function renderResults(results) {
     meta.innerHTML = '<span class="rank"></span><span class="id"></span><span class="score"></span>';
     meta.querySelector(".rank").textContent = "#" + hit.rank;
     meta.querySelector(".id").textContent = hit.id;
+    meta.querySelector(".id").title = hit.id;  // the whole name on hover when it is cut short
     meta.querySelector(".score").textContent = hit.score.toFixed(3);
     card.append(img, meta);
-    card.addEventListener("click", () => explain(hit, card));
-    card.addEventListener("keydown", (ev) => { if (ev.key === "Enter") explain(hit, card); });
+    card.addEventListener("click", () => explain(hit.id));
+    card.addEventListener("keydown", (ev) => { if (ev.key === "Enter") explain(hit.id); });
     grid.append(card);
   }
 }
@@ -65,12 +68,16 @@ function colour(t) {
   return stops[i].map((c, j) => Math.round(c + f * (stops[i + 1][j] - c)));
 }
 
+// The whole photo at its own aspect ratio, the grid stretched over it: the model saw the whole photo
+// (squashed to a square), so grid cell (r, c) covers the same share of the photo either way, and the
+// heatmaps show exactly the pixels of the photo shown above them.
 function drawHeatmap(canvas, photo, weights) {
   const rows = weights.length, cols = weights[0].length;
-  const size = 300;
-  canvas.width = size; canvas.height = size;
+  const longest = 300, aspect = photo.naturalWidth / photo.naturalHeight;
+  canvas.width = aspect >= 1 ? longest : Math.round(longest * aspect);
+  canvas.height = aspect >= 1 ? Math.round(longest / aspect) : longest;
   const ctx = canvas.getContext("2d");
-  ctx.drawImage(photo, 0, 0, size, size);  // the model saw the photo resized to a square too
+  ctx.drawImage(photo, 0, 0, canvas.width, canvas.height);
   let max = 0;
   for (const row of weights) for (const w of row) max = Math.max(max, w);
   const small = document.createElement("canvas");
@@ -89,20 +96,29 @@ function drawHeatmap(canvas, photo, weights) {
   sctx.putImageData(pixels, 0, 0);
   ctx.imageSmoothingEnabled = true;  // bilinear upsampling of the grid, as in SCAN's figures
   ctx.imageSmoothingQuality = "high";
-  ctx.drawImage(small, 0, 0, size, size);
+  ctx.drawImage(small, 0, 0, canvas.width, canvas.height);
 }
 
-async function explain(hit, card) {
+// The page's URL says what it shows: ?q= the query, &id= the explained photo (a link to share).
+function setLocation(query, id) {
+  const url = new URL(location.href);
+  url.searchParams.set("q", query);
+  if (id) url.searchParams.set("id", id); else url.searchParams.delete("id");
+  history.replaceState(null, "", url);
+}
+
+async function explain(id) {
   document.querySelectorAll(".result.selected").forEach((el) => el.classList.remove("selected"));
-  card.classList.add("selected");
+  const card = [...document.querySelectorAll(".result")].find((el) => el.dataset.id === id);
+  if (card) card.classList.add("selected");
   setStatus("computing attention…");
   try {
-    const data = await getJSON("/api/explain?q=" + encodeURIComponent(lastQuery) + "&id=" + encodeURIComponent(hit.id));
+    const data = await getJSON("/api/explain?q=" + encodeURIComponent(lastQuery) + "&id=" + encodeURIComponent(id));
     const photo = new Image();
-    photo.src = hit.url;
+    photo.src = data.url;
     await photo.decode();
-    $("#explain-photo").src = hit.url;
-    $("#explain-title").textContent = "\u201c" + data.query + "\u201d \u2014 " + hit.id + " (score " + data.score.toFixed(3) + ")";
+    $("#explain-photo").src = data.url;
+    $("#explain-title").textContent = "\u201c" + data.query + "\u201d \u2014 " + data.id + " (score " + data.score.toFixed(3) + ")";
     const maps = $("#word-maps");
     maps.replaceChildren();
     for (const w of data.words) {
@@ -117,7 +133,8 @@ async function explain(hit, card) {
       maps.append(box);
     }
     $("#explain").hidden = false;
-    $("#explain").dataset.id = hit.id;
+    $("#explain").dataset.id = data.id;
+    setLocation(lastQuery, data.id);
     $("#explain").scrollIntoView({ behavior: "smooth", block: "start" });
     setStatus("");
   } catch (e) {
@@ -148,13 +165,21 @@ async function searchByPhoto(file) {
 $("#search-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
   const query = $("#q").value.trim();
-  const url = new URL(location.href);
-  url.searchParams.set("q", query);
-  history.replaceState(null, "", url);
+  setLocation(query, null);
   search(query, $("#k").value);
 });
-$("#explain-close").addEventListener("click", () => { $("#explain").hidden = true; });
+$("#explain-close").addEventListener("click", () => {
+  $("#explain").hidden = true;
+  setLocation(lastQuery, null);
+});
 $("#photo").addEventListener("change", (ev) => { if (ev.target.files[0]) searchByPhoto(ev.target.files[0]); });
 
-const initial = new URL(location.href).searchParams.get("q");
-if (initial) { $("#q").value = initial; search(initial, $("#k").value); }
+async function openFromLocation() {
+  const params = new URL(location.href).searchParams;
+  const query = params.get("q"), id = params.get("id");
+  if (!query) return;
+  $("#q").value = query;
+  await search(query, $("#k").value);
+  if (id) await explain(id);  // the photo need not be among the results
+}
+openFromLocation();
