@@ -284,3 +284,18 @@ def test_unknown_words_are_reported_and_captions_without_a_known_word_never_rank
     printed = capsys.readouterr()
     assert "2 caption(s)" in printed.err and "never ranked" in printed.err
     assert "zzz" not in printed.out and "[unknown: qwzx]" in printed.out
+
+
+def test_python_api_reports_unknown_words(tiny_search_setup):
+    from itmatch.errors import UnknownWordsWarning
+
+    matcher = itmatch.load(tiny_search_setup["checkpoint"])
+    photos = sorted(tiny_search_setup["photos"].glob("*.png"))[:3]
+    assert matcher.unknown_words("a red qwzx circle") == ["qwzx"]
+    with pytest.warns(UnknownWordsWarning, match="qwzx"):
+        assert len(matcher.rank("a red qwzx circle", photos, top_k=2)) == 2
+    with pytest.raises(DataError, match="vocabulary"):
+        matcher.rank("qwzx vbnm", photos)
+    # image -> texts: a text without a known word is never ranked
+    ranked = matcher.rank(str(photos[0]), ["zzz qqq xxx", "a red circle", "a blue square"], top_k=3)
+    assert sorted(i for i, _ in ranked) == [1, 2]
