@@ -140,3 +140,34 @@ def test_training_with_same_image_pairs_masked(tiny_precomp, tmp_path):
     cfg = quick_config("summax_t2i", tiny_precomp)
     cfg.loss.mask_same_image = True
     assert train(cfg, tmp_path / "run", progress=False)["best_rsum"] > 150
+
+
+def test_evaluation_reports_unknown_caption_words_and_keeps_the_metrics(tiny_precomp, tmp_path, capsys):
+    """A vocabulary without 'triangle': the evaluation counts its occurrences in the evaluated captions and
+    lists it, in the JSON and the printed table, and its metrics are those of the model's own scores (each
+    unknown word still one <unk> step of the input)."""
+    from itmatch.data.vocab import Vocab, build_vocab, tokenize
+    from itmatch.engine.metrics import retrieval_metrics
+    from itmatch.engine.train import prepare_data
+    from itmatch.models.registry import build_model
+
+    cfg = quick_config("vsepp", tiny_precomp)
+    full = build_vocab(read_precomp(tiny_precomp, "train").captions)
+    vocab = Vocab(w for w in full.idx2word[4:] if w != "triangle")
+    prepare_data(cfg, vocab)
+    torch.manual_seed(0)
+    model = build_model(cfg.model).eval()
+    save_checkpoint(tmp_path / "ckpt", model, cfg, vocab)
+    split = read_precomp(tiny_precomp, "test")
+    triangles = sum(tokenize(c).count("triangle") for c in split.captions)
+    assert main(["evaluate", str(tmp_path / "ckpt"), "--split", "test", "--quiet", "--json",
+                 str(tmp_path / "m.json")]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((tmp_path / "m.json").read_text())
+    report = result["unknown_words"]
+    assert report["unknown"] == triangles > 0 and report["top_unknown"] == [["triangle", triangles]]
+    assert report["words"] == sum(len(tokenize(c)) for c in split.captions)
+    assert f"unknown words: {triangles:,} of {report['words']:,} caption words" in printed
+    assert "most frequent: triangle" in printed
+    scores = score_matrix(model, encode_images(model, split.images), encode_captions(model, split.captions, vocab))
+    assert result["rsum"] == pytest.approx(retrieval_metrics(scores, split.per_image)["rsum"], abs=1e-9)

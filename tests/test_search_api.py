@@ -70,6 +70,24 @@ def test_explain_shapes_and_normalisation(client, searcher):
     assert [w["known"] for w in unknown["words"]] == [True, True, True, False, True]
 
 
+def test_every_search_answers_with_the_words_it_could_not_read(client, searcher, tiny_search_setup):
+    resp = client.get("/api/search", params={"q": "a red qwzx circle", "k": 3})
+    assert resp.status_code == 200 and resp.json()["unknown_words"] == ["qwzx"]
+    assert client.post("/api/search", json={"q": "a red qwzx circle", "k": 3}).json()["unknown_words"] == ["qwzx"]
+    assert client.get("/api/search", params={"q": "a red circle"}).json()["unknown_words"] == []
+    error = _error(client.get("/api/search", params={"q": "qwzx plokm"}), 422)
+    assert "qwzx, plokm" in error["message"]  # the refusal names the words
+    assert client.get("/api/explain", params={"q": "a red qwzx", "id": searcher.ids[0]}).json()["unknown_words"] == [
+        "qwzx"]
+    # photo -> captions: a caption without a known word is never ranked, and is counted
+    collection = Searcher(searcher.index.root, captions=["zzz qqq xxx", "a red qwzx circle", "a blue square"])
+    photo = (tiny_search_setup["photos"] / "test_00005.png").read_bytes()
+    data = TestClient(create_app(collection)).post("/api/search/image", params={"k": 3}, content=photo).json()
+    assert data["captions_without_known_word"] == 1
+    assert {r["caption"]: r["unknown_words"] for r in data["results"]} == {"a red qwzx circle": ["qwzx"],
+                                                                          "a blue square": []}
+
+
 def test_image_to_text(client, tiny_search_setup):
     photo = (tiny_search_setup["photos"] / "test_00005.png").read_bytes()
     resp = client.post("/api/search/image", params={"k": 3}, content=photo, headers={"content-type": "image/png"})

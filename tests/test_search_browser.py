@@ -121,6 +121,7 @@ def test_query_results_and_heatmaps_in_a_real_browser(server, page, tmp_path):
     ranks = [int(t.lstrip("#")) for t in page.locator("#results .rank").all_inner_texts()]
     scores = [float(t) for t in page.locator("#results .score").all_inner_texts()]
     assert ranks == list(range(1, 13)) and scores == sorted(scores, reverse=True)
+    assert not page.locator("#unknown-words").is_visible()  # every word known: no mark
     _assert_rank_name_score_apart(page)  # ranks 10 to 12 included
 
     cards.nth(0).click()
@@ -141,9 +142,20 @@ def test_query_results_and_heatmaps_in_a_real_browser(server, page, tmp_path):
     assert shot.stat().st_size > 10_000
     print(f"screenshot: {shot}")
 
+    # a word the model does not know is marked on the page, beside the results it still gives
+    page.fill("#q", "a large red qwzx circle")
+    page.press("#q", "Enter")
+    page.wait_for_selector("#unknown-words:not([hidden]) mark.unknown-word", timeout=20_000)
+    assert page.locator("#unknown-words").is_visible()
+    assert page.locator("#unknown-words mark.unknown-word").all_inner_texts() == ["qwzx"]
+    assert "vocabulary" in page.locator("#unknown-words").inner_text()
+    assert page.locator("#results .result").count() == 12
+    page.screenshot(path=str(tmp_path / "unknown_words.png"))
+
     page.fill("#q", "qwzx")  # an error is shown on the page, not thrown
     page.press("#q", "Enter")
     page.wait_for_function("document.querySelector('#status').textContent.includes('vocabulary')")
+    assert not page.locator("#unknown-words").is_visible()  # no stale mark from the previous query
     assert not page.errors, page.errors
 
 

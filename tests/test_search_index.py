@@ -18,7 +18,7 @@ from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
 from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
 from itmatch.models.registry import build_model
 from itmatch.retrieval.index import MANIFEST, PARTS, build_index, load_index, scan_images
-from itmatch.retrieval.search import QueryError, Searcher
+from itmatch.retrieval.search import QueryError, Searcher, read_captions_file
 
 
 @pytest.fixture()
@@ -249,3 +249,53 @@ def test_links_to_files_outside_the_folder_are_not_indexed(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="itmatch.retrieval"):
         assert scan_images(photos) == ["inside.jpg", "sub/link_in.jpg"]
     assert "link_out.jpg" in caplog.text and "outside" in caplog.text
+
+
+def test_unknown_words_are_reported_and_captions_without_a_known_word_never_ranked(tiny_search_setup, tmp_path,
+                                                                                     capsys):
+    out = tmp_path / "index"
+    _build(tiny_search_setup, tiny_search_setup["photos"], out)
+    garbage = ["zzz qqq xxx", "qwzx vbnm ."]  # the full stop is known: still no word the model can read
+    real = read_captions_file(tiny_search_setup["captions"])[:10]
+    captions = [*garbage[:1], *real, "a red qwzx circle", garbage[1]]
+    searcher = Searcher(out, captions=captions)
+    assert searcher.unknown_words("a red qwzx circle, qwzx") == ["qwzx"]  # each once
+    assert searcher.unknown_words("a red circle!") == ["!"]  # punctuation it does not know is read as <unk> too
+    assert searcher.unknown_words("a red circle") == []
+    with pytest.raises(QueryError, match="qwzx, vbnm"):
+        searcher.search("qwzx vbnm .")
+    assert searcher.captions_without_known_word == garbage
+    for photo in ("test_00000.png", "test_00005.png", "test_00009.png"):
+        results = searcher.search_image(tiny_search_setup["photos"] / photo, k=100)
+        # every caption the model can read, and only those, ranked by the model's unchanged scores
+        assert sorted(r["caption"] for r in results) == sorted(captions[1:-1])
+        scores = searcher.matcher.score([tiny_search_setup["photos"] / photo], [r["caption"] for r in results])[0]
+        assert np.allclose([r["score"] for r in results], scores.numpy(), atol=1e-5)
+    marked = next(r for r in results if r["caption"] == "a red qwzx circle")
+    assert marked["unknown_words"] == ["qwzx"] and all(r["unknown_words"] == [] for r in results if r is not marked)
+
+    # the CLI says so too
+    assert main(["search", str(out), "a red qwzx circle", "-k", "2"]) == 0
+    assert "not in the model's vocabulary, read as <unk>: qwzx" in capsys.readouterr().err
+    collection = tmp_path / "captions.txt"
+    collection.write_text("\n".join(captions) + "\n")
+    assert main(["search", str(out), "--image", str(tiny_search_setup["photos"] / "test_00000.png"),
+                 "--captions", str(collection), "-k", "100"]) == 0
+    printed = capsys.readouterr()
+    assert "2 caption(s)" in printed.err and "never ranked" in printed.err
+    assert "zzz" not in printed.out and "[unknown: qwzx]" in printed.out
+
+
+def test_python_api_reports_unknown_words(tiny_search_setup):
+    from itmatch.errors import UnknownWordsWarning
+
+    matcher = itmatch.load(tiny_search_setup["checkpoint"])
+    photos = sorted(tiny_search_setup["photos"].glob("*.png"))[:3]
+    assert matcher.unknown_words("a red qwzx circle") == ["qwzx"]
+    with pytest.warns(UnknownWordsWarning, match="qwzx"):
+        assert len(matcher.rank("a red qwzx circle", photos, top_k=2)) == 2
+    with pytest.raises(DataError, match="vocabulary"):
+        matcher.rank("qwzx vbnm", photos)
+    # image -> texts: a text without a known word is never ranked
+    ranked = matcher.rank(str(photos[0]), ["zzz qqq xxx", "a red circle", "a blue square"], top_k=3)
+    assert sorted(i for i, _ in ranked) == [1, 2]

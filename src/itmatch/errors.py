@@ -39,6 +39,10 @@ class OverwriteError(ItmatchError):
     """The output exists and --force was not given."""
 
 
+class UnknownWordsWarning(UserWarning):
+    """A query has words the model's vocabulary does not know (read as <unk>; their meaning is lost)."""
+
+
 def refuse_overwrite(path: str | Path, force: bool) -> None:
     """Raise unless `path` is absent or the user passed --force."""
     p = Path(path)

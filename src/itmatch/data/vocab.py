@@ -4,6 +4,14 @@ tokenizer of a pretrained transformer (MMCA). Both offer `encode(caption) -> ids
 Tokenization is lower-case Penn-Treebank word tokenization (SCAN used `nltk.word_tokenize`). We use
 NLTK's Treebank word tokenizer directly: it is the word step of `word_tokenize` without the Punkt
 sentence splitter, whose model cannot be downloaded here; captions are single sentences, so the two agree.
+
+Unknown words. The word vocabulary reads a word it does not know as `<unk>` (id 3), a real time step whose
+embedding was trained on the rare words of the training captions: the model input keeps one step per
+word, as SCAN's does, so trained models score exactly as they were trained, but the word's meaning is
+gone. The WordPiece tokenizer spells almost every word out in pieces and reads a word as `[UNK]` only
+when no pieces spell it (characters outside its vocabulary, e.g. most emoji). `coverage(text)` says,
+for either kind, which words were read as unknown, so that search and evaluation can report them
+instead of dropping them silently (docs/search.md, docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import json
 import warnings
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from nltk.tokenize import NLTKWordTokenizer
@@ -29,6 +38,31 @@ _tokenizer = NLTKWordTokenizer()
 def tokenize(caption: str) -> list[str]:
     """Lower-case Treebank tokens of one caption."""
     return _tokenizer.tokenize(caption.lower())
+
+
+def is_word(token: str) -> bool:
+    """A token that carries meaning: it has a letter or a digit (not only punctuation or symbols)."""
+    return any(ch.isalnum() for ch in token)
+
+
+@dataclass(frozen=True)
+class WordCoverage:
+    """How a vocabulary reads one text: its words as the tokenizer splits them, and for each whether the
+    vocabulary knows it (False: read as `<unk>` / `[UNK]`, its meaning lost)."""
+
+    words: tuple[str, ...]
+    known: tuple[bool, ...]
+
+    @property
+    def unknown(self) -> list[str]:
+        """The words read as unknown, in order (repeats kept)."""
+        return [w for w, k in zip(self.words, self.known, strict=True) if not k]
+
+    @property
+    def has_known_word(self) -> bool:
+        """Whether any word with a letter or digit is known: a text without one carries nothing the
+        model can match (a known full stop alone does not count)."""
+        return any(k and is_word(w) for w, k in zip(self.words, self.known, strict=True))
 
 
 class Vocab:
@@ -55,6 +89,11 @@ class Vocab:
     def encode(self, caption: str) -> list[int]:
         """Token ids with <start> and <end>, which SCAN treats as real time steps."""
         return [self.word2idx[START], *(self(w) for w in tokenize(caption)), self.word2idx[END]]
+
+    def coverage(self, text: str) -> WordCoverage:
+        """The text's tokens and which of them the vocabulary knows (the others are encoded as <unk>)."""
+        words = tokenize(text)
+        return WordCoverage(tuple(words), tuple(w in self.word2idx for w in words))
 
     def to_json(self) -> dict:
         """SCAN's on-disk format."""
@@ -128,6 +167,7 @@ class WordPieceVocab:
             raise ConfigError(f"WordPiece max_length must be >= 3 ([CLS] word [SEP]), got {self.max_length}")
         self.sep_id = self.tokenizer.token_to_id("[SEP]")
         self.pad_id = self.tokenizer.token_to_id("[PAD]")
+        self.unk_id = self.tokenizer.token_to_id("[UNK]")
         if self.sep_id is None or self.pad_id is None:
             raise ConfigError("the tokenizer has no [SEP] or [PAD] token: not a BERT-style WordPiece tokenizer",
                               path=source or None)
@@ -155,6 +195,20 @@ class WordPieceVocab:
             ids = [*ids[: self.max_length - 1], self.sep_id]
         return ids
 
+    def coverage(self, text: str) -> WordCoverage:
+        """The text's words as the tokenizer's pre-tokenizer splits them (original spelling) and which of
+        them have pieces: a word is unknown when it is read as [UNK], not when it is spelled in pieces."""
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        spans: dict[int, list[int]] = {}  # word index -> [start, end, unknown?] in the original text
+        for word, (start, end), piece in zip(encoding.word_ids, encoding.offsets, encoding.ids, strict=True):
+            if word is None:
+                continue
+            span = spans.setdefault(word, [start, end, 0])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+            span[2] |= piece == self.unk_id
+        ordered = [spans[w] for w in sorted(spans)]
+        return WordCoverage(tuple(text[a:b] for a, b, _ in ordered), tuple(not unk for _, _, unk in ordered))
+
     def to_json(self) -> dict:
         return {"type": self.kind, "max_length": self.max_length, "source": self.source,
                 "tokenizer": json.loads(self._json)}
@@ -180,6 +234,24 @@ class WordPieceVocab:
 
 
 AnyVocab = Vocab | WordPieceVocab
+
+TOP_UNKNOWN = 10  # most frequent unknown words an evaluation lists
+
+
+def unknown_word_report(vocab: AnyVocab, captions: Iterable[str], top: int = TOP_UNKNOWN) -> dict:
+    """What a vocabulary does not know in a set of captions: word counts, the unknown ones (read as
+    <unk>/[UNK]), captions left without a known word, and the `top` most frequent unknown words."""
+    unknown: Counter[str] = Counter()
+    words = without_known = 0
+    for caption in captions:
+        cov = vocab.coverage(caption)
+        words += len(cov.words)
+        unknown.update(cov.unknown)
+        without_known += not cov.has_known_word
+    count = sum(unknown.values())
+    return {"words": words, "unknown": count, "unknown_percent": round(100 * count / max(1, words), 3),
+            "distinct_unknown": len(unknown), "captions_without_known_word": without_known,
+            "top_unknown": [[w, c] for w, c in unknown.most_common(top)]}
 
 
 def _read_json(path: str | Path) -> dict:

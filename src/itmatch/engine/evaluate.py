@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from itmatch.data.precomp import PrecompSplit
-from itmatch.data.vocab import AnyVocab
+from itmatch.data.vocab import AnyVocab, unknown_word_report
 from itmatch.device import Placement, check_precision, module_device
 from itmatch.engine import distributed as dist
 from itmatch.engine.metrics import average_folds, retrieval_metrics
@@ -218,6 +218,10 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
         result["resumed"] = {"blocks": resumed[0], "seconds": round(resumed[1], 2), "from": str(resume_dir)}
     if two_stage:
         result["two_stage"] = two_stage[0] if len(two_stage) == 1 else two_stage
+    # after eval_seconds (comparable with earlier rows); the metrics are those of the model's own input
+    captions = [c for fold in protocol_folds(split, protocol) for c in fold.captions]
+    reports = [unknown_word_report(vocab, captions) for _, vocab in models]
+    result["unknown_words"] = reports[0] if len(reports) == 1 else reports
     return dist.broadcast_object(result)
 
 
@@ -230,5 +234,20 @@ def format_table(result: dict) -> str:
     rows.append(f"rsum {result['rsum']:.1f}   mR {result['mR']:.2f}   "
                 f"({result.get('protocol', '')}, {result.get('n_images', '?')} images, "
                 f"{result.get('eval_seconds', 0):.1f} s)")
+    reports = result.get("unknown_words", [])
+    reports = [reports] if isinstance(reports, dict) else reports
+    for n, report in enumerate(reports):
+        rows.append(format_unknown_words(report, f"model {n + 1}: " if len(reports) > 1 else ""))
     return "\n".join(rows)
+
+
+def format_unknown_words(report: dict, prefix: str = "") -> str:
+    """One line on the caption words the model could not read (unknown_word_report)."""
+    line = (f"{prefix}unknown words: {report['unknown']:,} of {report['words']:,} caption words "
+            f"({report['unknown_percent']:.2f}%) read as unknown (not in the vocabulary)")
+    if report["captions_without_known_word"]:
+        line += f", {report['captions_without_known_word']:,} captions without a known word"
+    if report["top_unknown"]:
+        line += "; most frequent: " + ", ".join(f"{w} {c}" for w, c in report["top_unknown"])
+    return line
 

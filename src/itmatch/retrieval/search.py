@@ -9,6 +9,13 @@ the head then re-scores exactly, as two-stage evaluation does (docs/performance.
 
 Every user input is checked here, once, for the CLI and the HTTP service alike: `QueryError` carries
 the HTTP status the service answers with.
+
+Unknown words are reported, never dropped silently: `unknown_words(query)` lists the query's words the
+model reads as `<unk>` (the CLI prints them, the API returns them as `unknown_words`, the page marks them);
+a query without any known word is refused. In image-to-text search a caption of the collection without
+any known word is scored as missing: it is never ranked (so it cannot outrank a caption the model can
+read), and `captions_without_known_word` lists them. The model's input is not changed: a known word next
+to an unknown one is scored exactly as the trained model scores it.
 """
 
 from __future__ import annotations
@@ -143,6 +150,12 @@ class Searcher:
             self.first_stage = FirstStageIndex(shortlist_index).build(self.images.vector)
         self.captions = list(captions or [])
         self._caption_emb: TextEmb | None = None
+        coverage = [self.vocab.coverage(c) for c in self.captions]
+        self._caption_unknown = [_distinct(c.unknown) for c in coverage]
+        # scored as missing: a caption the model cannot read is never ranked (see the module docstring)
+        self._rankable = torch.tensor([c.has_known_word for c in coverage], dtype=torch.bool)
+        self.captions_without_known_word = [c for c, ok in zip(self.captions, self._rankable.tolist(),
+                                                                strict=True) if not ok]
         # One model computation at a time: concurrent requests would only fight over the same cores and
         # multiply the temporaries (measured: RSS grew by 500 MB under 32 concurrent clients without it).
         self._lock = threading.Lock()
@@ -159,10 +172,19 @@ class Searcher:
         words = tokenize(query)
         if len(words) > MAX_QUERY_WORDS:
             raise QueryError(f"query of {len(words)} words exceeds the limit of {MAX_QUERY_WORDS}")
-        if not words or all(w not in self.vocab.word2idx for w in words):
-            raise QueryError("none of the query's words is in the model's vocabulary",
+        coverage = self.vocab.coverage(query)
+        if not coverage.has_known_word:
+            unknown = _distinct(coverage.unknown)
+            raise QueryError("none of the query's words is in the model's vocabulary"
+                             + (f" (unknown: {', '.join(unknown)})" if unknown else ""),
                              hint="use words of the captions the model was trained on")
         return words
+
+    def unknown_words(self, query: str) -> list[str]:
+        """The query's words the model does not know (each read as <unk>, its meaning lost), each once, in
+        order; QueryError as `tokens` for a query that cannot be searched."""
+        self.tokens(query)
+        return _distinct(self.vocab.coverage(query).unknown)
 
     def encode_query(self, query: str) -> TextEmb:
         self.tokens(query)
@@ -195,19 +217,25 @@ class Searcher:
                 for r, (s, i) in enumerate(zip(top.values, top.indices, strict=True))]
 
     def search_image(self, image: Image.Image | Path | str, k: int = 10) -> list[dict[str, Any]]:
-        """Image -> the k best captions of the caption collection, best first."""
+        """Image -> the k best captions of the caption collection, best first, each with the words of it
+        the model does not know. Captions without any known word are never ranked."""
         check_k(k)
         if not self.captions:
             raise QueryError("no caption collection loaded for image-to-text search", status=409,
                              hint="pass --captions FILE (one caption a line)")
+        rankable = int(self._rankable.sum())
+        if rankable == 0:
+            raise QueryError(f"none of the {len(self.captions)} captions has a word in the model's vocabulary",
+                             status=409, hint="load captions written in the words the model was trained on")
         with self._lock:
             if self._caption_emb is None:
                 self._caption_emb = self.matcher.encode_texts(self.captions)
             img = self.matcher.encode_images([image])
             with self.matcher.placement.autocast():
                 scores = score_matrix(self.model, img, self._caption_emb)[0]
-        top = torch.topk(scores, min(k, len(self.captions)))
-        return [{"rank": r + 1, "caption": self.captions[int(i)], "score": round(float(s), 6)}
+        top = torch.topk(scores.masked_fill(~self._rankable.to(scores.device), -torch.inf), min(k, rankable))
+        return [{"rank": r + 1, "caption": self.captions[int(i)], "score": round(float(s), 6),
+                 "unknown_words": self._caption_unknown[int(i)]}
                 for r, (s, i) in enumerate(zip(top.values, top.indices, strict=True))]
 
     def row_of(self, image_id: str) -> int:
@@ -254,10 +282,17 @@ class Searcher:
         grid = self.index.grid
         length = int(txt.lengths[0])
         tokens = ["<start>", *words, "<end>"]
-        known = [True, *(w in self.vocab.word2idx for w in words), True]
+        coverage = self.vocab.coverage(query)
+        known = [True, *coverage.known, True]  # (a word vocabulary: its words are `words`)
         direction = getattr(head, "direction", "t2i")
         maps = alpha[:, :length].T.reshape(length, grid, grid)
         return {"id": image_id, "query": query, "score": round(score, 6), "grid": [grid, grid],
                 "normalised_over": "regions" if direction == "t2i" else "words",
+                "unknown_words": _distinct(coverage.unknown),
                 "words": [{"word": w, "known": kn, "weights": m.tolist()}
                           for w, kn, m in zip(tokens, known, maps, strict=True)]}
+
+
+def _distinct(words: Sequence[str]) -> list[str]:
+    """Each word once, in order of first appearance."""
+    return list(dict.fromkeys(words))

@@ -9,6 +9,10 @@
     GET  /health, GET /metrics    liveness; request counts and latency per route
     GET  /                        the single-page web UI (static files in itmatch/retrieval/web/)
 
+Unknown words are reported, not dropped silently: text searches answer with `unknown_words` (the query's
+words the model reads as <unk>), image searches with each caption's `unknown_words` and the count of
+`captions_without_known_word`, which are never ranked (retrieval.search).
+
 Every bad input is answered with a 4xx and a JSON body {"error": {"status", "message", "hint"}}, and
 logged; the process keeps serving. A bad index or a model mismatch stops start-up instead (`Searcher`).
 """
@@ -119,7 +123,8 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
     def hits(query: str, k: int) -> dict[str, Any]:
         start = time.perf_counter()
         results = [{**h.as_dict(), "url": image_url(h.id)} for h in searcher.search(query, k)]
-        return {"query": query, "k": k, "results": results, "took_ms": round(1000 * (time.perf_counter() - start), 2)}
+        return {"query": query, "k": k, "unknown_words": searcher.unknown_words(query), "results": results,
+                "took_ms": round(1000 * (time.perf_counter() - start), 2)}
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -158,7 +163,8 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
             if len(data) > max_upload_bytes:
                 raise QueryError(f"upload exceeds the limit of {max_upload_bytes} bytes", status=413)
         image = open_upload(bytes(data), max_upload_bytes)
-        return {"k": k, "results": searcher.search_image(image, k)}
+        return {"k": k, "captions_without_known_word": len(searcher.captions_without_known_word),
+                "results": searcher.search_image(image, k)}
 
     @app.get("/api/images/{image_id:path}")
     def image(image_id: str):
@@ -191,6 +197,9 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
     searcher = Searcher(index_dir, checkpoint, images_dir=images_dir,
                         captions=read_captions_file(captions) if captions else None, shortlist=shortlist,
                         shortlist_index=shortlist_index, device=device, precision=precision)
+    if searcher.captions_without_known_word:
+        log.warning("%d caption(s) of %s have no word in the model's vocabulary and are never ranked, e.g. %r",
+                    len(searcher.captions_without_known_word), captions, searcher.captions_without_known_word[0])
     log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error

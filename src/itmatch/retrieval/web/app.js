@@ -23,14 +23,31 @@ async function search(query, k) {
   lastQuery = query;
   $("#explain").hidden = true;
   $("#captions").hidden = true;
+  renderUnknownWords([]);
   setStatus("searching…");
   try {
     const data = await getJSON("/api/search?q=" + encodeURIComponent(query) + "&k=" + k);
     renderResults(data.results);
+    renderUnknownWords(data.unknown_words || []);
     setStatus(data.results.length + " results in " + data.took_ms + " ms");
   } catch (e) {
     $("#results").replaceChildren();
     setStatus(e.message);
+  }
+}
+
+// The query's words the model does not know: it reads each as <unk>, so the ranking ignores their meaning.
+function renderUnknownWords(words) {
+  const box = $("#unknown-words");
+  box.replaceChildren();
+  box.hidden = words.length === 0;
+  if (box.hidden) return;
+  box.append("Not in the model's vocabulary (read as <unk>, meaning lost): ");
+  for (const w of words) {
+    const mark = document.createElement("mark");
+    mark.className = "unknown-word";
+    mark.textContent = w;
+    box.append(mark, " ");
   }
 }
 
@@ -152,9 +169,22 @@ async function searchByPhoto(file) {
     for (const r of data.results) {
       const li = document.createElement("li");
       li.textContent = r.caption + "  (" + r.score.toFixed(3) + ")";
+      if (r.unknown_words && r.unknown_words.length) {
+        const note = document.createElement("span");
+        note.className = "unknown-note";
+        note.textContent = " unknown: " + r.unknown_words.join(", ");
+        li.append(note);
+      }
       list.append(li);
     }
-    $("#captions").replaceChildren(list);
+    const parts = [list];
+    if (data.captions_without_known_word) {
+      const note = document.createElement("p");
+      note.className = "unknown-note";
+      note.textContent = data.captions_without_known_word + " caption(s) have no word the model knows and are not ranked.";
+      parts.push(note);
+    }
+    $("#captions").replaceChildren(...parts);
     $("#captions").hidden = false;
     setStatus("");
   } catch (e) {
