@@ -92,7 +92,10 @@ class SaveConfig:
     backbone_lr_scale: float = 0.1
     c3_dim: int = 0  # channels of cached c3 / c4 maps (0: taken from the data)
     c4_dim: int = 0
-    i2t_lambda_softmax: float = 4.0  # lambdas of the i-t half when model.direction = both (SCAN F30K i-t)
+    # SAVE keeps the lambdas of both directions, so that a direction override gets its own (SCAN Table 1,
+    # Flickr30K): model.lambda_* are the t-i ones (9 / 6), these the i-t ones (4 / 5), read by the i-t head
+    # whether model.direction is i2t or both
+    i2t_lambda_softmax: float = 4.0
     i2t_lambda_lse: float = 5.0
 
 
@@ -108,7 +111,7 @@ class ModelConfig:
     bidirectional: bool = True
     img_norm: bool = True  # l2-normalise region embeddings (SCAN's no_imgnorm=False)
     txt_norm: bool = True
-    direction: str = "t2i"  # t2i | i2t (SCAN, Sum-Max); both (SAVE: average of t-i and i-t scores)
+    direction: str = "t2i"  # t2i | i2t (SCAN, Sum-Max, SAVE); both (SCAN, SAVE: average of t-i and i-t scores)
     pool: str = "avg"  # avg | lse | max | sum (SCAN)
     lambda_softmax: float = 9.0  # lambda_1, inverse softmax temperature
     lambda_lse: float = 6.0  # lambda_2
@@ -219,7 +222,7 @@ RULES: dict[str, Rule] = {
     "model.img_dim": Rule(min=0), "model.vocab_size": Rule(min=0), "model.embed_size": Rule(min=1),
     "model.word_dim": Rule(min=1), "model.word_vectors_scale": Rule(choices=("raw", "init")),
     "model.text_rnn": Rule(choices=("gru", "lstm")), "model.text_layers": Rule(min=1),
-    "model.direction": Rule(choices=("t2i", "i2t")), "model.pool": Rule(choices=("avg", "lse", "max", "sum")),
+    "model.direction": Rule(choices=("t2i", "i2t", "both")), "model.pool": Rule(choices=("avg", "lse", "max", "sum")),
     "model.lambda_softmax": Rule(above=0), "model.lambda_lse": Rule(above=0),
     "model.raw_feature_norm": Rule(choices=("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")),
     "model.clip_slope": Rule(min=0, max=1),

@@ -91,8 +91,11 @@ def _presets() -> dict[str, dict[str, Any]]:
         presets[name] = {"model": {"arch": "mmca", **model}, **copy.deepcopy(mmca_base)}
     # SAVE Tables 4-5 (the ablations, all in the i-t AVG setting): self-attention variants on c5, fusion of
     # c4+c5 / c3+c4+c5, NL-ms2; the paper gives no schedule beyond SCAN's "same settings": F30K's.
-    # model.direction=both gives Table 1's averaged i-t/t-i scores (footnote 1).
-    save_i2t = {"arch": "save", "direction": "i2t", "pool": "avg", **SCAN_LAMBDAS[("f30k", "i2t")]}
+    # model.direction=both gives Table 1's averaged i-t/t-i scores (footnote 1). Both directions' lambdas are
+    # set (SCAN Table 1): t-i in model.lambda_*, i-t in model.save.i2t_lambda_*, so `--set model.direction=t2i`
+    # or `=both` scores t-i with 9 / 6, not with the i-t 4 / 5.
+    save_i2t = {"arch": "save", "direction": "i2t", "pool": "avg", **SCAN_LAMBDAS[("f30k", "t2i")]}
+    i2t_lambdas = {f"i2t_{k}": v for k, v in SCAN_LAMBDAS[("f30k", "i2t")].items()}
     save_variants = {
         "save_nosa": {"attention": "none", "scales": "c5"},
         "save_dsa": {"attention": "dsa", "scales": "c5"},
@@ -110,7 +113,7 @@ def _presets() -> dict[str, dict[str, Any]]:
         "save_dsa_ft": {"attention": "dsa", "scales": "c5", "pixels": True, "finetune": True},
     }
     for name, save in save_variants.items():
-        presets[name] = {"model": {**save_i2t, "save": save}, "train": F30K_SCHEDULE}
+        presets[name] = {"model": {**save_i2t, "save": {**save, **i2t_lambdas}}, "train": F30K_SCHEDULE}
     return presets
 
 
@@ -166,14 +169,23 @@ def _build_scan(mc: ModelConfig) -> Matcher:
 
 
 def _scan_head(mc: ModelConfig) -> SimilarityHead:
-    """SCAN's head in mc.direction; "both" averages a t-i head (mc.lambda_*) and an i-t head
-    (mc.save.i2t_lambda_*)."""
+    """SCAN's head in mc.direction; "both" averages a t-i head and an i-t head (each with its lambdas)."""
+    def head(direction: str, lambdas: tuple[float, float]) -> ScanHead:
+        return ScanHead(direction, mc.pool, *lambdas, mc.raw_feature_norm, mc.clip_slope)
+
+    t2i_lambdas = (mc.lambda_softmax, mc.lambda_lse)
     if mc.direction == "both":
-        return TwoWayScanHead(
-            ScanHead("t2i", mc.pool, mc.lambda_softmax, mc.lambda_lse, mc.raw_feature_norm, mc.clip_slope),
-            ScanHead("i2t", mc.pool, mc.save.i2t_lambda_softmax, mc.save.i2t_lambda_lse, mc.raw_feature_norm,
-                     mc.clip_slope))
-    return ScanHead(mc.direction, mc.pool, mc.lambda_softmax, mc.lambda_lse, mc.raw_feature_norm, mc.clip_slope)
+        return TwoWayScanHead(head("t2i", t2i_lambdas), head("i2t", _i2t_lambdas(mc)))
+    return head(mc.direction, t2i_lambdas if mc.direction == "t2i" else _i2t_lambdas(mc))
+
+
+def _i2t_lambdas(mc: ModelConfig) -> tuple[float, float]:
+    """The i-t head's (lambda_1, lambda_2). SAVE and a two-way head hold both directions' lambdas: the i-t
+    ones in model.save.i2t_lambda_*, model.lambda_* being the t-i ones. A one-way SCAN model has only its own
+    direction's, in model.lambda_* (the scan_i2t_* presets set 4 / 5 there)."""
+    if mc.arch == "save" or mc.direction == "both":
+        return mc.save.i2t_lambda_softmax, mc.save.i2t_lambda_lse
+    return mc.lambda_softmax, mc.lambda_lse
 
 
 def _build_save(mc: ModelConfig) -> Matcher:
