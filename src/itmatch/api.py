@@ -14,7 +14,7 @@ from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.engine.evaluate import encode_captions, encode_images, score_matrix
 from itmatch.errors import DataError
 from itmatch.models.base import ImageEmb, TextEmb
-from itmatch.models.registry import image_inputs
+from itmatch.models.registry import image_inputs, pixel_backbone
 from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two_stage_scores
 
 ImageInput = str | Path | Image.Image
@@ -26,8 +26,8 @@ class ImageTextMatcher:
     def __init__(self, checkpoint: Checkpoint, backbone: str | None = None) -> None:
         self.checkpoint = checkpoint
         self.model, self.vocab = checkpoint.model.eval(), checkpoint.vocab
-        save = checkpoint.config.model.save
-        own = save.backbone if image_inputs(checkpoint.config.model) else ""
+        mc = checkpoint.config.model
+        own = pixel_backbone(mc) or (mc.save.backbone if image_inputs(mc) else "")
         self.backbone_name = backbone or checkpoint.config.data.backbone or own or "lite0"
         self._backbone = None
 

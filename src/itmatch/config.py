@@ -123,6 +123,11 @@ class ModelConfig:
     # scale of the copied vectors: "raw" as the file has them (the papers' GloVe use); "init" rescaled by one
     # factor so that their per-coordinate std equals the random init's (spaCy md's is ~15x Xavier's at 300-d)
     word_vectors_scale: str = "raw"
+    # read image files (data.images) through an ImageNet CNN inside the model instead of cached grid features
+    # (every region-grid model; train.finetune_backbone sets it). SAVE: the same as model.save.pixels, with
+    # model.save.backbone as its CNN
+    pixels: bool = False
+    backbone: str = "lite0"  # that CNN: lite0 (224 px, 7x7 grid) | lite2 (260 px, 9x9 grid) | resnet50 | resnet152
     sman: SMANConfig = field(default_factory=SMANConfig)
     oan: OANConfig = field(default_factory=OANConfig)
     mmca: MMCAConfig = field(default_factory=MMCAConfig)
@@ -164,6 +169,11 @@ class TrainConfig:
     # the checkpoint lacks keep their initialisation: e.g. a frozen SAVE model trained on cached features
     # continued end to end from pixels, whose backbone starts from the same pretrained weights (docs/save.md)
     init_from: str = ""
+    # end to end: train the model's image CNN from pixels (data.images; implies model.pixels) at lr *
+    # backbone_lr_scale, its BatchNorm layers frozen (running statistics and affine parameters), as the papers
+    # that fine-tune a CNN do (VSE++, SAVE's end-to-end setting; docs/training.md)
+    finetune_backbone: bool = False
+    backbone_lr_scale: float = 0.1
     # torchrun runs (docs/distributed.md): process-group backend (auto: nccl for GPU tensors, gloo for CPU ones) and
     # whether the loss sees the negatives of the whole global batch (embeddings all-gathered) or only the
     # rank's own share of it
@@ -231,7 +241,9 @@ RULES: dict[str, Rule] = {
     "train.weight_decay": Rule(min=0), "train.lr_update": Rule(min=1), "train.batch_size": Rule(min=2),
     "train.grad_clip": Rule(min=0), "train.seed": Rule(min=0, max=2**32 - 1), "train.max_batches": Rule(min=0),
     "train.val_images": Rule(min=1), "train.log_every": Rule(min=1), "train.threads": Rule(min=0),
-    "train.checkpoint_every": Rule(min=0), "train.backend": Rule(choices=("auto", "gloo", "nccl")),
+    "train.checkpoint_every": Rule(min=0), "train.backbone_lr_scale": Rule(min=0),
+    "model.backbone": Rule(choices=("lite0", "lite2", "resnet50", "resnet152")),
+    "train.backend": Rule(choices=("auto", "gloo", "nccl")),
 }
 
 
