@@ -120,5 +120,8 @@ class ImageTextMatcher:
 
 
 def load(checkpoint: str | Path, backbone: str | None = None) -> ImageTextMatcher:
-    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best)."""
-    return ImageTextMatcher(load_checkpoint(checkpoint), backbone)
+    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best), or a pretrained model shipped
+    with the package by name (`itmatch models --pretrained` lists them)."""
+    from itmatch.pretrained import resolve_checkpoint
+
+    return ImageTextMatcher(load_checkpoint(resolve_checkpoint(checkpoint)), backbone)
