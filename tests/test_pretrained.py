@@ -37,8 +37,8 @@ def trained(tiny_precomp, tmp_path_factory) -> Path:
     """A tiny SCAN model trained for 2 batches on the tiny fixture."""
     run = tmp_path_factory.mktemp("run")
     cfg = resolve_config("scan_t2i_avg", parse_overrides(
-        [f"data.path={tiny_precomp}", "model.embed_size=16", "model.word_dim=8", "train.epochs=1", "train.max_batches=2",
-         "train.batch_size=16", "train.val_images=20", "train.threads=1"]))
+        [f"data.path={tiny_precomp}", "model.embed_size=16", "model.word_dim=8", "train.epochs=1",
+         "train.max_batches=2", "train.batch_size=16", "train.val_images=20", "train.threads=1"]))
     train(cfg, run, progress=False)
     return run / "best"
 
