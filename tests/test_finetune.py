@@ -124,3 +124,18 @@ def test_lite2_is_the_higher_resolution_option():
     assert img.regions.shape == (1, 81, 16)
     with pytest.raises(ConfigError, match="model.backbone"):
         resolve_config("scan_t2i_avg", parse_overrides(["model.backbone=lite9"]))
+
+
+def test_a_loaded_pixel_model_preprocesses_photos_for_its_own_cnn(photos, tmp_path):
+    """itmatch.load on a Lite2 pixel model whose precomp data came from Lite0: photos go in at 260 px."""
+    import itmatch
+
+    vocab = build_vocab(["a red photo"] * 4)
+    cfg = resolve_config("scan_t2i_avg", parse_overrides(["model.pixels=true", "model.backbone=lite2",
+                                                          "model.embed_size=16", "model.word_dim=8",
+                                                          "data.backbone=lite0"]))
+    cfg.model.vocab_size, cfg.model.img_dim = len(vocab), 1280
+    save_checkpoint(tmp_path / "ckpt", build_model(cfg.model), cfg, vocab)
+    matcher = itmatch.load(tmp_path / "ckpt")
+    assert matcher.backbone_name == "lite2"
+    assert matcher.score([photos / "p0.jpg", photos / "p1.jpg"], ["a red photo"]).shape == (2, 1)

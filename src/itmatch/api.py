@@ -27,8 +27,9 @@ class ImageTextMatcher:
         self.checkpoint = checkpoint
         self.model, self.vocab = checkpoint.model.eval(), checkpoint.vocab
         mc = checkpoint.config.model
-        own = pixel_backbone(mc) or (mc.save.backbone if image_inputs(mc) else "")
-        self.backbone_name = backbone or checkpoint.config.data.backbone or own or "lite0"
+        # a pixel model preprocesses for its own CNN; a cached-feature model for the CNN its data came from
+        cached = checkpoint.config.data.backbone or (mc.save.backbone if image_inputs(mc) else "")
+        self.backbone_name = backbone or pixel_backbone(mc) or cached or "lite0"
         self._backbone = None
 
     @property
