@@ -59,6 +59,7 @@ def test_gpu_rows_keep_their_papers_schedules(bench):
     assert both.direction == "both" and (both.lambda_softmax, both.save.i2t_lambda_softmax) == (9.0, 4.0)
     ft = config("scan_i2t_lse_ft").train
     assert ft.finetune_backbone and ft.lr == 2e-5 and ft.init_from.endswith("flickr8k_gpu/scan_i2t_lse/best")
+    assert config("scan_i2t_lse_ft").model.pixels  # as the trainer records it: a resumed row's run matches
 
 
 @pytest.mark.slow
@@ -110,3 +111,13 @@ def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_pa
     monkeypatch.setattr(bench, "DRY_RUN", False)
     with pytest.raises(bench.MissingCheckpoint, match="scan_i2t_lse/best"):
         bench.run_row("scan_i2t_lse", 0, profile=gpu)
+
+
+def test_the_docs_views_of_the_gpu_table_name_rows_the_bench_produces(bench):
+    import re
+
+    names = set()
+    for page in (ROOT / "docs").glob("*.md"):
+        for rows in re.findall(r"<!-- (?:results|versus): flickr8k_gpu ([\w.+ -]+?) -->", page.read_text()):
+            names |= set(rows.split())
+    assert names and names <= set(bench.GPU.rows)

@@ -85,8 +85,9 @@ def test_finetuning_puts_the_cnn_in_its_own_lr_group_with_batchnorm_frozen(photo
 
 def test_finetuning_a_model_without_pixel_input_is_a_config_error(photos):
     cfg = _config("scan_t2i_avg", photos, "train.finetune_backbone=true")
+    assert cfg.model.pixels  # implied by the fine-tuning when the config is resolved
     mc = cfg.model
-    mc.img_dim, mc.vocab_size = 1280, 20  # model.pixels left off: the trainer would have set it
+    mc.img_dim, mc.vocab_size, mc.pixels = 1280, 20, False  # a config that bypassed the resolution
     with pytest.raises(ConfigError, match="does not read pixels"):
         finetune_backbone(cfg, build_model(mc))
 

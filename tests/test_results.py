@@ -183,3 +183,17 @@ def test_gpu_table_has_the_design_header_plus_the_device(tmp_path):
     with pytest.raises(DataError, match="has a device"):
         upsert_row(cpu, result_row("scan", "scan", "flickr8k", RESULT, "c", device="NVIDIA H100"))
     assert "device" not in render_markdown(cpu)
+
+
+def test_an_empty_gpu_table_keeps_its_device_schema(tmp_path):
+    """The committed header-only docs/results/flickr8k_gpu.csv renders with its device column and takes only
+    rows with a device."""
+    from itmatch.engine.results import DEVICE_HEADER, write_rows
+
+    gpu = tmp_path / "flickr8k_gpu.csv"
+    write_rows(gpu, DEVICE_HEADER, [])
+    assert "| eval s | device |" in render_markdown(gpu)
+    with pytest.raises(DataError, match="lacks a device"):
+        upsert_row(gpu, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c"))
+    upsert_row(gpu, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c", device="NVIDIA H100"))
+    assert [r["device"] for r in read_rows(gpu)] == ["NVIDIA H100"]

@@ -51,10 +51,19 @@ def read_rows(path: str | Path, header: list[str] | tuple[list[str], ...] = RESU
         return list(reader)
 
 
-def _row_header(path: Path, row: dict[str, str], rows: list[dict[str, str]]) -> list[str]:
+def read_header(path: str | Path) -> list[str]:
+    """The first line of a CSV as its column names ([] for a missing or empty file)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    with path.open(newline="", encoding="utf-8") as fh:
+        return next(csv.reader(fh), [])
+
+
+def _row_header(path: Path, row: dict[str, str]) -> list[str]:
     """The header `row` is written with: the file's, which a row with (or without) a device must match."""
     header = DEVICE_HEADER if "device" in row else HEADER
-    if rows and set(rows[0]) != set(header):
+    if read_header(path) not in ([], header):
         raise DataError(f"row {row['name']!r} {'has' if 'device' in row else 'lacks'} a device, the rows of this "
                         f"file do not", path=path, line=1,
                         hint="GPU rows go to docs/results/<dataset>_gpu.csv, CPU rows to <dataset>.csv")
@@ -85,7 +94,7 @@ def upsert_row(path: str | Path, row: dict[str, str], force: bool = False) -> No
     """Add `row`; a row with the same name is replaced only with force."""
     with exclusive(path):
         rows = read_rows(path)
-        header = _row_header(Path(path), row, rows)
+        header = _row_header(Path(path), row)
         names = [r["name"] for r in rows]
         if row["name"] in names:
             if not force:
@@ -157,7 +166,7 @@ def history_line(r: dict[str, str]) -> str:
 def render_markdown(path: str | Path) -> str:
     rows = read_rows(path)
     title = Path(path).stem
-    device = bool(rows) and "device" in rows[0]
+    device = read_header(path) == DEVICE_HEADER
     head = [TABLE_HEAD[0] + " device |", TABLE_HEAD[1] + "---|"] if device else TABLE_HEAD
     lines = [f"# Results: {title}", "", f"Generated from `{Path(path).name}` by `scripts/render_results.py`; "
              "do not edit by hand.", "",

@@ -144,6 +144,7 @@ def resolve_config(preset: str | None, *layers: dict[str, Any]) -> Config:
             cfg = preset_config(layer["preset"])
         layer.pop("preset", None)
         update(cfg, layer)
+    read_pixels_for_finetuning(cfg)
     return cfg
 
 
