@@ -161,6 +161,7 @@ FINETUNED = ["vsepp", "scan_i2t_lse", "oan", "mmca", "save_dsa", "sman"]
 
 
 def continue_from(row: str, preset: str) -> list[str]:
+    """Overrides that continue GPU run `row` (of `preset`) for 10 epochs at the preset's decayed lr."""
     from itmatch.models.registry import preset_config
 
     lr = preset_config(preset).train.lr / 10
