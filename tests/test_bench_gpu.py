@@ -121,3 +121,17 @@ def test_the_docs_views_of_the_gpu_table_name_rows_the_bench_produces(bench):
         for rows in re.findall(r"<!-- (?:results|versus): flickr8k_gpu ([\w.+ -]+?) -->", page.read_text()):
             names |= set(rows.split())
     assert names and names <= set(bench.GPU.rows)
+
+
+def test_a_save_run_from_before_both_lambdas_were_kept_still_matches_its_row(bench, tmp_path):
+    """CPU SAVE runs trained before the presets kept both directions' lambdas hold the i-t 4 / 5 in model.lambda_*;
+    an i-t SAVE model does not read those, so the bench resumes / evaluates them; a real difference still stops it."""
+    schedule = bench.SCHEDULES["save_dsa"]
+    old = bench.row_config("save_dsa", schedule, []).to_dict()
+    old["model"]["lambda_softmax"], old["model"]["lambda_lse"] = 4.0, 5.0
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    bench.check_run_matches(str(tmp_path), "save_dsa", schedule, [])  # no exit
+    old["model"]["embed_size"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match="model.embed_size=64"):
+        bench.check_run_matches(str(tmp_path), "save_dsa", schedule, [])
