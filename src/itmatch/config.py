@@ -236,14 +236,13 @@ RULES: dict[str, Rule] = {
     "model.lambda_softmax": Rule(above=0), "model.lambda_lse": Rule(above=0),
     "model.raw_feature_norm": Rule(choices=("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")),
     "model.clip_slope": Rule(min=0, max=1),
+    "model.backbone": Rule(choices=("lite0", "lite2", "resnet50", "resnet152")), "train.backbone_lr_scale": Rule(min=0),
     "loss.margin": Rule(min=0), "loss.warmup_epochs": Rule(min=0),
     "train.epochs": Rule(min=1), "train.optimizer": Rule(choices=("adam", "adadelta")), "train.lr": Rule(above=0),
     "train.weight_decay": Rule(min=0), "train.lr_update": Rule(min=1), "train.batch_size": Rule(min=2),
     "train.grad_clip": Rule(min=0), "train.seed": Rule(min=0, max=2**32 - 1), "train.max_batches": Rule(min=0),
     "train.val_images": Rule(min=1), "train.log_every": Rule(min=1), "train.threads": Rule(min=0),
-    "train.checkpoint_every": Rule(min=0), "train.backbone_lr_scale": Rule(min=0),
-    "model.backbone": Rule(choices=("lite0", "lite2", "resnet50", "resnet152")),
-    "train.backend": Rule(choices=("auto", "gloo", "nccl")),
+    "train.checkpoint_every": Rule(min=0), "train.backend": Rule(choices=("auto", "gloo", "nccl")),
 }
 
 

@@ -287,11 +287,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             for old in (last, run_dir / "best"):  # --force: a later --resume must never find the old state
                 if old.exists():
                     shutil.rmtree(old)
+    finetune_backbone(cfg, model)  # (a resumed run's model is built frozen, like any loaded checkpoint)
     if main:
         write_json_atomic(run_dir / "config.json", cfg.to_dict())  # first: --resume can restart from it
     if cfg.train.threads:  # the thread count changes float summation order: part of the config
         torch.set_num_threads(cfg.train.threads)
-    finetune_backbone(cfg, model)  # (a resumed run's model is built frozen, like any loaded checkpoint)
     optimizer = make_optimizer(cfg, model, state["epoch"])
     if resume:
         load_optimizer_state(last, optimizer)
