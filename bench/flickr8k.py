@@ -3,6 +3,12 @@
     python bench/flickr8k.py --row scan_t2i_avg        # one row (trains if RUN/best is absent)
     python bench/flickr8k.py                           # all rows, in order
     python bench/flickr8k.py --perturb scan_t2i_avg    # OAN's perturbation study (Table 1) of one model
+    python bench/flickr8k.py --config gpu --row scan_i2t_lse   # the papers' schedules on a GPU (issue 24)
+    python bench/flickr8k.py --config gpu --status     # every GPU row: evaluated, trained, training, missing
+
+`--config cpu` (the default) is the CPU schedule of docs/results/flickr8k.csv; `--config gpu` trains each
+preset with its paper's schedule (configs/flickr8k/gpu.yaml; docs/training.md, "The GPU schedule") into
+runs/flickr8k_gpu/ and writes docs/results/flickr8k_gpu.csv (the same columns plus the device).
 
 Features come from `itmatch extract` (see README); every model uses configs/flickr8k/cpu.yaml on top of its
 preset (so OAN keeps its own Adam lr 5e-4 and weight decay 1e-6; see docs/oan.md), except the SMAN rows,
@@ -20,6 +26,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,25 +105,136 @@ PERTURB = ["scan_t2i_avg", "vsepp"]  # the two models of OAN's Table 1
 CHECKPOINT_EVERY = 20
 
 
-def base_preset(row: str) -> str:
+DATA_LITE2 = "runs/data/flickr8k_lite2"  # EfficientNet-Lite2 at 260 px: 9 x 9 cells (the higher-resolution rows)
+
+
+@dataclass
+class Profile:
+    """One schedule's rows: how each is trained (schedule file, overrides, data) and where it is recorded."""
+
+    name: str
+    schedule: str  # the schedule file of a row that SCHEDULES does not name
+    schedules: dict[str, str]  # preset -> its schedule file
+    overrides: dict[str, list[str]]  # row -> --set overrides
+    controls: dict[str, tuple[str, list[str]]]  # row -> (the preset it trains, its overrides)
+    ensembles: dict[str, list[str]]
+    rows: list[str]  # every row, in the order `--row` is not given
+    runs: str  # run directories: RUNS/<row>
+    results: str
+    history: str
+    checkpoint_every: int
+    rerank: dict[str, tuple[str, int]] = field(default_factory=dict)
+    pruned: dict[str, str] = field(default_factory=dict)
+    prerequisites: dict[str, str] = field(default_factory=dict)  # row -> the run it continues
+    row_data: dict[str, str] = field(default_factory=dict)
+    prune: set[str] = field(default_factory=set)  # rows evaluated by safe pruning (exact metrics, fewer pairs)
+    perturb_prefix: str = "flickr8k"  # docs/results/perturb/<prefix>_<preset>.*
+    device: bool = False  # rows record the device; the bench needs a CUDA device
+
+
+CPU = Profile("cpu", SCHEDULE, SCHEDULES, OVERRIDES, CONTROLS, ENSEMBLES,
+              SINGLE + list(CONTROLS) + list(ENSEMBLES) + list(RERANK) + list(PRUNED), "runs/flickr8k", RESULTS,
+              HISTORY, CHECKPOINT_EVERY, RERANK, PRUNED, PREREQUISITES, ROW_DATA)
+
+# ---------------------------------------------------------------------------------------- the GPU schedule
+# Every preset trains with its own paper's schedule (optimizer, lr, decay step, epochs, D), which the presets
+# carry (models/registry.py; docs/training.md lists them); the two files add only what is not the papers':
+# one warm-up epoch on the sum over negatives where a model stalls without it (gpu.yaml: SCAN, Sum-Max, SAVE,
+# OAN, all region-word attention heads), none elsewhere (gpu_no_warmup.yaml: VSE++, MMCA, SMAN), bucketed
+# batches, model selection on dev rsum.
+GPU_SCHEDULE = "configs/flickr8k/gpu.yaml"
+GPU_NO_WARMUP = "configs/flickr8k/gpu_no_warmup.yaml"
+GPU_RUNS = "runs/flickr8k_gpu"
+SCAN_ROWS = ["scan_t2i_avg", "scan_t2i_lse", "scan_i2t_avg", "scan_i2t_lse"]
+SAVE_GPU_ROWS = ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_nl_ms2"]
+GPU_SINGLE = ["vsepp", "summax_t2i", "summax_i2t", *SCAN_ROWS, *OAN_ROWS, *MMCA_ROWS, *SAVE_GPU_ROWS, *SMAN_ROWS]
+GPU_SCHEDULES = {row: GPU_NO_WARMUP for row in ["vsepp", *MMCA_ROWS, *SMAN_ROWS]}
+GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"],
+                 "scan_ensemble_t2i_avg+i2t_lse_seed1": ["scan_t2i_avg_seed1", "scan_i2t_lse_seed1"]}
+# two seeds for the headline rows (the spread is stated beside them)
+HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "save_dsa", "save_asa_ms3", "sman"]
+# End to end (train.finetune_backbone): the converged frozen run continued from pixels for 10 epochs, the whole
+# model at the frozen run's final lr (the preset's lr / 10; the CNN included, BatchNorm frozen), beside a control
+# that continues the same checkpoint frozen for the same 10 epochs, so that the two differ in the CNN's training
+# only; and the higher-resolution option: Lite2 (260 px, 9 x 9 cells) frozen, then fine-tuned the same way.
+FINETUNED = ["vsepp", "scan_i2t_lse", "oan", "mmca", "save_dsa", "sman"]
+
+
+def continue_from(row: str, preset: str) -> list[str]:
+    """Overrides that continue GPU run `row` (of `preset`) for 10 epochs at the preset's decayed lr."""
+    from itmatch.models.registry import preset_config
+
+    lr = preset_config(preset).train.lr / 10
+    return [f"train.init_from={GPU_RUNS}/{row}/best", "train.epochs=10", "train.lr_update=10", f"train.lr={lr:g}",
+            "loss.warmup_epochs=0"]
+
+
+FINETUNE = [f"data.images={IMAGES}", "train.finetune_backbone=true", "train.backbone_lr_scale=1.0"]
+GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
+    # SAVE Table 4's t-i LSE rows (with SCAN's t-i lambdas 9 / 6), Table 5's DSA-ms2, and Table 1's setting: the
+    # i-t and t-i scores averaged (footnote 1), in one model (model.direction=both; docs/save.md)
+    **{f"{p}_t2i_lse": (p, ["model.direction=t2i", "model.pool=lse"]) for p in ("save_nosa", "save_dsa", "save_asa")},
+    "save_dsa_ms2": ("save_dsa", ["model.save.scales=c4,c5", "model.save.scale_norm=layernorm"]),
+    **{f"{p}_both": (p, ["model.direction=both"]) for p in ("save_dsa", "save_asa", "save_asa_ms3")},
+    **{f"{p}_seed1": (p, ["train.seed=1"]) for p in HEADLINE},
+    # the warm-up decision, measured again on converged runs: SCAN t-i AVG stalled without it on the CPU
+    "scan_t2i_avg_no_warmup": ("scan_t2i_avg", ["loss.warmup_epochs=0"]),
+    # SMAN's paper optimizer (Adadelta 0.05 under clip 0.1) barely moved in the CPU schedule (docs/sman.md):
+    # the CPU schedule's Adam 5e-4 without L2 beside it
+    "sman_adam5e-4": ("sman", ["train.optimizer=adam", "train.lr=0.0005", "train.weight_decay=0.0"]),
+    **{f"{p}_ft": (p, [*continue_from(p, p), *FINETUNE]) for p in FINETUNED},
+    **{f"{p}_frozen_more": (p, continue_from(p, p)) for p in FINETUNED},
+    "scan_i2t_lse_lite2": ("scan_i2t_lse", []),
+    "scan_i2t_lse_lite2_ft": ("scan_i2t_lse", [*continue_from("scan_i2t_lse_lite2", "scan_i2t_lse"), *FINETUNE,
+                                               "model.backbone=lite2"]),
+}
+# MMCA: the paper's training (every pair of the batch through the cross module); dev and test metrics by safe
+# pruning, exact and cheaper than all pairs (docs/mmca.md)
+GPU_PRUNE = {row for row in [*MMCA_ROWS, *GPU_CONTROLS] if GPU_CONTROLS.get(row, (row,))[0] in MMCA_ROWS}
+GPU_OVERRIDES = {row: [*GPU_CONTROLS.get(row, (row, []))[1], *(["train.val_prune=true"] if row in GPU_PRUNE else [])]
+                 for row in [*GPU_SINGLE, *GPU_CONTROLS]}
+GPU_PREREQUISITES = {**{f"{p}_{kind}": p for p in FINETUNED for kind in ("ft", "frozen_more")},
+                     "scan_i2t_lse_lite2_ft": "scan_i2t_lse_lite2"}
+GPU_ROW_DATA = {**{row: DATA_MS for row in ("save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_dsa_ms2",
+                                            "save_asa_ms3_both", "save_asa_ms3_seed1")},
+                "scan_i2t_lse_lite2": DATA_LITE2, "scan_i2t_lse_lite2_ft": DATA_LITE2}
+GPU = Profile("gpu", GPU_SCHEDULE, GPU_SCHEDULES, GPU_OVERRIDES, GPU_CONTROLS, GPU_ENSEMBLES,
+              GPU_SINGLE + list(GPU_CONTROLS) + list(GPU_ENSEMBLES), GPU_RUNS, "docs/results/flickr8k_gpu.csv",
+              "docs/results/training/flickr8k_gpu.csv", 100, prerequisites=GPU_PREREQUISITES, row_data=GPU_ROW_DATA,
+              prune=GPU_PRUNE, perturb_prefix="flickr8k_gpu", device=True)
+PROFILES = {"cpu": CPU, "gpu": GPU}
+DRY_RUN = False  # --dry-run: print the commands, run none
+
+
+class MissingCheckpoint(RuntimeError):
+    """A row's model checkpoint is not where the bench expects it after training."""
+
+
+def base_preset(row: str, profile: Profile = CPU) -> str:
     """The preset a row trains: a control row's preset, else the row's own name."""
-    return CONTROLS.get(row, (row,))[0]
+    return profile.controls.get(row, (row,))[0]
 
 
 def run(cmd: list[str], ranks: int = 1) -> None:
     """Run a command; `itmatch` is this interpreter's (whatever PATH says), under torchrun when ranks > 1."""
     print("+", *([f"torchrun x{ranks}"] if ranks > 1 else []), *cmd, flush=True)
+    if DRY_RUN:
+        return
     if cmd[0] == "itmatch":
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         cmd = [sys.executable, *(torchrun if ranks > 1 else []), "-m", "itmatch", *cmd[1:]]
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def ensure_multiscale() -> None:
-    """Cache the c3/c4 stage maps beside a copy of the c5 grid (resumable; skipped once complete)."""
-    if all((ROOT / DATA_MS / f"{split}_ims_c3.npy").exists() for split in ("train", "dev", "test")):
-        return
-    run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_MS, "--scales", "c3,c4,c5"])
+def ensure_features(data: str) -> None:
+    """Extract the features a row reads, once (resumable; skipped when complete): the c3/c4 stage maps beside a
+    copy of the c5 grid (multi-scale SAVE rows), or the Lite2 grid (the higher-resolution rows)."""
+    if data == DATA_MS and not all((ROOT / DATA_MS / f"{split}_ims_c3.npy").exists()
+                                   for split in ("train", "dev", "test")):
+        run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_MS, "--scales", "c3,c4,c5"])
+    if data == DATA_LITE2 and not all((ROOT / DATA_LITE2 / f"{split}_ims.npy").exists()
+                                      for split in ("train", "dev", "test")):
+        run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_LITE2, "--backbone", "lite2"])
 
 
 def training_finished(run: Path) -> bool:
@@ -130,36 +248,99 @@ def training_finished(run: Path) -> bool:
     return state["epoch"] >= epochs and state.get("batch", 0) == 0  # (older runs: no "batch")
 
 
-def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 1) -> None:
-    preset, rerank = RERANK.get(row, (PRUNED.get(row, row), 0))
-    scoring = (["--rerank", str(rerank)] if rerank else ["--prune"] if row in PRUNED
+def schedule_of(member: str, profile: Profile) -> str:
+    return profile.schedules.get(base_preset(member, profile), profile.schedule)
+
+
+def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 1, profile: Profile = CPU) -> None:
+    preset, rerank = trained_row(row, profile), profile.rerank.get(row, (row, 0))[1]
+    pruned = row in profile.pruned or row in profile.prune
+    scoring = (["--rerank", str(rerank)] if rerank else ["--prune"] if pruned
                # exhaustive scoring of a pair head takes hours (MMCA): a killed bench continues from finished blocks
-               else ["--resume-dir", f"runs/eval_blocks/flickr8k/{row}"])
-    members = ENSEMBLES.get(preset, [preset])
-    data = ROW_DATA.get(base_preset(preset), DATA)
-    if data == DATA_MS:
-        ensure_multiscale()
+               else ["--resume-dir", f"runs/eval_blocks/{Path(profile.runs).name}/{row}"])
+    members = profile.ensembles.get(preset, [preset])
+    data = profile.row_data.get(base_preset(preset, profile), profile.row_data.get(preset, DATA))
+    ensure_features(data)
     for member in members:
-        if member in PREREQUISITES and not training_finished(ROOT / "runs/flickr8k" / PREREQUISITES[member]):
-            run_row(PREREQUISITES[member], threads)  # the run this one continues
-        out = f"runs/flickr8k/{member}"
-        member_preset = base_preset(member)
-        schedule = SCHEDULES.get(member_preset, SCHEDULE)
-        check_run_matches(out, member_preset, schedule, OVERRIDES.get(member, []))
+        before = profile.prerequisites.get(member)
+        if before and not training_finished(ROOT / profile.runs / before):
+            run_row(before, threads, train_only=True, profile=profile)  # the run this one continues
+        out = f"{profile.runs}/{member}"
+        member_preset = base_preset(member, profile)
+        schedule = schedule_of(member, profile)
+        member_data = profile.row_data.get(member, data)
+        check_run_matches(out, member_preset, schedule, profile.overrides.get(member, []))
         if not training_finished(ROOT / out):
             resume = ["--resume"] if (ROOT / out / "last").exists() else []
-            sets = [a for s in OVERRIDES.get(member, []) for a in ("--set", s)]
+            sets = [a for s in profile.overrides.get(member, []) for a in ("--set", s)]
             run(["itmatch", "train", "--preset", member_preset, "--config", schedule,
-                 "--data", data, "--out", out, "--force", "--set", f"train.threads={threads}",
-                 "--set", f"train.checkpoint_every={CHECKPOINT_EVERY}", *sets, *resume])
-        record_history(member)
+                 "--data", member_data, "--out", out, "--force", "--set", f"train.threads={threads}",
+                 "--set", f"train.checkpoint_every={profile.checkpoint_every}", *sets, *resume])
+        record_history(member, profile)
     if train_only:
         return
-    run(["itmatch", "evaluate", *[f"runs/flickr8k/{p}/best" for p in members], "--data", data,
-         "--split", "test", "--protocol", "1k", "--results", RESULTS, "--name", row, "--dataset", "flickr8k",
-         "--command", f"python bench/flickr8k.py --row {row}", "--force", "--quiet",
-         "--json", f"runs/flickr8k/{row}.test.json", *(["--threads", str(threads)] if threads else []), *scoring],
+    checkpoints = [f"{profile.runs}/{p}/best" for p in members]
+    missing = [c for c in checkpoints if not DRY_RUN and not (ROOT / c / "config.json").is_file()]
+    if missing:
+        raise MissingCheckpoint(f"row {row}: no checkpoint at {', '.join(missing)} although training finished; "
+                                f"move the run directory aside and run the row again")
+    command = f"python bench/flickr8k.py{' --config gpu' if profile.device else ''} --row {row}"
+    result_json = f"{profile.runs}/{row}.test.json"
+    record = (["--json", result_json] if profile.device  # (the row, with the device, is written below)
+              else ["--results", profile.results, "--name", row, "--dataset", "flickr8k", "--command", command,
+                    "--force", "--json", result_json])
+    run(["itmatch", "evaluate", *checkpoints, "--data", data, "--split", "test", "--protocol", "1k", "--quiet",
+         *record, *(["--threads", str(threads)] if threads else []), *scoring],
         ranks=eval_ranks if "--resume-dir" in scoring else 1)  # (two-stage scoring runs on one process)
+    if profile.device and not DRY_RUN:
+        write_device_row(row, "+".join(base_preset(m, profile) for m in members), ROOT / result_json, command, profile)
+
+
+def write_device_row(row: str, model: str, result_json: Path, command: str, profile: Profile) -> None:
+    """Add the row with the accelerator's name to the profile's results CSV."""
+    import torch
+
+    from itmatch.engine.results import result_row, upsert_row
+
+    result = json.loads(result_json.read_text(encoding="utf-8"))
+    upsert_row(ROOT / profile.results, result_row(row, model, "flickr8k", result, command,
+                                                  device=torch.cuda.get_device_name(0)), force=True)
+    print(f"row {row!r} written to {profile.results}", flush=True)
+
+
+def require_cuda() -> None:
+    """The GPU schedule takes hours per row on a CPU: stop before any work when no CUDA device is visible."""
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("bench/flickr8k.py --config gpu: no CUDA device is visible to torch "
+                 f"(torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'}).\n"
+                 "  hint: use the CPU schedule (--config cpu, the default), or run on a machine with a GPU and a "
+                 "CUDA build of torch")
+
+
+def row_status(row: str, profile: Profile) -> str:
+    """Where a row stands: evaluated (its rsum), trained and not evaluated, training (epoch e of E), not started,
+    or a finished training whose checkpoint is missing."""
+    from itmatch.engine.results import read_rows
+
+    done = {r["name"]: r for r in read_rows(ROOT / profile.results)}
+    if row in done:
+        return f"evaluated: rsum {done[row]['rsum']} ({done[row].get('device') or 'cpu'})"
+    preset = trained_row(row, profile)
+    states = []
+    for member in profile.ensembles.get(preset, [preset]):
+        run_dir = ROOT / profile.runs / member
+        if training_finished(run_dir):
+            states.append(f"{member}: trained" if (run_dir / "best" / "config.json").is_file()
+                          else f"{member}: CHECKPOINT MISSING ({run_dir / 'best'})")
+        elif (run_dir / "last" / "state.json").is_file():
+            state = json.loads((run_dir / "last" / "state.json").read_text())
+            epochs = json.loads((run_dir / "config.json").read_text())["train"]["epochs"]
+            states.append(f"{member}: training, epoch {state['epoch']} of {epochs} done")
+        else:
+            states.append(f"{member}: not started")
+    return "not evaluated; " + "; ".join(states)
 
 
 # settings a run may differ in from its row: filled from the data, or how (not what) it was trained
@@ -167,23 +348,51 @@ _RUN_ONLY = {"model.vocab_size", "model.img_dim", "model.save.c3_dim", "model.sa
              "train.checkpoint_every"}
 
 
+def unread_settings(config: dict) -> set[str]:
+    """Keys of a flattened config that its model does not read. An i-t SAVE model reads its lambdas from
+    model.save.i2t_lambda_* (model.lambda_* are its t-i ones): SAVE runs trained before both directions' lambdas
+    were kept hold the i-t values in model.lambda_* as well, without any difference in the model."""
+    if config.get("model.arch") == "save" and config.get("model.direction") == "i2t":
+        return {"model.lambda_softmax", "model.lambda_lse"}
+    return set()
+
+
 def check_run_matches(out: str, preset: str, schedule: str, sets: list[str]) -> None:
     """Stop if an existing run (which the bench would resume, or evaluate as it is) was trained with other
     settings than its row has now, e.g. a run started before a preset changed. Settings the run's config
     does not record (it predates them) cannot be compared and are skipped."""
-    from itmatch.config import load_yaml, parse_overrides
-    from itmatch.models.registry import resolve_config
-
     saved = ROOT / out / "config.json"
     if not saved.is_file():
         return
-    now = flatten(resolve_config(preset, load_yaml(ROOT / schedule), parse_overrides(sets)).to_dict())
+    now = flatten(row_config(preset, schedule, sets).to_dict())
     then = flatten(json.loads(saved.read_text(encoding="utf-8")))
+    ignored = _RUN_ONLY | unread_settings(now)
     differ = [f"{k}={then[k]!r} (row: {now[k]!r})" for k in sorted(set(now) & set(then))
-              if k.split(".")[0] in ("model", "loss", "train") and k not in _RUN_ONLY and now[k] != then[k]]
+              if k.split(".")[0] in ("model", "loss", "train") and k not in ignored and now[k] != then[k]]
     if differ:
         sys.exit(f"{out} was trained with other settings than row {preset} now has: {', '.join(differ)}.\n"
                  f"  fix: move {out} aside (e.g. into runs/flickr8k/old/) and run the row again")
+
+
+def row_config(preset: str, schedule: str, sets: list[str]):
+    """The config a row's training resolves to (preset <- schedule file <- overrides)."""
+    from itmatch.config import load_yaml, parse_overrides
+    from itmatch.models.registry import resolve_config
+
+    return resolve_config(preset, load_yaml(ROOT / schedule), parse_overrides(sets))
+
+
+def trained_row(row: str, profile: Profile) -> str:
+    """The row whose training a row evaluates: a re-ranked or pruned row's exhaustive row, else itself."""
+    return profile.rerank.get(row, (profile.pruned.get(row, row), 0))[0]
+
+
+def check_rows_resolve(profile: Profile) -> None:
+    """Resolve every trained row's config (unknown keys, bad values stop here, before any training)."""
+    trained = {m for row in profile.rows for m in profile.ensembles.get(trained_row(row, profile),
+                                                                         [trained_row(row, profile)])}
+    for member in sorted(trained):
+        row_config(base_preset(member, profile), schedule_of(member, profile), profile.overrides.get(member, []))
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -197,52 +406,84 @@ def flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-def record_history(run: str) -> None:
-    """Copy the epochs of runs/flickr8k/<run>/metrics.jsonl into HISTORY (replacing the run's earlier lines)."""
+def record_history(run: str, profile: Profile = CPU) -> None:
+    """Copy the epochs of RUNS/<run>/metrics.jsonl into the profile's history (replacing the run's earlier lines)."""
     from itmatch.engine.results import history_rows, replace_history
 
-    metrics = ROOT / "runs" / "flickr8k" / run / "metrics.jsonl"
-    if metrics.is_file():
-        replace_history(ROOT / HISTORY, run, history_rows(run, metrics))
+    metrics = ROOT / profile.runs / run / "metrics.jsonl"
+    if metrics.is_file() and not DRY_RUN:
+        replace_history(ROOT / profile.history, run, history_rows(run, metrics))
 
 
-def run_perturb(preset: str, threads: int) -> None:
+def run_perturb(preset: str, threads: int, profile: Profile = CPU) -> None:
     """All seven trainings of the study (resumable), then the table and chart copied to docs/results/."""
-    out = f"runs/flickr8k/perturb/{preset}"
-    run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", SCHEDULE, "--out", out,
-         "--split", "test", "--protocol", "1k", "--tag-cache", "runs/flickr8k/perturb/cache",
+    out = f"{profile.runs}/perturb/{preset}"
+    run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", schedule_of(preset, profile), "--out", out,
+         "--split", "test", "--protocol", "1k", "--tag-cache", f"{profile.runs}/perturb/cache",
          "--set", f"train.threads={threads}", "--quiet"])
     for ext in ("md", "csv", "png"):
-        shutil.copyfile(ROOT / out / f"perturb.{ext}", ROOT / f"docs/results/perturb/flickr8k_{preset}.{ext}")
+        if not DRY_RUN:
+            shutil.copyfile(ROOT / out / f"perturb.{ext}",
+                            ROOT / f"docs/results/perturb/{profile.perturb_prefix}_{preset}.{ext}")
 
 
 def main() -> int:
+    global DRY_RUN
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--row", action="append",
-                        choices=SINGLE + list(CONTROLS) + list(ENSEMBLES) + list(RERANK) + list(PRUNED),
-                        help="rows to produce")
+    parser.add_argument("--config", choices=sorted(PROFILES), default="cpu",
+                        help="cpu: the CPU schedule (docs/results/flickr8k.csv, default); gpu: the papers' schedules "
+                             "(docs/results/flickr8k_gpu.csv; needs a CUDA device)")
+    parser.add_argument("--row", action="append", metavar="ROW",
+                        help="rows to produce (default: every row of --config; --status lists them)")
     parser.add_argument("--perturb", action="append", choices=PERTURB, help="run the perturbation study of a model")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per training (0: all)")
     parser.add_argument("--history", action="store_true",
-                        help=f"only copy the trained runs' epochs into {HISTORY} (no training, no evaluation)")
+                        help="only copy the trained runs' epochs into the history CSV (no training, no evaluation)")
+    parser.add_argument("--status", action="store_true",
+                        help="list every row of --config with where it stands (evaluated, trained, training, "
+                             "not started, checkpoint missing); runs nothing")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check that every row's config resolves and print the commands; runs nothing")
     parser.add_argument("--eval-ranks", type=int, default=1,
                         help="processes (torchrun) sharing an exhaustive test evaluation, each with --threads "
                              "threads; the blocks are those of one process, so a run may resume with another count")
     parser.add_argument("--train-only", action="store_true",
                         help="train (or finish training) the rows' models, do not evaluate them")
     args = parser.parse_args()
+    profile = PROFILES[args.config]
+    unknown = [r for r in args.row or [] if r not in profile.rows]
+    if unknown:
+        parser.error(f"unknown row(s) for --config {profile.name}: {', '.join(unknown)} (see --status)")
+    rows = args.row or profile.rows
+    if args.status:
+        for row in rows:
+            print(f"{row}: {row_status(row, profile)}")
+        return 0
     if args.history:
-        for row in args.row or SINGLE + list(CONTROLS):
-            record_history(row)
+        for row in args.row or [r for r in profile.rows if r not in profile.ensembles]:
+            record_history(row, profile)
         run([sys.executable, "scripts/render_results.py"])
         return 0
+    DRY_RUN = args.dry_run
+    if profile.device and not DRY_RUN:
+        require_cuda()  # before any work
+    check_rows_resolve(profile)
     if args.perturb:
         for preset in args.perturb:
-            run_perturb(preset, args.threads)
+            run_perturb(preset, args.threads, profile)
         return 0
-    for row in args.row or SINGLE + list(CONTROLS) + list(ENSEMBLES) + list(RERANK) + list(PRUNED):
-        run_row(row, args.threads, args.train_only, args.eval_ranks)
+    failed = []
+    for row in rows:
+        try:
+            run_row(row, args.threads, args.train_only, args.eval_ranks, profile)
+        except (subprocess.CalledProcessError, MissingCheckpoint) as exc:  # reported at the end, never skipped
+            print(f"row {row} FAILED: {exc}", file=sys.stderr, flush=True)
+            failed.append(row)
     run([sys.executable, "scripts/render_results.py"])
+    if failed:
+        print(f"{len(failed)} row(s) failed: {', '.join(failed)} (rerun them with --row; --status shows where they "
+              "stand)", file=sys.stderr)
+        return 1
     return 0
 
 

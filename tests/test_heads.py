@@ -137,3 +137,17 @@ def test_float32_gram_identity_close_to_direct():
                                            direction, "avg", 9.0, 6.0, "clipped_l2norm", 0.1)
                              for m in range(len(txt))] for n in range(len(img))], dtype=torch.float64)
         assert (fast.double() - ref).abs().max() <= 1e-5
+
+
+def test_vsepp_image_vector_is_l2_of_the_mean_of_l2_normalised_cell_embeddings():
+    """docs/scan.md: VSE++'s image vector is l2(mean of the cell embeddings), each cell FC(cell) l2-normalised."""
+    from itmatch.models.registry import build_model, resolve_config
+
+    mc = resolve_config("vsepp").model
+    mc.vocab_size, mc.img_dim, mc.embed_size = 20, 12, 16
+    model = build_model(mc).eval()
+    feats = torch.randn(3, 5, 12)
+    cells = l2norm(model.image_encoder.fc(feats))
+    with torch.no_grad():
+        got = model.encode_images(feats).vector
+        assert torch.allclose(got, l2norm(cells.mean(1)), atol=1e-6)

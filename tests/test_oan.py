@@ -396,3 +396,15 @@ def test_training_reduces_the_loss(tiny_precomp, tmp_path, preset):
     ckpt = load_checkpoint(tmp_path / "run" / "best")
     metrics = evaluate_models([(ckpt.model, ckpt.vocab)], read_precomp(tiny_precomp, "test"), "full")
     assert metrics["rsum"] > 120
+
+
+def test_docs_quote_the_bytes_per_cell_of_the_head_the_preset_builds():
+    """docs/oan.md states the evaluator's sizing figure; it must be the one the code uses."""
+    import re
+    from pathlib import Path
+
+    mc = resolve_config("oan").model
+    mc.vocab_size, mc.img_dim = 20, 8
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "oan.md").read_text(encoding="utf-8")
+    quoted = {float(x) for x in re.findall(r"bytes_per_cell = (\d+(?:\.\d+)?)", doc)}
+    assert quoted == {build_model(mc).head.bytes_per_cell}

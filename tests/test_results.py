@@ -166,3 +166,34 @@ def test_training_history_from_a_run_log(tmp_path):
     with pytest.raises(DataError, match="training view names coco.csv"):
         page.write_text("<!-- training: coco vsepp -->\n<!-- training: end -->\n")
         render_views(page, tmp_path)
+
+
+def test_gpu_table_has_the_design_header_plus_the_device(tmp_path):
+    """docs/results/<dataset>_gpu.csv: the same schema plus `device`; a row with and one without a device
+    cannot share a file; the page shows the device."""
+    gpu, cpu = tmp_path / "flickr8k_gpu.csv", tmp_path / "flickr8k.csv"
+    upsert_row(gpu, result_row("scan_i2t_lse", "scan_i2t_lse", "flickr8k", RESULT, "c", device="NVIDIA H100"))
+    assert gpu.read_text().splitlines()[0] == ",".join(HEADER) + ",device"
+    assert read_rows(gpu)[0]["device"] == "NVIDIA H100"
+    assert "| scan_i2t_lse | 1k | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 123.5 | 20.6 | 1.2 | NVIDIA H100 |" in \
+        render_markdown(gpu)
+    with pytest.raises(DataError, match="lacks a device"):
+        upsert_row(gpu, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c"))
+    upsert_row(cpu, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c"))
+    with pytest.raises(DataError, match="has a device"):
+        upsert_row(cpu, result_row("scan", "scan", "flickr8k", RESULT, "c", device="NVIDIA H100"))
+    assert "device" not in render_markdown(cpu)
+
+
+def test_an_empty_gpu_table_keeps_its_device_schema(tmp_path):
+    """The committed header-only docs/results/flickr8k_gpu.csv renders with its device column and takes only
+    rows with a device."""
+    from itmatch.engine.results import DEVICE_HEADER, write_rows
+
+    gpu = tmp_path / "flickr8k_gpu.csv"
+    write_rows(gpu, DEVICE_HEADER, [])
+    assert "| eval s | device |" in render_markdown(gpu)
+    with pytest.raises(DataError, match="lacks a device"):
+        upsert_row(gpu, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c"))
+    upsert_row(gpu, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c", device="NVIDIA H100"))
+    assert [r["device"] for r in read_rows(gpu)] == ["NVIDIA H100"]

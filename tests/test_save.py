@@ -185,6 +185,45 @@ def test_two_way_head_is_average_of_directions():
         TwoWayScanHead(i2t, t2i)
 
 
+def _save_head_through_config(preset: str, *sets: str):
+    """The similarity head of a SAVE preset as `itmatch train --preset P --set ...` builds it."""
+    from itmatch.config import parse_overrides
+    from itmatch.models.registry import resolve_config
+
+    mc = resolve_config(preset, parse_overrides(list(sets))).model
+    mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = 20, DIMS["c5"], 16, 8
+    return build_model(mc).head
+
+
+def _lambdas(head: ScanHead) -> tuple[str, float, float]:
+    return head.direction, head.lambda_softmax, head.lambda_lse
+
+
+def test_direction_both_reaches_the_two_way_head_through_the_config():
+    head = _save_head_through_config("save_asa", "model.direction=both")  # SAVE Table 1 (footnote 1)
+    assert isinstance(head, TwoWayScanHead)
+    # each half with SCAN's lambdas of its direction (SCAN Table 1: t-i 9 / 6, i-t 4 / 5)
+    assert _lambdas(head.t2i) == ("t2i", 9.0, 6.0) and _lambdas(head.i2t) == ("i2t", 4.0, 5.0)
+
+
+@pytest.mark.parametrize(("sets", "expected"), [((), ("i2t", 4.0, 5.0)),  # the preset: i-t AVG (Tables 4/5)
+                                                (("model.direction=t2i",), ("t2i", 9.0, 6.0)),  # Table 4 t-i
+                                                (("model.direction=t2i", "model.lambda_softmax=7"), ("t2i", 7.0, 6.0))])
+def test_a_save_direction_override_scores_with_that_directions_lambdas(sets, expected):
+    assert _lambdas(_save_head_through_config("save_dsa", *sets)) == expected
+
+
+def test_direction_both_on_a_head_without_it_is_a_config_error():
+    from itmatch.config import parse_overrides
+    from itmatch.errors import ConfigError
+    from itmatch.models.registry import resolve_config
+
+    mc = resolve_config("summax_t2i", parse_overrides(["model.direction=both"])).model
+    mc.vocab_size, mc.img_dim = 20, 8
+    with pytest.raises(ConfigError, match="direction"):
+        build_model(mc)
+
+
 # --------------------------------------------------------------------------------------- models
 
 

@@ -16,7 +16,7 @@ from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.errors import DataError, UnknownWordsWarning
 from itmatch.inference import encode_captions, encode_images, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
-from itmatch.models.registry import image_inputs
+from itmatch.models.registry import image_inputs, pixel_backbone
 from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two_stage_scores
 
 ImageInput = str | Path | Image.Image
@@ -31,9 +31,10 @@ class ImageTextMatcher:
         self.checkpoint = checkpoint
         self.placement = placement or Placement(torch.device("cpu"))
         self.model, self.vocab = checkpoint.model.eval().to(self.device), checkpoint.vocab
-        save = checkpoint.config.model.save
-        own = save.backbone if image_inputs(checkpoint.config.model) else ""
-        self.backbone_name = backbone or checkpoint.config.data.backbone or own or "lite0"
+        mc = checkpoint.config.model
+        # a pixel model preprocesses for its own CNN; a cached-feature model for the CNN its data came from
+        cached = checkpoint.config.data.backbone or (mc.save.backbone if image_inputs(mc) else "")
+        self.backbone_name = backbone or pixel_backbone(mc) or cached or "lite0"
         self._backbone = None
 
     @property
@@ -164,8 +165,11 @@ class ImageTextMatcher:
 
 def load(checkpoint: str | Path, backbone: str | None = None, device: str | torch.device = "cpu",
          precision: str = "fp32") -> ImageTextMatcher:
-    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best) onto `device` (auto | cpu | cuda |
+    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best), or a pretrained model shipped
+    with the package by name (`itmatch models --pretrained` lists them), onto `device` (auto | cpu | cuda |
     cuda:N; a checkpoint written on any device loads on any other), to run in `precision` (fp32 | bf16 | fp16:
     autocast; fp32, the default, is exact). Bad settings raise ConfigError before the checkpoint is read."""
+    from itmatch.pretrained import resolve_checkpoint
+
     placement = resolve(device, precision, device_setting="device=", precision_setting="precision=")
-    return ImageTextMatcher(load_checkpoint(checkpoint), backbone, placement)
+    return ImageTextMatcher(load_checkpoint(resolve_checkpoint(checkpoint)), backbone, placement)

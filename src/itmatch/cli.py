@@ -21,11 +21,26 @@ def _placement(args: argparse.Namespace):
 def _cmd_models(args: argparse.Namespace) -> int:
     from itmatch.models.registry import PRESETS, list_models
 
+    if args.pretrained:
+        return _list_pretrained()
+
     for name in list_models():
         m = PRESETS[name]["model"]
         t = PRESETS[name]["train"]
         detail = " ".join(f"{k}={v}" for k, v in m.items() if k != "arch")
         print(f"{name:<22} {m['arch']:<7} {detail}  (epochs {t['epochs']}, lr {t['lr']:g})")
+    return 0
+
+
+def _list_pretrained() -> int:
+    from itmatch.pretrained import shipped
+
+    models = shipped()
+    if not models:
+        print("no pretrained model is shipped yet (the converged GPU models of issue 24 are not trained); "
+              "load a checkpoint directory instead, e.g. itmatch.load('RUN/best')")
+    for model in models.values():
+        print(model.describe())
     return 0
 
 
@@ -210,11 +225,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
+    from itmatch.pretrained import resolve_checkpoint
     from itmatch.retrieval.index import build_index
     from itmatch.retrieval.names import public_id
 
     placement = _placement(args)
-    summary = build_index(Path(args.images), Path(args.model), Path(args.out), force=args.force,
+    summary = build_index(Path(args.images), resolve_checkpoint(args.model), Path(args.out), force=args.force,
                           batch_size=args.batch_size, progress=not args.quiet, device=placement.device,
                           precision=placement.precision)
     from itmatch.engine.distributed import is_main
@@ -304,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     s = sub.add_parser("models", help="list the model presets (paper configurations)")
+    s.add_argument("--pretrained", action="store_true",
+                   help="list the trained models shipped with itmatch instead (load them by name)")
     s.set_defaults(func=_cmd_models)
 
     s = sub.add_parser("synth", help="render the embedded captioned-scene dataset (no download)")
@@ -421,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("index", help="index a photo folder for search (incremental, resumable)")
     s.add_argument("images", help="folder of photos (searched recursively)")
-    s.add_argument("--model", required=True, help="checkpoint directory written by `itmatch train` (e.g. RUN/best)")
+    s.add_argument("--model", required=True, help="checkpoint directory written by `itmatch train` (e.g. RUN/best), "
+                                                  "or a pretrained model's name (`itmatch models --pretrained`)")
     s.add_argument("--out", required=True, help="index directory (created; updated in place on later runs)")
     s.add_argument("--batch-size", type=int, default=8, help="images per backbone forward pass")
     s.add_argument("--force", action="store_true", help="replace an index built with another model")

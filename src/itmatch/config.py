@@ -92,7 +92,10 @@ class SaveConfig:
     backbone_lr_scale: float = 0.1
     c3_dim: int = 0  # channels of cached c3 / c4 maps (0: taken from the data)
     c4_dim: int = 0
-    i2t_lambda_softmax: float = 4.0  # lambdas of the i-t half when model.direction = both (SCAN F30K i-t)
+    # SAVE keeps the lambdas of both directions, so that a direction override gets its own (SCAN Table 1,
+    # Flickr30K): model.lambda_* are the t-i ones (9 / 6), these the i-t ones (4 / 5), read by the i-t head
+    # whether model.direction is i2t or both
+    i2t_lambda_softmax: float = 4.0
     i2t_lambda_lse: float = 5.0
 
 
@@ -108,7 +111,7 @@ class ModelConfig:
     bidirectional: bool = True
     img_norm: bool = True  # l2-normalise region embeddings (SCAN's no_imgnorm=False)
     txt_norm: bool = True
-    direction: str = "t2i"  # t2i | i2t (SCAN, Sum-Max); both (SAVE: average of t-i and i-t scores)
+    direction: str = "t2i"  # t2i | i2t (SCAN, Sum-Max, SAVE); both (SCAN, SAVE: average of t-i and i-t scores)
     pool: str = "avg"  # avg | lse | max | sum (SCAN)
     lambda_softmax: float = 9.0  # lambda_1, inverse softmax temperature
     lambda_lse: float = 6.0  # lambda_2
@@ -120,6 +123,11 @@ class ModelConfig:
     # scale of the copied vectors: "raw" as the file has them (the papers' GloVe use); "init" rescaled by one
     # factor so that their per-coordinate std equals the random init's (spaCy md's is ~15x Xavier's at 300-d)
     word_vectors_scale: str = "raw"
+    # read image files (data.images) through an ImageNet CNN inside the model instead of cached grid features
+    # (every region-grid model; train.finetune_backbone sets it). SAVE: the same as model.save.pixels, with
+    # model.save.backbone as its CNN
+    pixels: bool = False
+    backbone: str = "lite0"  # that CNN: lite0 (224 px, 7x7 grid) | lite2 (260 px, 9x9 grid) | resnet50 | resnet152
     sman: SMANConfig = field(default_factory=SMANConfig)
     oan: OANConfig = field(default_factory=OANConfig)
     mmca: MMCAConfig = field(default_factory=MMCAConfig)
@@ -161,6 +169,11 @@ class TrainConfig:
     # the checkpoint lacks keep their initialisation: e.g. a frozen SAVE model trained on cached features
     # continued end to end from pixels, whose backbone starts from the same pretrained weights (docs/save.md)
     init_from: str = ""
+    # end to end: train the model's image CNN from pixels (data.images; implies model.pixels) at lr *
+    # backbone_lr_scale, its BatchNorm layers frozen (running statistics and affine parameters), as the papers
+    # that fine-tune a CNN do (VSE++, SAVE's end-to-end setting; docs/training.md)
+    finetune_backbone: bool = False
+    backbone_lr_scale: float = 0.1
     # torchrun runs (docs/distributed.md): process-group backend (auto: nccl for GPU tensors, gloo for CPU ones) and
     # whether the loss sees the negatives of the whole global batch (embeddings all-gathered) or only the
     # rank's own share of it
@@ -223,10 +236,11 @@ RULES: dict[str, Rule] = {
     "model.img_dim": Rule(min=0), "model.vocab_size": Rule(min=0), "model.embed_size": Rule(min=1),
     "model.word_dim": Rule(min=1), "model.word_vectors_scale": Rule(choices=("raw", "init")),
     "model.text_rnn": Rule(choices=("gru", "lstm")), "model.text_layers": Rule(min=1),
-    "model.direction": Rule(choices=("t2i", "i2t")), "model.pool": Rule(choices=("avg", "lse", "max", "sum")),
+    "model.direction": Rule(choices=("t2i", "i2t", "both")), "model.pool": Rule(choices=("avg", "lse", "max", "sum")),
     "model.lambda_softmax": Rule(above=0), "model.lambda_lse": Rule(above=0),
     "model.raw_feature_norm": Rule(choices=("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")),
     "model.clip_slope": Rule(min=0, max=1),
+    "model.backbone": Rule(choices=("lite0", "lite2", "resnet50", "resnet152")), "train.backbone_lr_scale": Rule(min=0),
     "loss.margin": Rule(min=0), "loss.warmup_epochs": Rule(min=0),
     "train.epochs": Rule(min=1), "train.optimizer": Rule(choices=("adam", "adadelta")), "train.lr": Rule(above=0),
     "train.weight_decay": Rule(min=0), "train.lr_update": Rule(min=1), "train.batch_size": Rule(min=2),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from itmatch.config import Config
 from itmatch.data.precomp import MultiScaleArray, PrecompSplit, read_precomp
 from itmatch.errors import ConfigError
-from itmatch.models.registry import image_inputs
+from itmatch.models.registry import image_inputs, pixel_backbone
 
 
 def open_split(cfg: Config, split: str, *, train: bool = False, data_path: str | None = None) -> PrecompSplit:
@@ -20,7 +20,7 @@ def open_split(cfg: Config, split: str, *, train: bool = False, data_path: str |
         if not cfg.data.images:
             raise ConfigError("this model reads images: data.images (the images folder) is not set",
                               hint="pass --set data.images=DIR (the files named in {split}_ids.txt)")
-        return read_image_split(root, split, cfg.data.images, cfg.model.save.backbone, augment=train,
+        return read_image_split(root, split, cfg.data.images, pixel_backbone(cfg.model), augment=train,
                                 seed=cfg.train.seed)
     return read_precomp(root, split, scales=inputs)
 
@@ -33,7 +33,7 @@ def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
     elif hasattr(images, "load_batch"):  # image files: the model's own backbone fixes the channels
         from itmatch.features.backbones import backbone_spec
 
-        dims = {"c5": backbone_spec(cfg.model.save.backbone).out_dim}
+        dims = {"c5": backbone_spec(pixel_backbone(cfg.model)).out_dim}
     else:
         dims = {"c5": int(images.shape[2])}
     wanted = {"c5": ("img_dim", cfg.model), "c3": ("c3_dim", cfg.model.save), "c4": ("c4_dim", cfg.model.save)}

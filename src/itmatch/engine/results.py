@@ -19,27 +19,55 @@ from itmatch.io import write_text_atomic
 
 HEADER = ["name", "model", "dataset", "protocol", "image_to_text_r1", "image_to_text_r5", "image_to_text_r10",
           "text_to_image_r1", "text_to_image_r5", "text_to_image_r10", "rsum", "eval_seconds", "command"]
+#: the same plus the accelerator that trained and evaluated the row (docs/results/<dataset>_gpu.csv)
+DEVICE_HEADER = [*HEADER, "device"]
+RESULTS_HEADERS = (HEADER, DEVICE_HEADER)
 
 
-def result_row(name: str, model: str, dataset: str, result: dict, command: str) -> dict[str, str]:
+def result_row(name: str, model: str, dataset: str, result: dict, command: str, device: str = "") -> dict[str, str]:
+    """A results row; with `device`, a row of a table that has the device column."""
     row = {"name": name, "model": model, "dataset": dataset, "protocol": result["protocol"]}
     for d in ("image_to_text", "text_to_image"):
         for k in (1, 5, 10):
             row[f"{d}_r{k}"] = f"{result[d][f'r{k}']:.1f}"
     row.update(rsum=f"{result['rsum']:.1f}", eval_seconds=f"{result['eval_seconds']:.1f}", command=command)
+    if device:
+        row["device"] = device
     return row
 
 
-def read_rows(path: str | Path, header: list[str] = HEADER) -> list[dict[str, str]]:
+def read_rows(path: str | Path, header: list[str] | tuple[list[str], ...] = RESULTS_HEADERS
+              ) -> list[dict[str, str]]:
+    """The rows of a CSV whose header is `header` (or one of a tuple of headers)."""
     path = Path(path)
     if not path.exists():
         return []
+    accepted = (header,) if isinstance(header, list) else header
     with path.open(newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
-        if reader.fieldnames != header:
+        if reader.fieldnames not in accepted:
             raise DataError(f"unexpected header {reader.fieldnames}", path=path, line=1,
-                            hint=f"this file starts with: {','.join(header)}")
+                            hint=" or ".join(f"this file starts with: {','.join(h)}" for h in accepted))
         return list(reader)
+
+
+def read_header(path: str | Path) -> list[str]:
+    """The first line of a CSV as its column names ([] for a missing or empty file)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    with path.open(newline="", encoding="utf-8") as fh:
+        return next(csv.reader(fh), [])
+
+
+def _row_header(path: Path, row: dict[str, str]) -> list[str]:
+    """The header `row` is written with: the file's, which a row with (or without) a device must match."""
+    header = DEVICE_HEADER if "device" in row else HEADER
+    if read_header(path) not in ([], header):
+        raise DataError(f"row {row['name']!r} {'has' if 'device' in row else 'lacks'} a device, the rows of this "
+                        f"file do not", path=path, line=1,
+                        hint="GPU rows go to docs/results/<dataset>_gpu.csv, CPU rows to <dataset>.csv")
+    return header
 
 
 def write_rows(path: str | Path, header: list[str], rows: list[dict[str, str]]) -> None:
@@ -66,6 +94,7 @@ def upsert_row(path: str | Path, row: dict[str, str], force: bool = False) -> No
     """Add `row`; a row with the same name is replaced only with force."""
     with exclusive(path):
         rows = read_rows(path)
+        header = _row_header(Path(path), row)
         names = [r["name"] for r in rows]
         if row["name"] in names:
             if not force:
@@ -74,7 +103,7 @@ def upsert_row(path: str | Path, row: dict[str, str], force: bool = False) -> No
             rows[names.index(row["name"])] = row
         else:
             rows.append(row)
-        write_rows(path, HEADER, rows)
+        write_rows(path, header, rows)
 
 
 #: docs/results/training/<dataset>.csv: one row per (run, epoch), read from the run's metrics.jsonl, so that
@@ -115,11 +144,12 @@ TABLE_HEAD = ["| name | protocol | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 |
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
-def row_line(r: dict[str, str]) -> str:
-    """One row of the results table (mR = rsum / 6)."""
+def row_line(r: dict[str, str], device: bool = False) -> str:
+    """One row of the results table (mR = rsum / 6), with the device column when asked."""
     return (f"| {r['name']} | {r['protocol']} | {r['image_to_text_r1']} | {r['image_to_text_r5']} | "
             f"{r['image_to_text_r10']} | {r['text_to_image_r1']} | {r['text_to_image_r5']} | "
-            f"{r['text_to_image_r10']} | {r['rsum']} | {float(r['rsum']) / 6:.1f} | {r['eval_seconds']} |")
+            f"{r['text_to_image_r10']} | {r['rsum']} | {float(r['rsum']) / 6:.1f} | {r['eval_seconds']} |"
+            + (f" {r['device']} |" if device else ""))
 
 
 HISTORY_HEAD = ["| run | epoch | loss | lr | batches | train s | train CPU s | dev rsum | kept |",
@@ -136,10 +166,12 @@ def history_line(r: dict[str, str]) -> str:
 def render_markdown(path: str | Path) -> str:
     rows = read_rows(path)
     title = Path(path).stem
+    device = read_header(path) == DEVICE_HEADER
+    head = [TABLE_HEAD[0] + " device |", TABLE_HEAD[1] + "---|"] if device else TABLE_HEAD
     lines = [f"# Results: {title}", "", f"Generated from `{Path(path).name}` by `scripts/render_results.py`; "
              "do not edit by hand.", "",
              "mR = rsum / 6, the mean of the six recalls (the figure SMAN's tables report).", "",
-             *TABLE_HEAD, *map(row_line, rows), "", "Commands that produced each row:", ""]
+             *head, *(row_line(r, device) for r in rows), "", "Commands that produced each row:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -178,7 +210,7 @@ def versus_line(r: dict[str, str], reference: dict[str, str] | None) -> str:
 @dataclass(frozen=True)
 class _ViewKind:
     folder: str  # below the results directory
-    header: list[str]
+    header: list[str] | tuple[list[str], ...]  # (or any of several)
     head: list[str]
     line: Callable[[dict[str, str], dict[str, str] | None], str]  # (row, the view's first row)
 
@@ -188,9 +220,9 @@ class _ViewKind:
 #: of each run in docs/results/training/flickr8k.csv). render_views fills them in the order named; a name not in
 #: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for. `versus:` shows the
 #: first named row of docs/results/<csv>.csv and every other row as its difference from it (versus_line).
-VIEW_KINDS = {"results": _ViewKind("", HEADER, TABLE_HEAD, lambda r, _: row_line(r)),
+VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, TABLE_HEAD, lambda r, _: row_line(r)),
               "training": _ViewKind("training", HISTORY_HEADER, HISTORY_HEAD, lambda r, _: history_line(r)),
-              "versus": _ViewKind("", HEADER, VERSUS_HEAD, versus_line)}
+              "versus": _ViewKind("", RESULTS_HEADERS, VERSUS_HEAD, versus_line)}
 VIEW = re.compile(rf"^<!-- (?P<kind>{'|'.join(VIEW_KINDS)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
                   r"<!-- (?P=kind): end -->$", re.MULTILINE | re.DOTALL)
 

@@ -44,7 +44,7 @@ from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Matcher, SimilarityHead
 from itmatch.models.losses import triplet_loss
-from itmatch.models.registry import build_model
+from itmatch.models.registry import build_model, finetune_backbone, read_pixels_for_finetuning
 
 log = logging.getLogger("itmatch.train")
 
@@ -293,6 +293,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         seed_everything(cfg.train.seed)
         # a run started from another's weights keeps that run's vocabulary (its word embedding rows)
         init = load_checkpoint(cfg.train.init_from, expect_arch=cfg.model.arch) if cfg.train.init_from else None
+        read_pixels_for_finetuning(cfg)
         train_split, val_split, vocab = prepare_data(cfg, init.vocab if init else None)
         model = build_model(cfg.model)
         if cfg.train.val_prune and (cfg.train.val_rerank or model.head.score_bound is None):
@@ -310,6 +311,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             for old in (last, run_dir / "best"):  # --force: a later --resume must never find the old state
                 if old.exists():
                     shutil.rmtree(old)
+    finetune_backbone(cfg, model)  # (a resumed run's model is built frozen, like any loaded checkpoint)
     if main:
         write_json_atomic(run_dir / "config.json", cfg.to_dict())  # first: --resume can restart from it
     if cfg.train.threads:  # the thread count changes float summation order: part of the config

@@ -157,9 +157,29 @@ class Backbone(nn.Module):
         """[B, 3, S, S] -> ImageNet logits [B, 1000]."""
         raise NotImplementedError
 
+    #: fine-tuning with the BatchNorm layers frozen (set_trainable): they stay in eval mode, without gradients
+    batchnorm_frozen: bool = False
+
+    def set_trainable(self, *, freeze_batchnorm: bool = True) -> Backbone:
+        """Unfreeze for fine-tuning: every parameter trains, except (with `freeze_batchnorm`) the BatchNorm
+        layers, whose running statistics and affine parameters keep their ImageNet values (they stay in eval
+        mode under `.train()`): small image-text batches would otherwise re-estimate them."""
+        self.frozen, self.batchnorm_frozen = False, freeze_batchnorm
+        self.requires_grad_(True)
+        for layer in self.batchnorm_layers():
+            layer.requires_grad_(not freeze_batchnorm)
+        return self.train(self.training)
+
+    def batchnorm_layers(self) -> list[nn.Module]:
+        return [m for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
     def train(self, mode: bool = True) -> Backbone:
         # A frozen backbone is a fixed function: keep BatchNorm/dropout in inference mode.
-        return super().train(mode and not self.frozen)
+        super().train(mode and not self.frozen)
+        if self.batchnorm_frozen:
+            for layer in self.batchnorm_layers():
+                layer.train(False)
+        return self
 
 
 class EfficientNetLiteBackbone(Backbone):

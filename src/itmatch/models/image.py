@@ -43,6 +43,25 @@ class RegionEncoder(nn.Module):
         return ImageEmb(regions=regions, mask=mask, vector=vector)
 
 
+def read_pixels_through(encoder: nn.Module, backbone: nn.Module) -> nn.Module:
+    """Let a region-grid encoder read pixels: `backbone` (an ImageNet CNN, `features.backbones.Backbone`)
+    becomes its submodule `backbone` (parameters under `image_encoder.backbone.`, as SAVE's, so that a model
+    trained on cached features of the same CNN loads into it with `train.init_from`), and a forward pre-hook
+    turns a pixel batch [N, 3, S, S] into the grid [N, k, C] the encoder reads, with an all-true mask. Cached
+    features [N, k, C] pass unchanged. A hook rather than a wrapper module keeps every other parameter name."""
+    encoder.backbone = backbone
+    encoder.register_forward_pre_hook(_pixels_to_grid)
+    return encoder
+
+
+def _pixels_to_grid(encoder: nn.Module, args: tuple) -> tuple | None:
+    feats = args[0]
+    if isinstance(feats, torch.Tensor) and feats.ndim == 4:
+        grid = encoder.backbone(feats)
+        return grid, torch.ones(grid.shape[:2], dtype=torch.bool, device=grid.device)
+    return None
+
+
 class SMANImageEncoder(nn.Module):
     """SMAN's image side up to the intra-modal context (Ji et al., section III-A1 and III-B1).
 

@@ -14,7 +14,7 @@ from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher, SimilarityHead
 from itmatch.models.grid import Borrowed, MultiScaleSelfAttention, SaveImageEncoder, parse_scales
 from itmatch.models.heads import GlobalCosineHead, MMCAHead, OANHead, ScanHead, SMANHead, SumMaxHead, TwoWayScanHead
-from itmatch.models.image import MMCAImageEncoder, RegionEncoder, SMANImageEncoder
+from itmatch.models.image import MMCAImageEncoder, RegionEncoder, SMANImageEncoder, read_pixels_through
 from itmatch.models.text import FrozenTransformer, MMCATextEncoder, RNNTextEncoder, SMANTextEncoder, TextCNNEncoder
 
 # SCAN supplementary: Flickr30K lr 2e-4 for 15 epochs then 2e-5 for 15; COCO 5e-4 for 10 then 5e-5 for 10.
@@ -91,8 +91,11 @@ def _presets() -> dict[str, dict[str, Any]]:
         presets[name] = {"model": {"arch": "mmca", **model}, **copy.deepcopy(mmca_base)}
     # SAVE Tables 4-5 (the ablations, all in the i-t AVG setting): self-attention variants on c5, fusion of
     # c4+c5 / c3+c4+c5, NL-ms2; the paper gives no schedule beyond SCAN's "same settings": F30K's.
-    # model.direction=both gives Table 1's averaged i-t/t-i scores (footnote 1).
-    save_i2t = {"arch": "save", "direction": "i2t", "pool": "avg", **SCAN_LAMBDAS[("f30k", "i2t")]}
+    # model.direction=both gives Table 1's averaged i-t/t-i scores (footnote 1). Both directions' lambdas are
+    # set (SCAN Table 1): t-i in model.lambda_*, i-t in model.save.i2t_lambda_*, so `--set model.direction=t2i`
+    # or `=both` scores t-i with 9 / 6, not with the i-t 4 / 5.
+    save_i2t = {"arch": "save", "direction": "i2t", "pool": "avg", **SCAN_LAMBDAS[("f30k", "t2i")]}
+    i2t_lambdas = {f"i2t_{k}": v for k, v in SCAN_LAMBDAS[("f30k", "i2t")].items()}
     save_variants = {
         "save_nosa": {"attention": "none", "scales": "c5"},
         "save_dsa": {"attention": "dsa", "scales": "c5"},
@@ -110,7 +113,7 @@ def _presets() -> dict[str, dict[str, Any]]:
         "save_dsa_ft": {"attention": "dsa", "scales": "c5", "pixels": True, "finetune": True},
     }
     for name, save in save_variants.items():
-        presets[name] = {"model": {**save_i2t, "save": save}, "train": F30K_SCHEDULE}
+        presets[name] = {"model": {**save_i2t, "save": {**save, **i2t_lambdas}}, "train": F30K_SCHEDULE}
     return presets
 
 
@@ -141,6 +144,7 @@ def resolve_config(preset: str | None, *layers: dict[str, Any]) -> Config:
             cfg = preset_config(layer["preset"])
         layer.pop("preset", None)
         update(cfg, layer)
+    read_pixels_for_finetuning(cfg)
     return cfg
 
 
@@ -166,28 +170,40 @@ def _build_scan(mc: ModelConfig) -> Matcher:
 
 
 def _scan_head(mc: ModelConfig) -> SimilarityHead:
-    """SCAN's head in mc.direction; "both" averages a t-i head (mc.lambda_*) and an i-t head
-    (mc.save.i2t_lambda_*)."""
+    """SCAN's head in mc.direction; "both" averages a t-i head and an i-t head (each with its lambdas)."""
+    def head(direction: str, lambdas: tuple[float, float]) -> ScanHead:
+        return ScanHead(direction, mc.pool, *lambdas, mc.raw_feature_norm, mc.clip_slope)
+
+    t2i_lambdas = (mc.lambda_softmax, mc.lambda_lse)
     if mc.direction == "both":
-        return TwoWayScanHead(
-            ScanHead("t2i", mc.pool, mc.lambda_softmax, mc.lambda_lse, mc.raw_feature_norm, mc.clip_slope),
-            ScanHead("i2t", mc.pool, mc.save.i2t_lambda_softmax, mc.save.i2t_lambda_lse, mc.raw_feature_norm,
-                     mc.clip_slope))
-    return ScanHead(mc.direction, mc.pool, mc.lambda_softmax, mc.lambda_lse, mc.raw_feature_norm, mc.clip_slope)
+        return TwoWayScanHead(head("t2i", t2i_lambdas), head("i2t", _i2t_lambdas(mc)))
+    return head(mc.direction, t2i_lambdas if mc.direction == "t2i" else _i2t_lambdas(mc))
+
+
+def _i2t_lambdas(mc: ModelConfig) -> tuple[float, float]:
+    """The i-t head's (lambda_1, lambda_2). SAVE and a two-way head hold both directions' lambdas: the i-t
+    ones in model.save.i2t_lambda_*, model.lambda_* being the t-i ones. A one-way SCAN model has only its own
+    direction's, in model.lambda_* (the scan_i2t_* presets set 4 / 5 there)."""
+    if mc.arch == "save" or mc.direction == "both":
+        return mc.save.i2t_lambda_softmax, mc.save.i2t_lambda_lse
+    return mc.lambda_softmax, mc.lambda_lse
 
 
 def _build_save(mc: ModelConfig) -> Matcher:
     sc = mc.save
     scales = parse_scales(sc.scales)
-    if sc.finetune and not sc.pixels:
+    pixels = bool(pixel_backbone(mc))
+    if sc.finetune and not pixels:
         raise ValueError("model.save.finetune needs model.save.pixels=true (the backbone runs inside the model)")
     backbone = tail = None
-    if sc.pixels or sc.fusion == "nl":
+    if pixels or sc.fusion == "nl":
         from itmatch.features.backbones import STAGE_NAMES, load_backbone
 
-        net = load_backbone(sc.backbone, frozen=not sc.finetune)
+        net = load_backbone(sc.backbone)
+        if sc.finetune:  # SAVE's own switch, as its Flickr8K rows were trained: BatchNorm statistics move
+            net.set_trainable(freeze_batchnorm=False)
         dims = dict(zip(STAGE_NAMES, net.stage_dims, strict=True))
-        backbone = net if sc.pixels else None
+        backbone = net if pixels else None
         if sc.fusion == "nl":  # with a backbone in the model, its tail's parameters are already there
             tail = net.tail() if backbone is None else Borrowed(net.tail())
     else:
@@ -202,18 +218,46 @@ def _build_save(mc: ModelConfig) -> Matcher:
                           bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm)
     model = Matcher(image, text, _scan_head(mc))
     if sc.finetune:
-        model.lr_scales = {"image_encoder.backbone.": sc.backbone_lr_scale}
+        model.lr_scales["image_encoder.backbone."] = sc.backbone_lr_scale
     return model
+
+
+def pixel_backbone(mc: ModelConfig) -> str:
+    """The ImageNet CNN through which the model reads image files (model.pixels; SAVE: model.save.pixels
+    with model.save.backbone), "" when it reads cached features."""
+    if mc.arch == "save":
+        return mc.save.backbone if mc.pixels or mc.save.pixels else ""
+    return mc.backbone if mc.pixels else ""
+
+
+def finetune_backbone(cfg: Config, model: Matcher) -> None:
+    """train.finetune_backbone: the model's image CNN trains, at train.lr * train.backbone_lr_scale (its own
+    optimizer group), BatchNorm frozen. Applied by the trainer to a new or resumed run alike."""
+    if not cfg.train.finetune_backbone:
+        return
+    backbone = getattr(model.image_encoder, "backbone", None)
+    if backbone is None or not pixel_backbone(cfg.model):
+        raise ConfigError("train.finetune_backbone: this model does not read pixels",
+                          hint="set model.pixels=true and data.images=DIR (the trainer does it for you)")
+    backbone.set_trainable(freeze_batchnorm=True)
+    model.lr_scales["image_encoder.backbone."] = cfg.train.backbone_lr_scale
+
+
+def read_pixels_for_finetuning(cfg: Config) -> None:
+    """Fine-tuning the CNN needs the model to read pixels: set model.pixels (recorded in the run's config,
+    so evaluation reads image files too)."""
+    if cfg.train.finetune_backbone:
+        cfg.model.pixels = True
 
 
 def image_inputs(mc: ModelConfig) -> tuple[str, ...]:
     """What a model's image encoder reads from a dataset: () the precomp `{split}_ims.npy` array (every
     region model); ("pixels",) decoded image files of data.images; or cached stage maps by name, e.g.
     ("c4", "c5"), where c5 is `{split}_ims.npy` and c3/c4 are `{split}_ims_c3.npy`/`_c4.npy`."""
+    if pixel_backbone(mc):
+        return ("pixels",)
     if mc.arch != "save":
         return ()
-    if mc.save.pixels:
-        return ("pixels",)
     scales = parse_scales(mc.save.scales)
     return scales if scales != ("c5",) else ()
 
@@ -296,6 +340,15 @@ def build_model(mc: ModelConfig) -> Matcher:
     if mc.arch not in BUILDERS:
         raise ConfigError(f"unknown model.arch {mc.arch!r}", hint=f"choose one of {', '.join(BUILDERS)}")
     try:
-        return BUILDERS[mc.arch](mc)
+        model = BUILDERS[mc.arch](mc)
     except ValueError as exc:  # an invalid option value the module rejected
         raise ConfigError(str(exc)) from None
+    if mc.arch != "save" and pixel_backbone(mc):  # (SAVE reads its backbone's stage maps itself)
+        from itmatch.features.backbones import load_backbone
+
+        backbone = load_backbone(mc.backbone)
+        if backbone.out_dim != mc.img_dim:
+            raise ConfigError(f"model.img_dim={mc.img_dim} but model.backbone {mc.backbone!r} gives "
+                              f"{backbone.out_dim}-d cells", hint="drop the model.img_dim override")
+        read_pixels_through(model.image_encoder, backbone)
+    return model

@@ -127,7 +127,10 @@ class Searcher:
         from itmatch.retrieval.index import load_index, model_identity
 
         self.index = load_index(index_dir, verify=verify)
-        ckpt = Path(checkpoint) if checkpoint is not None else Path(self.index.manifest["model"]["checkpoint"])
+        from itmatch.pretrained import resolve_checkpoint  # (a path, or a pretrained model's name)
+
+        ckpt = (resolve_checkpoint(checkpoint) if checkpoint is not None
+                else Path(self.index.manifest["model"]["checkpoint"]))
         self.matcher = load(ckpt, backbone=self.index.manifest["model"]["backbone"], device=device,
                             precision=precision)
         self.index.check_model(model_identity(ckpt, self.matcher.backbone_name))

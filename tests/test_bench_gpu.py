@@ -1,0 +1,137 @@
+"""bench/flickr8k.py --config gpu: every row of issue 24 is defined and resolves to a valid config, the GPU
+schedule files train, a CPU-only machine is stopped before any work with the CPU schedule's hint, a killed
+row resumes and a row whose checkpoint is missing is reported."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from itmatch.config import load_yaml, parse_overrides
+from itmatch.engine.train import train
+from itmatch.models.registry import resolve_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_flickr8k", ROOT / "bench" / "flickr8k.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_every_row_of_the_issue_is_defined_and_resolves(bench):
+    gpu = bench.GPU
+    wanted = {"vsepp", "summax_t2i", "scan_t2i_avg", "scan_t2i_lse", "scan_i2t_avg", "scan_i2t_lse",
+              "scan_ensemble_t2i_avg+i2t_lse", "oan", "oan_eq11", "oan_no_intra_neg", "oan_no_inter_attn",
+              "oan_no_intra_attn", "oan_no_attn", "oan_bilstm", "mmca", "mmca_alpha0", "mmca_h512", "save_nosa",
+              "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_dsa_ms2",
+              "save_asa_t2i_lse", "save_asa_ms3_both", "sman", "sman_im", "sman_im_loc", "sman_sim", "sman_inter",
+              "scan_i2t_lse_ft", "scan_i2t_lse_frozen_more", "scan_i2t_lse_lite2", "scan_i2t_lse_lite2_ft"}
+    assert wanted <= set(gpu.rows) and len(set(gpu.rows)) == len(gpu.rows)
+    assert all(f"{row}_seed1" in gpu.rows for row in bench.HEADLINE)  # two seeds for the headline rows
+    bench.check_rows_resolve(gpu)  # unknown keys or bad values would raise ConfigError
+
+
+def test_gpu_rows_keep_their_papers_schedules(bench):
+    def config(row):
+        preset = bench.base_preset(row, bench.GPU)
+        return bench.row_config(preset, bench.schedule_of(row, bench.GPU), bench.GPU.overrides.get(row, []))
+
+    scan, oan, mmca, sman = (config(r) for r in ("scan_t2i_avg", "oan", "mmca", "sman"))
+    assert (scan.train.lr, scan.train.lr_update, scan.train.epochs, scan.model.embed_size) == (2e-4, 15, 30, 1024)
+    assert (oan.train.lr, oan.train.epochs, oan.model.embed_size, oan.train.weight_decay) == (5e-4, 24, 512, 1e-6)
+    assert (mmca.train.batch_size, mmca.model.embed_size, mmca.model.mmca.train_negatives) == (64, 256, 0)
+    assert (sman.train.optimizer, sman.train.epochs, sman.train.grad_clip) == ("adadelta", 60, 0.1)
+    assert scan.loss.warmup_epochs == oan.loss.warmup_epochs == 1  # the models that stall without it
+    assert mmca.loss.warmup_epochs == sman.loss.warmup_epochs == config("vsepp").loss.warmup_epochs == 0
+    both = config("save_asa_ms3_both").model
+    assert both.direction == "both" and (both.lambda_softmax, both.save.i2t_lambda_softmax) == (9.0, 4.0)
+    ft = config("scan_i2t_lse_ft").train
+    assert ft.finetune_backbone and ft.lr == 2e-5 and ft.init_from.endswith("flickr8k_gpu/scan_i2t_lse/best")
+    assert config("scan_i2t_lse_ft").model.pixels  # as the trainer records it: a resumed row's run matches
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("preset", "schedule"), [("scan_i2t_lse", "gpu.yaml"), ("vsepp", "gpu_no_warmup.yaml")])
+def test_the_gpu_schedule_files_train_a_few_batches(preset, schedule, tiny_precomp, tmp_path):
+    """A smoke run of each schedule file (2 batches on the tiny fixture; the full schedule needs a GPU)."""
+    cfg = resolve_config(preset, load_yaml(ROOT / "configs" / "flickr8k" / schedule), parse_overrides(
+        [f"data.path={tiny_precomp}", "model.embed_size=16", "model.word_dim=8", "train.epochs=1",
+         "train.max_batches=2", "train.batch_size=16", "train.val_images=20", "train.threads=1"]))
+    result = train(cfg, tmp_path / "run", progress=False)
+    assert result["best_epoch"] == 1 and (tmp_path / "run" / "best" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's message")
+def test_gpu_bench_on_a_cpu_machine_stops_before_any_work_with_the_cpu_hint(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "flickr8k.py"), "--config", "gpu", "--row", "vsepp"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "no CUDA device" in done.stderr
+    assert "use the CPU schedule (--config cpu" in done.stderr
+    assert "+ itmatch" not in done.stdout and not (ROOT / "runs" / "flickr8k_gpu" / "vsepp").exists()
+
+
+def _fake_run(bench, profile, row: str, epochs_done: int, with_best: bool) -> None:
+    """A run directory as the trainer leaves it: its config, `last` after `epochs_done` epochs, maybe `best`."""
+    cfg = bench.row_config(bench.base_preset(row, profile), bench.schedule_of(row, profile),
+                           profile.overrides.get(row, []))
+    run = Path(profile.runs) / row
+    (run / "last").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (run / "last" / "state.json").write_text(json.dumps({"epoch": epochs_done, "batch": 0}))
+    if with_best:
+        (run / "best").mkdir()
+        (run / "best" / "config.json").write_text(json.dumps(cfg.to_dict()))
+
+
+def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_path, monkeypatch, capsys):
+    import dataclasses
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"))
+    _fake_run(bench, gpu, "vsepp", epochs_done=7, with_best=True)  # killed in its 8th epoch of 30
+    _fake_run(bench, gpu, "scan_i2t_lse", epochs_done=30, with_best=False)  # finished, `best` lost
+    assert "vsepp: training, epoch 7 of 30 done" in bench.row_status("vsepp", gpu)
+    assert "CHECKPOINT MISSING" in bench.row_status("scan_i2t_lse", gpu)
+    monkeypatch.setattr(bench, "DRY_RUN", True)
+    bench.run_row("vsepp", 0, profile=gpu)
+    train_line = next(line for line in capsys.readouterr().out.splitlines() if " train " in line)
+    assert f"--out {tmp_path}/runs/vsepp" in train_line and train_line.endswith("--resume")
+    monkeypatch.setattr(bench, "DRY_RUN", False)
+    with pytest.raises(bench.MissingCheckpoint, match="scan_i2t_lse/best"):
+        bench.run_row("scan_i2t_lse", 0, profile=gpu)
+
+
+def test_the_docs_views_of_the_gpu_table_name_rows_the_bench_produces(bench):
+    import re
+
+    names = set()
+    for page in (ROOT / "docs").glob("*.md"):
+        for rows in re.findall(r"<!-- (?:results|versus): flickr8k_gpu ([\w.+ -]+?) -->", page.read_text()):
+            names |= set(rows.split())
+    assert names and names <= set(bench.GPU.rows)
+
+
+def test_a_save_run_from_before_both_lambdas_were_kept_still_matches_its_row(bench, tmp_path):
+    """CPU SAVE runs trained before the presets kept both directions' lambdas hold the i-t 4 / 5 in model.lambda_*;
+    an i-t SAVE model does not read those, so the bench resumes / evaluates them; a real difference still stops it."""
+    schedule = bench.SCHEDULES["save_dsa"]
+    old = bench.row_config("save_dsa", schedule, []).to_dict()
+    old["model"]["lambda_softmax"], old["model"]["lambda_lse"] = 4.0, 5.0
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    bench.check_run_matches(str(tmp_path), "save_dsa", schedule, [])  # no exit
+    old["model"]["embed_size"] = 64
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    with pytest.raises(SystemExit, match="model.embed_size=64"):
+        bench.check_run_matches(str(tmp_path), "save_dsa", schedule, [])

@@ -1,0 +1,116 @@
+"""Pretrained models by name: a trained checkpoint converted to the shipped fp16 form (scripts/ship_pretrained.py,
+size limit), loaded by name (itmatch.load, `itmatch index --model NAME`), listed by `itmatch models --pretrained`.
+No weights are shipped in the repository: every test ships into a temporary folder."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import itmatch
+import itmatch.pretrained as pretrained
+from itmatch.cli import main as itmatch_main
+from itmatch.config import parse_overrides
+from itmatch.data.vocab import build_vocab
+from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
+from itmatch.engine.train import train
+from itmatch.errors import CheckpointError
+from itmatch.models.registry import build_model, resolve_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ship_main(argv: list[str]) -> int:
+    spec = importlib.util.spec_from_file_location("ship_pretrained", ROOT / "scripts" / "ship_pretrained.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_precomp, tmp_path_factory) -> Path:
+    """A tiny SCAN model trained for 2 batches on the tiny fixture."""
+    run = tmp_path_factory.mktemp("run")
+    cfg = resolve_config("scan_t2i_avg", parse_overrides(
+        [f"data.path={tiny_precomp}", "model.embed_size=16", "model.word_dim=8", "train.epochs=1",
+         "train.max_batches=2", "train.batch_size=16", "train.val_images=20", "train.threads=1"]))
+    train(cfg, run, progress=False)
+    return run / "best"
+
+
+@pytest.fixture
+def shelf(tmp_path, monkeypatch) -> Path:
+    """An empty folder of shipped models in place of the package's."""
+    root = tmp_path / "pretrained"
+    root.mkdir()
+    monkeypatch.setattr(pretrained, "PRETRAINED_DIR", root)
+    return root
+
+
+def test_a_trained_checkpoint_ships_in_fp16_and_loads_by_name(trained, shelf, tiny_precomp, tmp_path, capsys):
+    results = tmp_path / "results.csv"
+    from itmatch.engine.results import result_row, upsert_row
+
+    result = {"protocol": "1k", "rsum": 300.0, "eval_seconds": 1.0, "image_to_text": {"r1": 1, "r5": 2, "r10": 3},
+              "text_to_image": {"r1": 4, "r5": 5, "r10": 6}}
+    upsert_row(results, result_row("tiny", "scan_t2i_avg", "tiny", result, "python bench/x.py --row tiny"))
+    assert ship_main([str(trained), "tiny-scan", "--out-root", str(shelf), "--results", str(results),
+                      "--row", "tiny"]) == 0
+    folder = shelf / "tiny-scan"
+    weights = load_file(str(folder / "model.safetensors"))
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float16}
+    assert sum(p.stat().st_size for p in folder.iterdir()) <= 20_000_000
+    card = pretrained.shipped()["tiny-scan"].card
+    assert card["results"]["rsum"] == "300.0" and card["command"] == "python bench/x.py --row tiny"
+
+    feats = np.load(tiny_precomp / "test_ims.npy")[:5]
+    captions = (tiny_precomp / "test_caps.txt").read_text().splitlines()[:10]
+    by_name, original = itmatch.load("tiny-scan"), itmatch.load(trained)
+    shipped_scores = by_name.score(torch.from_numpy(feats), captions)
+    assert (shipped_scores - original.score(torch.from_numpy(feats), captions)).abs().max() < 1e-2  # fp16 rounding
+    assert itmatch_main(["models", "--pretrained"]) == 0
+    assert "tiny-scan" in capsys.readouterr().out
+
+
+def test_nothing_is_shipped_over_the_size_limit_or_over_an_existing_name(trained, shelf, capsys):
+    assert ship_main([str(trained), "too-big", "--out-root", str(shelf), "--max-mb", "0.01"]) == 1
+    assert "over the 0.01 MB limit" in capsys.readouterr().err
+    assert not list(shelf.iterdir())  # no folder, no partial one
+    assert ship_main([str(trained), "twice", "--out-root", str(shelf)]) == 0
+    assert ship_main([str(trained), "twice", "--out-root", str(shelf)]) == 1
+    assert "already exists" in capsys.readouterr().err
+    assert ship_main([str(trained), "Bad Name", "--out-root", str(shelf)]) == 1
+
+
+def test_no_model_is_shipped_yet_and_an_unknown_name_says_where_to_look(shelf, capsys):
+    assert not list(Path(pretrained.__file__).parent.glob("*/card.json"))  # the repository ships no weights yet
+    assert itmatch_main(["models", "--pretrained"]) == 0
+    assert "no pretrained model is shipped yet" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="no pretrained model named 'scan_i2t_lse-flickr8k'") as err:
+        itmatch.load("scan_i2t_lse-flickr8k")
+    assert "itmatch models --pretrained" in err.value.hint
+
+
+def test_index_photos_with_a_pretrained_model_by_name(shelf, tmp_path):
+    """`itmatch index PHOTOS --model NAME` (a Lite0-grid model, untrained: only the plumbing is tested)."""
+    from PIL import Image
+
+    vocab = build_vocab(["a red photo"] * 4)
+    cfg = resolve_config("vsepp", parse_overrides(["model.embed_size=16", "model.word_dim=8"]))
+    cfg.model.vocab_size, cfg.model.img_dim = len(vocab), 1280
+    save_checkpoint(tmp_path / "ckpt", build_model(cfg.model), cfg, vocab)
+    assert ship_main([str(tmp_path / "ckpt"), "tiny-vsepp", "--out-root", str(shelf)]) == 0
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        Image.fromarray(rng.integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(photos / f"p{i}.jpg")
+    assert itmatch_main(["index", str(photos), "--model", "tiny-vsepp", "--out", str(tmp_path / "index"),
+                         "--quiet"]) == 0
+    assert (tmp_path / "index").is_dir()
+    assert load_checkpoint(shelf / "tiny-vsepp").config.name == "tiny-vsepp"
