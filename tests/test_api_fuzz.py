@@ -20,6 +20,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.specs.openapi.checks import negative_data_rejection  # noqa: E402
 
 from itmatch.retrieval.index import build_index  # noqa: E402
 from itmatch.retrieval.search import MAX_K, Searcher, read_captions_file  # noqa: E402
@@ -115,10 +117,42 @@ def test_a_string_utf8_cannot_hold_is_escaped_not_a_server_error():
     assert json.loads(body) == {"id": "photo-\udcff.jpg"}
 
 
+# Well-formed JSON of every type and size for POST /api/search, beyond what a schema-driven generator sends:
+# booleans where integers belong, integers past 64 bits, strings with lone surrogates, deep nesting, raw bytes.
+surrogates = st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3)  # a separate branch: rare otherwise
+text = st.text(max_size=12) | st.tuples(st.text(max_size=4), surrogates).map("".join)
+scalars = st.none() | st.booleans() | st.integers() | st.floats() | text
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=4), inner, max_size=3), max_leaves=8)
+queries = st.sampled_from(["red", "a red circle"]) | st.sampled_from(["red ", "a "]).flatmap(
+    lambda words: text.map(lambda tail: words + tail)) | json_values  # known words, with odd text after them
+k_values = (st.booleans() | st.integers(-3, MAX_K + 3) | st.integers(min_value=2**63) | st.floats() | text
+            | json_values)
+objects = st.fixed_dictionaries({"q": queries, "k": k_values}) | st.fixed_dictionaries({"q": queries})
+search_bodies = st.one_of(  # json.dumps writes lone surrogates as \udXXX escapes, floats as NaN/Infinity
+    *[objects.map(lambda doc: json.dumps(doc).encode())] * 3, json_values.map(lambda doc: json.dumps(doc).encode()),
+    st.integers(1, 40_000).map(lambda depth: b"[" * depth + b"]" * depth), st.binary(max_size=64))
+BODY_EXAMPLES = int(os.environ.get("ITMATCH_API_FUZZ_BODIES", "300"))
+
+
+def test_arbitrary_json_bodies_never_get_a_server_error(client):
+    @settings(max_examples=BODY_EXAMPLES, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=search_bodies)
+    def run(body):
+        resp = client.post("/api/search", content=body, headers={"content-type": "application/json"})
+        assert resp.status_code in (200, 400, 413, 422), (body[:200], resp.status_code, resp.text[:300])
+        if resp.status_code != 200:
+            _assert_error_envelope(resp.status_code, resp.content)
+
+    run()
+
+
 @pytest.mark.slow
 def test_generated_requests_never_get_a_server_error(app):
     """REQUESTS requests drawn from the schema of every operation, half fitting it (positive) and half not
-    (negative: wrong types, missing fields, out-of-range values): no 5xx, errors in the envelope."""
+    (negative: wrong types, missing fields, out-of-range values): no 5xx, every request the schema forbids
+    refused with a 4xx (schemathesis' negative_data_rejection), errors in the envelope."""
     schema = schemathesis.openapi.from_asgi("/api/openapi.json", app)
     requests = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
     answered: collections.Counter[tuple[str, str, int]] = collections.Counter()
@@ -128,7 +162,7 @@ def test_generated_requests_never_get_a_server_error(app):
     def run(case):
         resp = case.call()
         answered[(case.method, case.path, resp.status_code)] += 1
-        assert resp.status_code < 500, f"{case.as_curl_command()} -> {resp.status_code}: {resp.text[:500]}"
+        case.validate_response(resp, checks=[not_a_server_error, negative_data_rejection])
         if resp.status_code >= 400:
             _assert_error_envelope(resp.status_code, resp.content)
 
