@@ -43,7 +43,7 @@ from itmatch.retrieval.search import (
 log = logging.getLogger("itmatch.retrieval.service")
 WEB_DIR = Path(__file__).parent / "web"
 LATENCY_WINDOW = 2048  # latencies kept per route for the percentiles
-MAX_JSON_BYTES = 64 * 1024  # a POST /api/search body: a 300-character query, even all \\uXXXX escapes, is < 2 kB
+MAX_JSON_BYTES = 64 * 1024  # a POST /api/search body: a 300-character query, even all \uXXXX escapes, is < 2 kB
 
 
 class Metrics:
