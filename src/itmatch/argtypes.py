@@ -66,7 +66,7 @@ def host(text: str) -> str:
     """An address to listen on: an IP address or a name this machine resolves."""
     try:
         socket.getaddrinfo(text, None)
-    except (OSError, UnicodeError) as exc:
+    except (OSError, UnicodeError, ValueError) as exc:  # ValueError: a NUL in the name
         raise argparse.ArgumentTypeError(f"cannot resolve host {text!r} ({exc}); "
                                          "use an address such as 127.0.0.1 or 0.0.0.0") from None
     return text

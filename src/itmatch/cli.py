@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from itmatch.argtypes import (
     existing_dir,
@@ -271,7 +272,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse's parser with a one-line usage error, the form of every other `itmatch` error; the verbs'
     parsers are of this class too (argparse builds subparsers with the parent's class)."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
