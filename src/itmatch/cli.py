@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
+from typing import NoReturn
 
+from itmatch.argtypes import (
+    checkpoint_ref,
+    device_name,
+    existing_dir,
+    existing_file,
+    host,
+    int_in,
+    non_negative_int,
+    output_dir,
+    output_file,
+    port,
+    positive_float,
+    positive_int,
+)
 from itmatch.errors import ConfigError, ItmatchError
+
+split_size = int_in(0, 99999)  # synth: image file names have five digits
 
 
 def _placement(args: argparse.Namespace):
@@ -300,7 +318,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _add_shortlist_arguments(s: argparse.ArgumentParser) -> None:
     """--shortlist / --faiss of `search` and `serve` (Searcher's first stage)."""
-    s.add_argument("--shortlist", type=int, default=0, metavar="N",
+    s.add_argument("--shortlist", type=non_negative_int, default=0, metavar="N",
                    help="score only the top N photos of a FAISS first stage over the model's global embedding "
                         "(VSE++, OAN, MMCA, SMAN; not SCAN), re-ranked exactly; default 0 = every photo")
     s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
@@ -309,14 +327,20 @@ def _add_shortlist_arguments(s: argparse.ArgumentParser) -> None:
 
 def _add_device_arguments(s: argparse.ArgumentParser, default: str = "auto") -> None:
     """--device / --precision of every verb that runs a network (docs/gpu.md)."""
-    s.add_argument("--device", default=None, metavar="DEVICE",
+    s.add_argument("--device", type=device_name, default=None, metavar="DEVICE",
                    help=f"auto (the GPU when torch sees one), cpu, cuda or cuda:N (default: {default})")
     s.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
                    help="fp32 (exact, default), bf16 (autocast) or fp16 (autocast, CUDA only)")
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with a one-line usage error, the form of every other `itmatch` error; the verbs'
+    parsers are of this class too (argparse builds subparsers with the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="itmatch", description="Image-text matching: train, evaluate, search.")
+    p = _Parser(prog="itmatch", description="Image-text matching: train, evaluate, search.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     s = sub.add_parser("models", help="list the model presets (paper configurations)")
@@ -325,23 +349,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_models)
 
     s = sub.add_parser("synth", help="render the embedded captioned-scene dataset (no download)")
-    s.add_argument("out", help="output directory (images/ and dataset_synth.json)")
-    s.add_argument("--train", type=int, default=1500, help="training images (default 1500)")
-    s.add_argument("--dev", type=int, default=200)
-    s.add_argument("--test", type=int, default=200)
-    s.add_argument("--size", type=int, default=224, help="image side in pixels")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("out", type=output_dir, help="output directory (images/ and dataset_synth.json)")
+    s.add_argument("--train", type=split_size, default=1500, help="training images (default 1500)")
+    s.add_argument("--dev", type=split_size, default=200)
+    s.add_argument("--test", type=split_size, default=200)
+    s.add_argument("--size", type=int_in(32), default=224, help="image side in pixels (>= 32)")
+    s.add_argument("--seed", type=non_negative_int, default=0)
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_cmd_synth)
 
     s = sub.add_parser("extract", help="images + captions -> precomp dataset of CNN grid features")
-    s.add_argument("images", help="folder of images")
-    s.add_argument("captions", help="caption source: Flickr8k.token.txt, dataset_*.json, captions_*.json, CSV")
-    s.add_argument("--out", required=True, help="precomp output directory")
+    s.add_argument("images", type=existing_dir, help="folder of images")
+    s.add_argument("captions", type=existing_file,
+                   help="caption source: Flickr8k.token.txt, dataset_*.json, captions_*.json, CSV")
+    s.add_argument("--out", type=output_dir, required=True, help="precomp output directory")
     s.add_argument("--format", default="auto", choices=["auto", "flickr8k", "karpathy", "coco", "csv"])
     s.add_argument("--backbone", default="lite0", help="lite0 (7x7, default) or lite2 (9x9)")
     s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
-    s.add_argument("--batch-size", type=int, default=8, help="images per forward pass (8 is fastest on CPU)")
+    s.add_argument("--batch-size", type=positive_int, default=8, help="images per forward pass (8 is fastest on CPU)")
     s.add_argument("--skip-bad-images", action="store_true", help="report and drop unreadable images")
     s.add_argument("--scales", default=None, metavar="LIST",
                    help="also cache the backbone's finer stage maps for multi-scale models (SAVE), e.g. "
@@ -352,9 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("train", help="train a model on a precomp dataset")
     s.add_argument("--preset", help="model preset, see `itmatch models` (e.g. scan_t2i_avg)")
-    s.add_argument("--config", help="YAML config (may name a preset); --set overrides it")
-    s.add_argument("--data", help="precomp directory (data.path)")
-    s.add_argument("--out", required=True, help="run directory (best/, last/, config.json, metrics.jsonl)")
+    s.add_argument("--config", type=existing_file, help="YAML config (may name a preset); --set overrides it")
+    s.add_argument("--data", type=existing_dir, help="precomp directory (data.path)")
+    s.add_argument("--out", type=output_dir, required=True,
+                   help="run directory (best/, last/, config.json, metrics.jsonl)")
     s.add_argument("--name", help="run name (default: the preset)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, repeatable")
     s.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
@@ -363,33 +389,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("evaluate", help="evaluate one checkpoint, or an ensemble of several")
-    s.add_argument("checkpoints", nargs="+", help="checkpoint directories (several = ensemble)")
-    s.add_argument("--data", help="precomp directory (default: the first checkpoint's)")
+    s.add_argument("checkpoints", nargs="+", type=existing_dir, help="checkpoint directories (several = ensemble)")
+    s.add_argument("--data", type=existing_dir, help="precomp directory (default: the first checkpoint's)")
     s.add_argument("--split", default="test", help="split to evaluate (default test)")
-    s.add_argument("--images", help="images folder, for models that read pixels (default: the checkpoint's "
-                                    "data.images)")
+    s.add_argument("--images", type=existing_dir,
+                   help="images folder, for models that read pixels (default: the checkpoint's data.images)")
     s.add_argument("--protocol", default="full", choices=["1k", "full", "coco1k", "coco5k"])
-    s.add_argument("--budget-gb", type=float, default=4.0,
+    s.add_argument("--budget-gb", type=positive_float, default=4.0,
                    help="memory budget of scoring: score matrix + one block's temporaries (default 4)")
-    s.add_argument("--threads", type=int, default=0, help="torch threads (default 0: all cores)")
-    s.add_argument("--rerank", type=int, default=0, metavar="K",
+    s.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (default 0: all cores)")
+    s.add_argument("--rerank", type=non_negative_int, default=0, metavar="K",
                    help="two-stage: re-score only the first stage's top K per query, both directions "
                         "(default 0: exhaustive)")
     s.add_argument("--prune", action="store_true",
                    help="safe pruning: the exhaustive metrics, scoring exactly only the pairs whose score the "
                         "head's bound around its global cosine leaves on either side of a query's ground truth "
                         "(MMCA: |S - i0.c0| <= alpha)")
-    s.add_argument("--first-stage", metavar="CKPT",
+    s.add_argument("--first-stage", type=existing_dir, metavar="CKPT",
                    help="checkpoint whose global embedding proposes the candidates (e.g. VSE++ trained on "
                         "the same data); default: the evaluated model's own, if it has one")
     s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
                    help="first-stage FAISS index: flat (exact inner product) or ivf (approximate)")
-    s.add_argument("--resume-dir", metavar="DIR",
+    s.add_argument("--resume-dir", type=output_dir, metavar="DIR",
                    help="keep each finished block of exhaustive scoring in DIR, so that this command, killed "
                         "and run again, continues where it stopped (for pair heads such as MMCA, whose test "
                         "scoring takes hours); DIR's blocks are removed once the matrix is complete")
-    s.add_argument("--json", help="write the metrics as JSON here")
-    s.add_argument("--results", help="results CSV to add a row to (docs/results/<dataset>.csv)")
+    s.add_argument("--json", type=output_file, help="write the metrics as JSON here")
+    s.add_argument("--results", type=output_file, help="results CSV to add a row to (docs/results/<dataset>.csv)")
     s.add_argument("--name", help="row name in --results")
     s.add_argument("--dataset", help="dataset column in --results (default: data directory name)")
     s.add_argument("--command", help="command recorded in --results (default: this command line)")
@@ -403,9 +429,11 @@ def build_parser() -> argparse.ArgumentParser:
     a = analyses.add_parser("perturb", help="train on perturbed captions (shuffle, drop a part of speech), "
                             "evaluate on unperturbed ones (OAN Table 1); needs the `analysis` extra")
     a.add_argument("--preset", help="model preset, see `itmatch models` (e.g. scan_t2i_avg, vsepp)")
-    a.add_argument("--config", help="YAML config (e.g. configs/flickr8k/cpu.yaml); --set overrides it")
-    a.add_argument("--data", help="precomp directory (data.path)")
-    a.add_argument("--out", required=True, help="study directory: one run per perturbation, perturb.{json,csv,md,png}")
+    a.add_argument("--config", type=existing_file,
+                   help="YAML config (e.g. configs/flickr8k/cpu.yaml); --set overrides it")
+    a.add_argument("--data", type=existing_dir, help="precomp directory (data.path)")
+    a.add_argument("--out", type=output_dir, required=True,
+                   help="study directory: one run per perturbation, perturb.{json,csv,md,png}")
     a.add_argument("--name", help="run name prefix (default: the preset)")
     a.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, repeatable")
     a.add_argument("--perturbations", nargs="+", default=["original", "shuffle", "numbers", "prepositions",
@@ -414,8 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--split", default="test", help="unperturbed evaluation split (default test)")
     a.add_argument("--protocol", default="1k", choices=["1k", "full", "coco1k", "coco5k"],
                    help="evaluation protocol (default 1k)")
-    a.add_argument("--seed", type=int, default=0, help="seed of the word shuffling")
-    a.add_argument("--tag-cache", help="directory caching the POS tags of the training captions (default OUT/cache)")
+    a.add_argument("--seed", type=non_negative_int, default=0, help="seed of the word shuffling")
+    a.add_argument("--tag-cache", type=output_dir,
+                   help="directory caching the POS tags of the training captions (default OUT/cache)")
     a.add_argument("--force", action="store_true",
                    help="retrain runs that exist (default: reuse finished runs, resume interrupted ones)")
     a.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -423,50 +452,57 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=_cmd_analyze, resume=False)
 
     s = sub.add_parser("convert", help="import an original SCAN/VSE++ .pth.tar checkpoint (no code is executed)")
-    s.add_argument("source", help="SCAN or VSE++ checkpoint file (e.g. model_best.pth.tar)")
-    s.add_argument("--out", required=True, help="itmatch checkpoint directory to write")
-    s.add_argument("--vocab", help="the SCAN vocabulary JSON the model was trained with "
+    s.add_argument("source", type=existing_file, help="SCAN or VSE++ checkpoint file (e.g. model_best.pth.tar)")
+    s.add_argument("--out", type=output_dir, required=True, help="itmatch checkpoint directory to write")
+    s.add_argument("--vocab", type=existing_file, help="the SCAN vocabulary JSON the model was trained with "
                                    "(e.g. vocab/f30k_precomp_vocab.json)")
     s.add_argument("--force", action="store_true", help="replace an existing --out")
     s.set_defaults(func=_cmd_convert)
 
     s = sub.add_parser("demo", help="the main job: synth -> extract -> train SCAN -> evaluate")
-    s.add_argument("--out", default="runs/demo", help="working directory (default runs/demo)")
-    s.add_argument("--epochs", type=int, default=6)
+    s.add_argument("--out", type=output_dir, default="runs/demo", help="working directory (default runs/demo)")
+    s.add_argument("--epochs", type=positive_int, default=6)
     s.add_argument("--force", action="store_true", help="start over in an existing --out")
     _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_demo)
 
     s = sub.add_parser("index", help="index a photo folder for search (incremental, resumable)")
-    s.add_argument("images", help="folder of photos (searched recursively)")
-    s.add_argument("--model", required=True, help="checkpoint directory written by `itmatch train` (e.g. RUN/best), "
-                                                  "or a pretrained model's name (`itmatch models --pretrained`)")
-    s.add_argument("--out", required=True, help="index directory (created; updated in place on later runs)")
-    s.add_argument("--batch-size", type=int, default=8, help="images per backbone forward pass")
+    s.add_argument("images", type=existing_dir, help="folder of photos (searched recursively)")
+    s.add_argument("--model", type=checkpoint_ref, required=True,
+                   help="checkpoint directory written by `itmatch train` (e.g. RUN/best), "
+                        "or a pretrained model's name (`itmatch models --pretrained`)")
+    s.add_argument("--out", type=output_dir, required=True,
+                   help="index directory (created; updated in place on later runs)")
+    s.add_argument("--batch-size", type=positive_int, default=8, help="images per backbone forward pass")
     s.add_argument("--force", action="store_true", help="replace an index built with another model")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_index)
 
     s = sub.add_parser("search", help="query an index: text -> photos, or --image PHOTO -> captions")
-    s.add_argument("index", help="index directory written by `itmatch index`")
+    s.add_argument("index", type=existing_dir, help="index directory written by `itmatch index`")
     s.add_argument("query", nargs="?", help="text query, e.g. 'a dog jumping over a fence'")
-    s.add_argument("-k", type=int, default=10, help="number of results (default 10)")
-    s.add_argument("--image", help="photo to find captions for (image-to-text; needs --captions)")
-    s.add_argument("--captions", help="caption collection for --image: a text file, one caption a line")
-    s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
+    s.add_argument("-k", type=positive_int, default=10, help="number of results (default 10)")
+    s.add_argument("--image", type=existing_file, help="photo to find captions for (image-to-text; needs --captions)")
+    s.add_argument("--captions", type=existing_file,
+                   help="caption collection for --image: a text file, one caption a line")
+    s.add_argument("--model", type=checkpoint_ref,
+                   help="checkpoint or pretrained name (default: the one the index was built with; must be the same)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     _add_shortlist_arguments(s)
     _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_search)
 
     s = sub.add_parser("serve", help="HTTP API and web page over an index (needs the `serve` extra)")
-    s.add_argument("index", help="index directory written by `itmatch index`")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
-    s.add_argument("--captions", help="caption collection for image-to-text search, one caption a line")
-    s.add_argument("--images", help="photo folder, if it moved since indexing (default: the indexed one)")
+    s.add_argument("index", type=existing_dir, help="index directory written by `itmatch index`")
+    s.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=port, default=8000, help="port, 1-65535 (default 8000)")
+    s.add_argument("--model", type=checkpoint_ref,
+                   help="checkpoint or pretrained name (default: the one the index was built with; must be the same)")
+    s.add_argument("--captions", type=existing_file,
+                   help="caption collection for image-to-text search, one caption a line")
+    s.add_argument("--images", type=existing_dir,
+                   help="photo folder, if it moved since indexing (default: the indexed one)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (info logs every request)")
     _add_shortlist_arguments(s)
@@ -475,7 +511,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _ReaderMayLeave:
+    """sys.stdout for the length of a command. When the reader of a pipe leaves early (`itmatch models |
+    head -1`), writing raises BrokenPipeError; that is not an error of the command, so the rest of its
+    output goes to /dev/null and the command carries on (it still writes its files), exiting as it would."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def _reader_left(self) -> None:
+        # fd 1 becomes /dev/null: the interpreter's last flush (of what is still buffered) then succeeds too
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self.stream.fileno())
+        os.close(devnull)
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._reader_left()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._reader_left()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
+    stdout = sys.stdout
+    if stdout is not None:
+        sys.stdout = _ReaderMayLeave(stdout)
+    try:
+        return _run(argv)
+    finally:
+        if stdout is not None:
+            sys.stdout.flush()  # a reader that left shows here (output is block-buffered into a pipe)
+            sys.stdout = stdout
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     finished = False  # the command returned: every rank reaches the final barrier
     try:

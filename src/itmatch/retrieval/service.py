@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -34,11 +35,20 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from itmatch.retrieval.search import MAX_UPLOAD_BYTES, QueryError, Searcher, open_upload, read_captions_file
+from itmatch.retrieval.search import (
+    MAX_K,
+    MAX_QUERY_CHARS,
+    MAX_UPLOAD_BYTES,
+    QueryError,
+    Searcher,
+    open_upload,
+    read_captions_file,
+)
 
 log = logging.getLogger("itmatch.retrieval.service")
 WEB_DIR = Path(__file__).parent / "web"
 LATENCY_WINDOW = 2048  # latencies kept per route for the percentiles
+MAX_JSON_BYTES = 64 * 1024  # a POST /api/search body: a 300-character query, even all \uXXXX escapes, is < 2 kB
 
 
 class Metrics:
@@ -75,8 +85,72 @@ class Metrics:
                     "requests": sum(r["requests"] for r in routes.values()), "routes": routes}
 
 
+# Request bodies the handlers read themselves (to answer malformed ones with their own messages), declared
+# in the OpenAPI schema so that clients, /api/docs and the schema-driven tests (tests/test_api_fuzz.py) see them.
+SEARCH_BODY = {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["q"],
+    "properties": {"q": {"type": "string", "minLength": 1, "maxLength": MAX_QUERY_CHARS, "description": "text query"},
+                   "k": {"type": "integer", "minimum": 1, "maximum": MAX_K, "default": 10,
+                         "description": "results"}}}}}}
+IMAGE_BODY = {"required": True, "description": "the photo's bytes (JPEG, PNG, GIF, BMP, WebP or TIFF)",
+              "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                          "image/*": {"schema": {"type": "string", "format": "binary"}}}}
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON that always encodes: a string no UTF-8 can hold (a lone surrogate, e.g. a file name's
+    undecodable bytes) is written as a \\uXXXX escape instead of failing the response with a 500."""
+
+    def render(self, content: Any) -> bytes:
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds `limit` bytes (declared or streamed), so an
+    absurd body is never held in memory whole."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise QueryError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
+    data = bytearray()
+    async for part in request.stream():  # bounded even when the length is not declared
+        data += part
+        if len(data) > limit:
+            raise QueryError(f"request body exceeds the limit of {limit} bytes", status=413)
+    return bytes(data)
+
+
+def parse_search_body(body: bytes) -> tuple[str, int]:
+    """(q, k) of a POST /api/search body, or QueryError: 400 for what is not JSON, 422 for JSON of the
+    wrong shape (k a boolean, q with a lone surrogate that no response could encode)."""
+    example = 'send {"q": "a dog jumping", "k": 10}'
+    try:
+        data = json.loads(body)
+    except RecursionError:  # json's C scanner refuses deep nesting this way
+        raise QueryError("malformed JSON body (nested too deeply)", status=400, hint=example) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise QueryError(f"malformed JSON body ({exc})", status=400, hint=example) from None
+    except ValueError:  # Python refuses to convert an integer literal this long (sys.get_int_max_str_digits)
+        raise QueryError(f"malformed JSON body (a number of more than {sys.get_int_max_str_digits()} digits)",
+                         status=400, hint=example) from None
+    shape = 'the body must be a JSON object {"q": string, "k": integer}'
+    if not isinstance(data, dict) or not isinstance(data.get("q"), str):
+        raise QueryError(shape, hint=example)
+    k = data.get("k", 10)
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise QueryError(f"{shape}; k is {type(k).__name__} {json.dumps(k)[:40]}", hint=example)
+    try:
+        data["q"].encode("utf-8")
+    except UnicodeEncodeError:
+        raise QueryError("q is not valid Unicode text (it holds a lone surrogate escape such as \\ud800)",
+                         hint=example) from None
+    return data["q"], k
+
+
 def _error(status: int, message: str, hint: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"status": status, "message": message, "hint": hint}}, status_code=status)
+    return SafeJSONResponse({"error": {"status": status, "message": message, "hint": hint}}, status_code=status)
 
 
 def image_url(image_id: str) -> str:
@@ -86,7 +160,8 @@ def image_url(image_id: str) -> str:
 
 def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> FastAPI:
     """The FastAPI app over a loaded `Searcher` (tests use it with TestClient, `serve` with uvicorn)."""
-    app = FastAPI(title="itmatch search", docs_url="/api/docs", openapi_url="/api/openapi.json")
+    app = FastAPI(title="itmatch search", docs_url="/api/docs", openapi_url="/api/openapi.json",
+                  default_response_class=SafeJSONResponse)
     metrics = Metrics()
     app.state.searcher, app.state.metrics = searcher, metrics
 
@@ -137,32 +212,18 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
         return metrics.snapshot()
 
     @app.get("/api/search")
-    def search(q: str = Query("", description="text query"), k: int = Query(10, description="results")):
+    def search(q: str = Query("", description="text query"),
+               k: int = Query(10, ge=1, le=MAX_K, description="results")):
         return hits(q, k)
 
-    @app.post("/api/search")
+    @app.post("/api/search", openapi_extra={"requestBody": SEARCH_BODY})
     async def search_json(request: Request):
-        body = await request.body()
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise QueryError(f"malformed JSON body ({exc})", status=400,
-                             hint='send {"q": "a dog jumping", "k": 10}') from None
-        if not isinstance(data, dict) or not isinstance(data.get("q"), str) or not isinstance(data.get("k", 10), int):
-            raise QueryError('the body must be a JSON object {"q": string, "k": integer}', status=422)
-        return hits(data["q"], data.get("k", 10))
+        query, k = parse_search_body(await read_body(request, MAX_JSON_BYTES))
+        return hits(query, k)
 
-    @app.post("/api/search/image")
-    async def search_image(request: Request, k: int = Query(10, description="results")):
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > max_upload_bytes:
-            raise QueryError(f"upload of {declared} bytes exceeds the limit of {max_upload_bytes}", status=413)
-        data = bytearray()
-        async for part in request.stream():  # bounded even when the length is not declared
-            data += part
-            if len(data) > max_upload_bytes:
-                raise QueryError(f"upload exceeds the limit of {max_upload_bytes} bytes", status=413)
-        image = open_upload(bytes(data), max_upload_bytes)
+    @app.post("/api/search/image", openapi_extra={"requestBody": IMAGE_BODY})
+    async def search_image(request: Request, k: int = Query(10, ge=1, le=MAX_K, description="results")):
+        image = open_upload(await read_body(request, max_upload_bytes), max_upload_bytes)
         return {"k": k, "captions_without_known_word": len(searcher.captions_without_known_word),
                 "results": searcher.search_image(image, k)}
 

@@ -1,0 +1,166 @@
+"""argparse `type=` validators shared by every `itmatch` verb: numbers within their range, ports, hosts, input
+paths that exist and output paths that can be written. A bad value becomes argparse's usage error (exit 2,
+one line naming the argument) before any work starts, instead of a traceback halfway through a command.
+
+Each validator keeps what it checks in attributes (`kind`, `low`, `high`) so that a test can walk every
+argument of every verb and feed it values just outside its range (tests/test_cli_args.py)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import re
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Validator = Callable[[str], Any]
+DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$", re.IGNORECASE)
+#: the form of a shipped model's name (itmatch.pretrained.NAME)
+PRETRAINED_NAME = re.compile(r"^[a-z0-9][a-z0-9_.+-]*$")
+
+
+def _named(kind: str, **attrs: Any) -> Callable[[Validator], Validator]:
+    """Tag a validator with what it checks; argparse shows `__name__` when a validator raises ValueError."""
+    def tag(fn: Validator) -> Validator:
+        fn.kind, fn.__name__ = kind, kind.replace("_", " ")
+        for name, value in attrs.items():
+            setattr(fn, name, value)
+        return fn
+    return tag
+
+
+def int_in(low: int, high: int | None = None) -> Validator:
+    """An integer in [low, high] (no upper bound when high is None)."""
+    span = f">= {low}" if high is None else f"between {low} and {high}"
+
+    @_named("int", low=low, high=high)
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # not a number, or more digits than Python converts
+            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {text[:40]!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be an integer {span}, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_in(1)
+non_negative_int = int_in(0)
+port = int_in(1, 65535)
+
+
+@_named("float", low=0.0, high=None)
+def positive_float(text: str) -> float:
+    """A finite number > 0 (a memory budget)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text[:40]!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text[:40]}")
+    return value
+
+
+@_named("host")
+def host(text: str) -> str:
+    """An address to listen on: an IP address or a name this machine resolves."""
+    try:
+        socket.getaddrinfo(text, None)
+    except (OSError, UnicodeError, ValueError) as exc:  # ValueError: a NUL in the name
+        raise argparse.ArgumentTypeError(f"cannot resolve host {text!r} ({exc}); "
+                                         "use an address such as 127.0.0.1 or 0.0.0.0") from None
+    return text
+
+
+def _given(text: str) -> Path:
+    if not text:
+        raise argparse.ArgumentTypeError("empty path")
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"path {text!r} contains a NUL byte")
+    return Path(text)
+
+
+@_named("existing_dir")
+def existing_dir(text: str) -> str:
+    """An input directory that exists."""
+    path = _given(text)
+    if not path.is_dir():
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {what}")
+    return text
+
+
+@_named("device")
+def device_name(text: str) -> str:
+    """auto, cpu, cuda or cuda:N, by form only: whether this machine has that device is checked when the verb
+    starts (itmatch.device.resolve names what is available), without importing torch for the parser."""
+    if not DEVICE_FORM.match(text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use auto, cpu, cuda or cuda:N")
+    return text.strip().lower()
+
+
+@_named("checkpoint_ref")
+def checkpoint_ref(text: str) -> str:
+    """A checkpoint directory that exists, or the name of a pretrained model shipped with the package
+    (`itmatch models --pretrained`); looked up without importing torch, so the parser stays light."""
+    path = _given(text)
+    if path.is_dir() or (PRETRAINED_NAME.match(text) and (_pretrained_dir() / text).is_dir()):
+        return text
+    what = "is a file, not a checkpoint directory" if path.exists() else "is neither a directory nor a pretrained model"
+    raise argparse.ArgumentTypeError(f"{text} {what} (`itmatch models --pretrained` lists the shipped ones)")
+
+
+def _pretrained_dir() -> Path:
+    spec = importlib.util.find_spec("itmatch.pretrained")  # (finds the package folder without running it)
+    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else Path()
+
+
+@_named("existing_file")
+def existing_file(text: str) -> str:
+    """An input file that exists (a directory is refused)."""
+    path = _given(text)
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {what}")
+    return text
+
+
+def _check_creatable(text: str, path: Path) -> None:
+    """The nearest existing ancestor of `path` must be a directory we may create entries in."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} is not writable")
+
+
+@_named("output_dir")
+def output_dir(text: str) -> str:
+    """An output directory: absent (then creatable) or an existing writable directory, never a file."""
+    path = _given(text)
+    if path.exists():
+        if not path.is_dir():
+            raise argparse.ArgumentTypeError(f"{text} is a file; an output directory is needed there")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"{text} is not writable")
+    else:
+        _check_creatable(text, path)
+    return text
+
+
+@_named("output_file")
+def output_file(text: str) -> str:
+    """An output file: absent or a file, never a directory, in a directory we may write (files are replaced
+    atomically, through a temporary file beside them)."""
+    path = _given(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; an output file name is needed there")
+    _check_creatable(text, path)
+    return text

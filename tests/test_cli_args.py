@@ -1,0 +1,160 @@
+"""Every numeric and path argument of every verb is validated before any work starts: a bad value is a
+one-line usage error naming the argument, exit code 2, no traceback. A reader that closes the pipe early
+(`itmatch models | head -1`) is not an error."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from itmatch.argtypes import output_dir
+from itmatch.cli import build_parser, main
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Arguments that take free text or a name checked later against a list (presets, splits, config keys).
+FREE_TEXT = {"preset", "name", "set", "split", "splits", "scales", "backbone", "query", "command", "dataset",
+             "perturbations"}
+
+
+def _verbs() -> dict[str, argparse.ArgumentParser]:
+    """'train' -> its parser; nested verbs as 'analyze perturb'."""
+    def children(parser: argparse.ArgumentParser, prefix: str):
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+                        yield from children(sub, f"{prefix}{name} ")
+                    else:
+                        yield f"{prefix}{name}", sub
+    return dict(children(build_parser(), ""))
+
+
+def _value_arguments(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Arguments that take a value (not flags, --help or a fixed list of choices)."""
+    return [a for a in parser._actions if a.nargs != 0 and not a.choices and a.dest != "help"]
+
+
+def _name(action: argparse.Action) -> str:
+    return action.option_strings[-1] if action.option_strings else action.dest
+
+
+def test_every_numeric_and_path_argument_has_a_validator():
+    """A new argument must either get a validator from itmatch.argtypes or be listed as free text here."""
+    unchecked = [f"{verb} {_name(a)}" for verb, parser in _verbs().items() for a in _value_arguments(parser)
+                 if getattr(a.type, "kind", None) is None and a.dest not in FREE_TEXT]
+    assert not unchecked, f"arguments without a validator: {unchecked}"
+
+
+def _bad_values(kind: str, validator) -> list[str]:
+    if kind == "int":
+        out = [str(validator.low - 1), "ten", "2.5", "1" * 5000]
+        return out + ([str(validator.high + 1)] if validator.high is not None else [])
+    return {"float": ["0", "-1", "nan", "inf", "lots"],
+            "host": ["no such host!"],
+            "existing_dir": ["{missing}", "{file}", ""],
+            "checkpoint_ref": ["{missing}", "{file}", "no-such-model", ""],
+            "device": ["gpu", "cuda:x", "cuda:-1", ""],
+            "existing_file": ["{missing}", "{dir}", "{file}\x00"],
+            "output_dir": ["{file}", "{file}/sub"],
+            "output_file": ["{dir}", "{file}/metrics.json"]}[kind]
+
+
+GOOD = {"existing_dir": "{dir}", "checkpoint_ref": "{dir}", "device": "cpu",
+        "existing_file": "{file}", "output_dir": "{new}", "output_file": "{new}.json",
+        "int": None, "float": "1", "host": "127.0.0.1", None: "x"}
+
+
+def _argv(verb: str, tested: str | None = None, value: str | None = None) -> list[str]:
+    """The verb with its required arguments filled with good values, and the argument `tested` given `value`."""
+    parser = _verbs()[verb]
+    argv = verb.split()
+    for action in _value_arguments(parser):
+        if _name(action) == tested:
+            given = value
+        elif action.required:  # positionals other than `nargs="?"`, and required options
+            kind = getattr(action.type, "kind", None)
+            given = str(action.type.low) if kind == "int" else GOOD[kind]
+        else:
+            continue
+        argv += [action.option_strings[0], given] if action.option_strings else [given]
+    return argv
+
+
+CASES = [(verb, _name(a), bad) for verb, parser in _verbs().items() for a in _value_arguments(parser)
+         if getattr(a.type, "kind", None) for bad in _bad_values(a.type.kind, a.type)]
+
+
+@pytest.fixture
+def paths(tmp_path) -> dict[str, str]:
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    return {"dir": str(tmp_path / "dir"), "file": str(tmp_path / "file"), "missing": str(tmp_path / "missing"),
+            "new": str(tmp_path / "new")}
+
+
+@pytest.mark.parametrize(("verb", "argument", "bad"), CASES, ids=[f"{v}-{a}-{b[:12]!r}" for v, a, b in CASES])
+def test_bad_value_is_a_one_line_usage_error(verb, argument, bad, paths, capsys):
+    argv = [token.format(**paths) for token in _argv(verb, argument, bad)]
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert stop.value.code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"itmatch {verb}: error: argument {argument}"), err
+
+
+@pytest.mark.parametrize("verb", sorted(_verbs()))
+def test_good_values_pass_the_validators(verb, paths):
+    """Existing output directories and files are accepted too (the verbs decide about --force)."""
+    parser = build_parser()
+    args = parser.parse_args([token.format(**paths) for token in _argv(verb)])
+    assert args.func
+    for action in _value_arguments(_verbs()[verb]):
+        kind = getattr(action.type, "kind", None)
+        if kind in ("output_dir", "output_file"):
+            existing = paths["dir"] if kind == "output_dir" else paths["file"]
+            assert action.type(existing) == existing
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root may write anywhere")
+def test_unwritable_output_directory_is_refused(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    for target in (locked, locked / "run"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not writable"):
+            output_dir(str(target))
+
+
+def test_reader_leaving_the_pipe_is_not_an_error_and_the_command_carries_on(monkeypatch):
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone before the first line
+    with open(write_end, "w", buffering=1) as stream:  # line-buffered: every print meets the closed pipe
+        monkeypatch.setattr(sys, "stdout", stream)
+        assert main(["models"]) == 0
+
+
+def _run_cli(*args: str, **popen) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "itmatch", *args], stderr=subprocess.PIPE, env=env, timeout=120,
+                          **popen)
+
+
+@pytest.mark.slow
+def test_models_into_a_closed_pipe_or_closed_stdout_exits_quietly():
+    """`itmatch models | head -1` (the reader gone before the output: it used to end in a BrokenPipeError
+    traceback, exit 1) and `itmatch models >&-`: exit 0, nothing on stderr."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        piped = _run_cli("models", stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert (piped.returncode, piped.stderr) == (0, b"")
+    closed = _run_cli("models", stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1))
+    assert (closed.returncode, closed.stderr) == (0, b"")
