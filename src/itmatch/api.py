@@ -119,6 +119,8 @@ class ImageTextMatcher:
         return [(int(i), float(s)) for s, i in zip(top.values, top.indices, strict=True)]
 
 
-def load(checkpoint: str | Path, backbone: str | None = None) -> ImageTextMatcher:
-    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best)."""
-    return ImageTextMatcher(load_checkpoint(checkpoint), backbone)
+def load(checkpoint: str | Path, backbone: str | None = None, *, trust_modified: bool = False) -> ImageTextMatcher:
+    """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best). A checkpoint whose files
+    differ from its manifest (an edited config.json or vocab.json, damaged weights) is refused unless
+    `trust_modified`."""
+    return ImageTextMatcher(load_checkpoint(checkpoint, trust_modified=trust_modified), backbone)

@@ -70,11 +70,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from itmatch.engine.train import train
 
     cfg = None if args.resume else _resolve_train_config(args)
+    overrides = None
     if args.resume:
-        from itmatch.config import Config
+        from itmatch.config import Config, parse_overrides
 
-        cfg = Config()  # replaced by the checkpoint's config
-    result = train(cfg, Path(args.out), resume=args.resume, force=args.force)
+        cfg = Config()  # replaced by the checkpoint's config, with --set / --data applied to it
+        overrides = parse_overrides([*(args.set or []), *([f"data.path={args.data}"] if args.data else [])])
+    result = train(cfg, Path(args.out), resume=args.resume, force=args.force, resume_overrides=overrides,
+                   trust_modified=args.trust_modified)
     if not dist.is_main():
         return 0
     print(f"best dev rsum {result['best_rsum']:.1f} at epoch {result['best_epoch']}; "
@@ -91,15 +94,17 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from itmatch.io import write_json_atomic
     from itmatch.models.registry import image_inputs
 
-    checkpoints = [load_checkpoint(p) for p in args.checkpoints]
+    checkpoints = [load_checkpoint(p, trust_modified=args.trust_modified) for p in args.checkpoints]
     inputs = {image_inputs(c.config.model) for c in checkpoints}
     if len(inputs) > 1:
         raise ConfigError(f"the ensemble's models read different image inputs ({sorted(inputs)})",
                           hint="evaluate models that read the same features together")
-    data = args.data or checkpoints[0].config.data.path
+    data = args.data or checkpoints[0].data_path()  # (an error saying where it looked, if found nowhere)
     first = checkpoints[0].config
     if args.images:
         first.data.images = args.images
+    elif image_inputs(first.model) == ("pixels",):
+        first.data.images = checkpoints[0].data_path("images")
     split = open_split(first, args.split, data_path=data)
     if args.threads:
         import torch
@@ -109,7 +114,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.first_stage:
         if not args.rerank:
             raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
-        fs = load_checkpoint(args.first_stage)
+        fs = load_checkpoint(args.first_stage, trust_modified=args.trust_modified)
         first_stage = (fs.model, fs.vocab)
     dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
@@ -192,7 +197,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     from itmatch.retrieval.index import build_index
 
     summary = build_index(Path(args.images), Path(args.model), Path(args.out), force=args.force,
-                          batch_size=args.batch_size, progress=not args.quiet)
+                          batch_size=args.batch_size, progress=not args.quiet, trust_modified=args.trust_modified)
     from itmatch.engine.distributed import is_main
 
     if not is_main():  # (under torchrun: rank 0 reports)
@@ -214,7 +219,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         raise ConfigError("give either a text QUERY or --image PHOTO", hint="itmatch search INDEX 'a dog' -k 10")
     captions = read_captions_file(args.captions) if args.captions else None
     searcher = Searcher(Path(args.index), args.model, captions=captions, shortlist=args.shortlist,
-                        shortlist_index=args.faiss)
+                        shortlist_index=args.faiss, trust_modified=args.trust_modified)
     if args.image is not None:
         results = searcher.search_image(Path(args.image), args.k)
     else:
@@ -239,7 +244,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           hint='pip install "itmatch[serve]"') from None
 
     serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
-          images_dir=args.images, log_level=args.log_level, shortlist=args.shortlist, shortlist_index=args.faiss)
+          images_dir=args.images, log_level=args.log_level, shortlist=args.shortlist, shortlist_index=args.faiss,
+          trust_modified=args.trust_modified)
     return 0
 
 
@@ -250,6 +256,13 @@ def _add_shortlist_arguments(s: argparse.ArgumentParser) -> None:
                         "(VSE++, OAN, MMCA, SMAN; not SCAN), re-ranked exactly; default 0 = every photo")
     s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],
                    help="first-stage index for --shortlist: flat (exact top N, default) or ivf (approximate)")
+
+
+def _add_trust_argument(s: argparse.ArgumentParser) -> None:
+    """--trust-modified of every verb that loads a checkpoint (engine/checkpoint.py verify_manifest)."""
+    s.add_argument("--trust-modified", action="store_true",
+                   help="load checkpoints whose files (config.json, vocab.json, weights, ...) differ from their "
+                        "manifest.json, e.g. edited on purpose, with a warning naming them (default: refuse)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -287,12 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="train a model on a precomp dataset")
     s.add_argument("--preset", help="model preset, see `itmatch models` (e.g. scan_t2i_avg)")
     s.add_argument("--config", help="YAML config (may name a preset); --set overrides it")
-    s.add_argument("--data", help="precomp directory (data.path)")
+    s.add_argument("--data", help="precomp directory (data.path; with --resume: where the data is now)")
     s.add_argument("--out", required=True, help="run directory (best/, last/, config.json, metrics.jsonl)")
     s.add_argument("--name", help="run name (default: the preset)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, repeatable")
-    s.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    s.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint; with it, --set changes train.* keys "
+                        "(e.g. train.epochs=30) and --data the data location")
     s.add_argument("--force", action="store_true", help="start over in a non-empty --out")
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("evaluate", help="evaluate one checkpoint, or an ensemble of several")
@@ -328,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--command", help="command recorded in --results (default: this command line)")
     s.add_argument("--force", action="store_true", help="replace an existing row of the same name")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_evaluate)
 
     s = sub.add_parser("analyze", help="analyses over trained models (the OAN perturbation study)")
@@ -374,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=8, help="images per backbone forward pass")
     s.add_argument("--force", action="store_true", help="replace an index built with another model")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_index)
 
     s = sub.add_parser("search", help="query an index: text -> photos, or --image PHOTO -> captions")
@@ -385,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="checkpoint (default: the one the index was built with; must be the same)")
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     _add_shortlist_arguments(s)
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_search)
 
     s = sub.add_parser("serve", help="HTTP API and web page over an index (needs the `serve` extra)")
@@ -397,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (info logs every request)")
     _add_shortlist_arguments(s)
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_serve)
     return p
 

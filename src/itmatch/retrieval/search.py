@@ -109,15 +109,18 @@ class Searcher:
 
     def __init__(self, index_dir: Path | str, checkpoint: Path | str | None = None, *,
                  images_dir: Path | str | None = None, captions: Sequence[str] | None = None,
-                 verify: bool = True, shortlist: int = 0, shortlist_index: str = "flat") -> None:
+                 verify: bool = True, shortlist: int = 0, shortlist_index: str = "flat",
+                 trust_modified: bool = False) -> None:
         """`shortlist` N > 0: text queries score only the first stage's top N images (FAISS `shortlist_index`,
-        flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive."""
+        flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive.
+        `trust_modified` loads a checkpoint whose files differ from its manifest (the index must still have
+        been built with the same weights, config and vocabulary)."""
         from itmatch.api import load
         from itmatch.retrieval.index import load_index, model_identity
 
         self.index = load_index(index_dir, verify=verify)
         ckpt = Path(checkpoint) if checkpoint is not None else Path(self.index.manifest["model"]["checkpoint"])
-        self.matcher = load(ckpt, backbone=self.index.manifest["model"]["backbone"])
+        self.matcher = load(ckpt, backbone=self.index.manifest["model"]["backbone"], trust_modified=trust_modified)
         self.index.check_model(model_identity(ckpt, self.matcher.backbone_name))
         self.model, self.vocab = self.matcher.model, self.matcher.vocab
         self.images_root = Path(images_dir) if images_dir is not None else self.index.images_root

@@ -176,14 +176,15 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
 
 def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpoint: str | Path | None = None,
           captions: str | Path | None = None, images_dir: str | Path | None = None,
-          log_level: str = "info", shortlist: int = 0, shortlist_index: str = "flat") -> None:
+          log_level: str = "info", shortlist: int = 0, shortlist_index: str = "flat",
+          trust_modified: bool = False) -> None:
     """Load the index (refusing a corrupt one or another model's), then serve until interrupted.
     `shortlist` N > 0: text queries re-rank the first stage's top N photos (Searcher)."""
     import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     searcher = Searcher(index_dir, checkpoint, images_dir=images_dir,
                         captions=read_captions_file(captions) if captions else None, shortlist=shortlist,
-                        shortlist_index=shortlist_index)
+                        shortlist_index=shortlist_index, trust_modified=trust_modified)
     log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error
