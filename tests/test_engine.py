@@ -74,9 +74,12 @@ def test_resume_continues_to_same_result(tiny_precomp, tmp_path):
     with pytest.raises(CheckpointError, match="config.json does not match the manifest"):
         train(first, tmp_path / "b", resume=True, progress=False)
     cfg_path.write_text(original)
-    with pytest.raises(ConfigError, match="model.embed_size cannot change when resuming"):
+    with pytest.raises(ConfigError, match="model.embed_size=8: cannot change when resuming"):
         train(first, tmp_path / "b", resume=True, resume_overrides={"model": {"embed_size": 8}}, progress=False)
-    resumed = train(first, tmp_path / "b", resume=True, resume_overrides={"train": {"epochs": 2}}, progress=False)
+    assert main(["train", "--out", str(tmp_path / "b"), "--resume", "--set", "model.embed_size=8"]) == 2
+    # the command that started the run, re-run with --resume: its model keys equal the checkpoint's
+    same = {"model": {"embed_size": 32, "word_dim": 16}, "train": {"epochs": 2}}
+    resumed = train(first, tmp_path / "b", resume=True, resume_overrides=same, progress=False)
     assert resumed["best_rsum"] == pytest.approx(full["best_rsum"], abs=1e-6)
     lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     resumed_lines = [x for x in lines if "resumed_at_step" in x]  # the log says where the settings changed

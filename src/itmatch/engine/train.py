@@ -9,6 +9,7 @@ with the same metrics, bit for bit on CPU. `train.checkpoint_every` adds mid-epo
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -242,19 +243,29 @@ def _key_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
     return out
 
 
+def _same_setting(key: str, a: Any, b: Any) -> bool:
+    if key.startswith("data.") and a and b:  # the same directory, however it is written
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b
+
+
 def apply_resume_overrides(cfg: Config, overrides: dict[str, Any]) -> list[str]:
-    """Apply `--set` overrides given with --resume to the checkpoint's config; only training settings and
-    data locations may change (RESUME_KEYS). Returns the key paths changed."""
-    keys = _key_paths(overrides)
-    refused = [k for k in keys if not k.startswith(RESUME_KEYS)]
+    """Apply `--set` overrides given with --resume to the checkpoint's config and return the keys whose value
+    changed. Only training settings and data locations may change (RESUME_KEYS); an override equal to the
+    checkpoint's value is accepted whatever its key, so the command that started a run, re-run with --resume
+    (as a job scheduler does), continues it."""
+    wanted = update(copy.deepcopy(cfg), overrides)
+    changed = [k for k in _key_paths(overrides) if not _same_setting(k, _get(cfg, k), _get(wanted, k))]
+    refused = [k for k in changed if not k.startswith(RESUME_KEYS)]
     if refused:
-        raise ConfigError(f"{', '.join(refused)} cannot change when resuming: the checkpoint's weights and "
-                          f"optimizer state were made with it",
+        raise ConfigError(f"{', '.join(f'{k}={_get(wanted, k)!r}' for k in refused)}: cannot change when resuming "
+                          f"(the checkpoint has {', '.join(f'{k}={_get(cfg, k)!r}' for k in refused)}); its weights "
+                          f"and optimizer state were made with it",
                           hint="on --resume only train.* (e.g. train.epochs), data.path and data.images can be "
-                               "set; to change the model start a new run from these weights with "
+                               "changed; to change the model start a new run from these weights with "
                                "--set train.init_from=RUN/last")
     update(cfg, overrides)
-    return keys
+    return changed
 
 
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
