@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -98,6 +99,17 @@ def test_convert_scan_checkpoint_reproduces_its_encoders(tmp_path):
     assert torch.allclose(words, out, atol=1e-6)
 
 
+def test_converted_checkpoint_verifies_every_file(tmp_path, caplog):
+    save_original(tmp_path / "m.pth.tar", scan_opt())
+    convert_original(tmp_path / "m.pth.tar", tmp_path / "ck", vocab_path=scan_vocab(tmp_path / "v.json"))
+    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
+    assert manifest["version"] == 2 and set(manifest["files"]) == {"model.safetensors", "config.json",
+                                                                   "vocab.json", "state.json"}
+    with caplog.at_level(logging.WARNING, "itmatch.checkpoint"):
+        load_checkpoint(tmp_path / "ck")
+    assert not caplog.records  # verified in full: nothing to warn about
+
+
 def test_convert_weight_norm_and_vsepp(tmp_path):
     src = tmp_path / "wn.pth.tar"
     fc, _, _ = save_original(src, scan_opt(precomp_enc_type="weight_norm"), weight_norm=True)
@@ -189,3 +201,75 @@ def test_damaged_checkpoint_is_refused_and_interrupted_replace_recovers(tmp_path
     assert load_checkpoint(ck).state["epoch"] == 1
     assert not (tmp_path / ".ck.123.partial").exists()
     shutil.rmtree(ck)
+
+
+def _swap_two_words(vocab_file: Path) -> None:
+    data = json.loads(vocab_file.read_text())
+    i2w = data["idx2word"]
+    i2w["4"], i2w["5"] = i2w["5"], i2w["4"]
+    data["word2idx"] = {w: int(i) for i, w in i2w.items()}
+    vocab_file.write_text(json.dumps(data))
+
+
+def test_edited_config_or_vocabulary_is_refused_naming_the_file(tmp_path, caplog):
+    """The issue's cases: lambda_softmax edited in config.json, two words swapped in vocab.json (each
+    loaded silently before, as another model); --trust-modified loads them with a one-line warning."""
+    ck = _checkpoint(tmp_path)
+    config_file, vocab_file = ck / "config.json", ck / "vocab.json"
+    original_config, original_vocab = config_file.read_text(), vocab_file.read_text()
+    config = json.loads(original_config)
+    config["model"]["lambda_softmax"] = 4.0
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    with pytest.raises(CheckpointError, match="config.json does not match the manifest") as err:
+        load_checkpoint(ck)
+    assert err.value.path == config_file and "--trust-modified" in str(err.value)
+    assert "--resume --set train.epochs=N" in str(err.value)  # the way to change training settings
+    with caplog.at_level(logging.WARNING, "itmatch.checkpoint"):
+        assert load_checkpoint(ck, trust_modified=True).config.model.lambda_softmax == 4.0
+    assert len(caplog.records) == 1 and "config.json modified" in caplog.records[0].getMessage()
+    config_file.write_text(original_config)
+
+    _swap_two_words(vocab_file)
+    with pytest.raises(CheckpointError, match="vocab.json does not match the manifest"):
+        load_checkpoint(ck)
+    assert load_checkpoint(ck, trust_modified=True).vocab.idx2word[4] == WORDS[1]
+    vocab_file.write_text(original_vocab)
+    (ck / "state.json").write_text(json.dumps({"epoch": 7}))
+    with pytest.raises(CheckpointError, match="state.json"):
+        load_checkpoint(ck)
+    (ck / "state.json").write_text("{}")
+    config_file.write_text(original_config.replace("9.0", "4.0"))
+    with pytest.raises(CheckpointError, match=r"\(also changed: state.json\)"):  # every changed file is named
+        load_checkpoint(ck)
+
+
+def test_checkpoints_of_older_versions_load_with_one_warning(tmp_path, caplog):
+    ck = _checkpoint(tmp_path)
+    manifest = json.loads((ck / "manifest.json").read_text())
+    binary = {k: v for k, v in manifest["files"].items() if k.endswith((".safetensors", ".pt"))}
+    (ck / "manifest.json").write_text(json.dumps({"version": 1, "files": binary}))  # as the previous version wrote
+    with caplog.at_level(logging.WARNING, "itmatch.checkpoint"):
+        assert load_checkpoint(ck).state["epoch"] == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{ck}: written by an older itmatch: config.json, state.json, vocab.json not covered by its manifest, so "
+        "edits to them cannot be detected"]
+    weights = ck / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))
+    with pytest.raises(CheckpointError, match="model.safetensors does not match"):  # what it covers is still checked
+        load_checkpoint(ck)
+    (ck / "manifest.json").unlink()  # older still: no manifest at all
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "itmatch.checkpoint"):
+        load_checkpoint(ck)
+    assert len(caplog.records) == 1 and "no manifest.json" in caplog.records[0].getMessage()
+
+
+def test_the_same_weights_are_saved_as_the_same_bytes(tmp_path):
+    """The weights' SHA-256 is their identity (manifest, search index): saving one model several times
+    gives one file (safetensors wrote its metadata keys in a random order)."""
+    ck = load_checkpoint(_checkpoint(tmp_path))
+    digests = set()
+    for i in range(8):
+        save_checkpoint(tmp_path / f"copy{i}", ck.model, ck.config, ck.vocab)
+        digests.add((tmp_path / f"copy{i}" / "model.safetensors").read_bytes())
+    assert len(digests) == 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from itmatch.data.precomp import read_precomp
 from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
 from itmatch.engine.evaluate import encode_captions, encode_images, evaluate_models, score_matrix
 from itmatch.engine.train import train
-from itmatch.errors import CheckpointError, ConfigError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
 from itmatch.models.registry import list_models, resolve_config
 
 QUICK = {"model": {"embed_size": 32, "word_dim": 16}, "loss": {"warmup_epochs": 1},
@@ -62,13 +64,26 @@ def test_resume_continues_to_same_result(tiny_precomp, tmp_path):
     full = train(cfg, tmp_path / "a", progress=False)
     first = quick_config("scan_t2i_avg", tiny_precomp, epochs=1)
     train(first, tmp_path / "b", progress=False)
-    # extend the interrupted run's schedule to 2 epochs, as a user resuming a killed run would have it
+    # extend the interrupted run's schedule to 2 epochs: an edited config.json is refused (it is covered by
+    # the checkpoint's manifest), `--resume --set train.epochs=2` is the way; model keys cannot change
     cfg_path = tmp_path / "b" / "last" / "config.json"
-    saved = json.loads(cfg_path.read_text())
+    original = cfg_path.read_text()
+    saved = json.loads(original)
     saved["train"]["epochs"] = 2
     cfg_path.write_text(json.dumps(saved))
-    resumed = train(first, tmp_path / "b", resume=True, progress=False)
+    with pytest.raises(CheckpointError, match="config.json does not match the manifest"):
+        train(first, tmp_path / "b", resume=True, progress=False)
+    cfg_path.write_text(original)
+    with pytest.raises(ConfigError, match="model.embed_size=8: cannot change when resuming"):
+        train(first, tmp_path / "b", resume=True, resume_overrides={"model": {"embed_size": 8}}, progress=False)
+    assert main(["train", "--out", str(tmp_path / "b"), "--resume", "--set", "model.embed_size=8"]) == 2
+    # the command that started the run, re-run with --resume: its model keys equal the checkpoint's
+    same = {"model": {"embed_size": 32, "word_dim": 16}, "train": {"epochs": 2}}
+    resumed = train(first, tmp_path / "b", resume=True, resume_overrides=same, progress=False)
     assert resumed["best_rsum"] == pytest.approx(full["best_rsum"], abs=1e-6)
+    lines = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    resumed_lines = [x for x in lines if "resumed_at_step" in x]  # the log says where the settings changed
+    assert len(resumed_lines) == 1 and resumed_lines[0]["overrides"] == {"train.epochs": 2}
     with pytest.raises(OverwriteError, match="not empty"):
         train(cfg, tmp_path / "a", progress=False)
 
@@ -171,3 +186,78 @@ def test_evaluation_reports_unknown_caption_words_and_keeps_the_metrics(tiny_pre
     assert "most frequent: triangle" in printed
     scores = score_matrix(model, encode_images(model, split.images), encode_captions(model, split.captions, vocab))
     assert result["rsum"] == pytest.approx(retrieval_metrics(scores, split.per_image)["rsum"], abs=1e-9)
+
+
+def _untrained_checkpoint(cfg, out: Path) -> Path:
+    """A checkpoint of `cfg` written as `itmatch train` writes one (no training: the tests below are about
+    its files, not its scores)."""
+    from itmatch.engine.train import prepare_data
+    from itmatch.models.registry import build_model
+
+    _, _, vocab = prepare_data(cfg, None)
+    save_checkpoint(out, build_model(cfg.model), cfg, vocab)
+    return out
+
+
+def test_data_path_resolves_from_the_checkpoint_wherever_it_is_evaluated(tiny_precomp, tmp_path, monkeypatch, capsys):
+    work = tmp_path / "work"
+    shutil.copytree(tiny_precomp, work / "data" / "precomp")
+    monkeypatch.chdir(work)
+    ckpt = _untrained_checkpoint(quick_config("vsepp", "data/precomp"), Path("runs/a/best"))  # --data data/precomp
+    stored = json.loads((ckpt / "config.json").read_text())["data"]["path"]
+    assert stored == "../../../data/precomp"  # from the checkpoint's directory, not from the working directory
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    argv = ["evaluate", str(work / "runs" / "a" / "best"), "--quiet"]
+    assert main(argv) == 0, capsys.readouterr().err
+    # the run directory moved together with its data: still found
+    shutil.move(work, tmp_path / "moved")
+    moved = tmp_path / "moved" / "runs" / "a" / "best"
+    assert main(["evaluate", str(moved), "--quiet"]) == 0
+    assert load_checkpoint(moved).config.data.path == "../moved/data/precomp"  # in memory: from the cwd again
+    # the data gone: the error says where it looked
+    shutil.move(tmp_path / "moved" / "data", tmp_path / "data-elsewhere")
+    assert main(["evaluate", str(moved), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert f"looked in: {tmp_path / 'moved' / 'data' / 'precomp'}" in err and "--data DIR" in err
+    assert main(["evaluate", str(moved), "--quiet", "--data", str(tmp_path / "data-elsewhere" / "precomp")]) == 0
+
+
+def test_checkpoint_of_an_older_version_finds_its_working_directory_relative_data(tiny_precomp, tmp_path,
+                                                                                  monkeypatch, caplog):
+    """Before manifest version 2, data.path was stored as given, relative to the run's working directory:
+    it is looked for from the current directory and from the checkpoint's parents, with one warning."""
+    shutil.copytree(tiny_precomp, tmp_path / "work" / "data")
+    ckpt = _untrained_checkpoint(quick_config("vsepp", tmp_path / "work" / "data"), tmp_path / "work" / "runs" / "a")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["data"]["path"] = "data"
+    (ckpt / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((ckpt / "manifest.json").read_text())  # as the previous version wrote it
+    manifest = {"version": 1, "files": {k: v for k, v in manifest["files"].items() if k.endswith(".safetensors")}}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING", "itmatch.checkpoint"):
+        loaded = load_checkpoint(ckpt)
+    assert loaded.data_path() == "work/data"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{ckpt}: written by an older itmatch: config.json, state.json, vocab.json not covered by its manifest, "
+        "so edits to them cannot be detected"]
+    shutil.rmtree(tmp_path / "work" / "data")
+    with pytest.raises(DataError, match="looked in") as err:
+        load_checkpoint(ckpt).data_path()
+    assert str(tmp_path / "data") in str(err.value) and str(tmp_path / "work" / "runs" / "data") in str(err.value)
+
+
+def test_evaluate_refuses_an_edited_checkpoint_unless_trusted(tiny_precomp, tmp_path, capsys, caplog):
+    ckpt = _untrained_checkpoint(quick_config("scan_t2i_avg", tiny_precomp), tmp_path / "ck")
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model"]["lambda_softmax"] = 4.0
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    assert main(["evaluate", str(ckpt), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "config.json does not match the manifest" in err and "--trust-modified" in err and "Traceback" not in err
+    with caplog.at_level("WARNING", "itmatch.checkpoint"):
+        assert main(["evaluate", str(ckpt), "--quiet", "--trust-modified"]) == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{ckpt}: loading despite config.json modified: its SHA-256 differs from the manifest's (--trust-modified)"]

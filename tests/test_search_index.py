@@ -173,6 +173,49 @@ def test_refuses_corrupt_index_and_other_model(tiny_search_setup, tmp_path):
     assert main(["serve", str(out)]) == 2  # refused at start-up, before listening
 
 
+def test_search_refuses_a_checkpoint_with_another_vocabulary(tiny_search_setup, tmp_path, capsys, caplog):
+    """An index records the vocabulary of the model that built it. The same weights and config with two
+    words swapped in vocab.json read other embedding rows for a query: "red" then ranks as "blue" did."""
+    out = tmp_path / "index"
+    _build(tiny_search_setup, tiny_search_setup["photos"], out)
+    blue = [h.id for h in Searcher(out).search("blue", 12)]
+    ckpt = load_checkpoint(tiny_search_setup["checkpoint"])
+    swapped = copy.deepcopy(ckpt.vocab)
+    a, b = swapped.word2idx["red"], swapped.word2idx["blue"]
+    swapped.idx2word[a], swapped.idx2word[b] = "blue", "red"
+    swapped.word2idx.update(red=b, blue=a)
+    other = tmp_path / "swapped"
+    save_checkpoint(other, ckpt.model, ckpt.config, swapped)  # a valid checkpoint (its own manifest)
+    with pytest.raises(CheckpointError, match="its vocabulary differ"):
+        Searcher(out, other)
+    assert main(["search", str(out), "red", "--model", str(other)]) == 2
+    assert "its vocabulary differ" in capsys.readouterr().err
+    # the same edit made in place is refused by the checkpoint's manifest, and trusting it does not get past
+    # the index's check
+    edited = tmp_path / "edited"
+    shutil.copytree(tiny_search_setup["checkpoint"], edited)
+    shutil.copy(other / "vocab.json", edited / "vocab.json")
+    with pytest.raises(CheckpointError, match="vocab.json does not match the manifest"):
+        Searcher(out, edited)
+    with pytest.raises(CheckpointError, match="its vocabulary differ"):
+        Searcher(out, edited, trust_modified=True)
+    # an index of an older version (no vocabulary recorded) is used with a warning, and re-indexing records it
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["model"]["vocab_hash"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    with caplog.at_level("WARNING", "itmatch.retrieval"):
+        Searcher(out)
+    assert "vocabulary is not checked" in caplog.text
+    assert _build(tiny_search_setup, tiny_search_setup["photos"], out)["encoded"] == 0
+    assert json.loads((out / MANIFEST).read_text())["model"]["vocab_hash"]
+    # re-indexing for the swapped vocabulary: --force, and the image encodings are kept (same weights)
+    with pytest.raises(OverwriteError):
+        _build(tiny_search_setup | {"checkpoint": other}, tiny_search_setup["photos"], out)
+    assert _build(tiny_search_setup | {"checkpoint": other}, tiny_search_setup["photos"], out, force=True)[
+        "encoded"] == 0
+    assert [h.id for h in Searcher(out, other).search("red", 12)] == blue
+
+
 def test_cli_index_and_search(tiny_search_setup, tmp_path, capsys):
     out = tmp_path / "index"
     assert main(["index", str(tiny_search_setup["photos"]), "--model", str(tiny_search_setup["checkpoint"]),

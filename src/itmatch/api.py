@@ -164,12 +164,15 @@ class ImageTextMatcher:
 
 
 def load(checkpoint: str | Path, backbone: str | None = None, device: str | torch.device = "cpu",
-         precision: str = "fp32") -> ImageTextMatcher:
+         precision: str = "fp32", *, trust_modified: bool = False) -> ImageTextMatcher:
     """Load a checkpoint directory written by `itmatch train` (e.g. RUN/best), or a pretrained model shipped
     with the package by name (`itmatch models --pretrained` lists them), onto `device` (auto | cpu | cuda |
     cuda:N; a checkpoint written on any device loads on any other), to run in `precision` (fp32 | bf16 | fp16:
-    autocast; fp32, the default, is exact). Bad settings raise ConfigError before the checkpoint is read."""
+    autocast; fp32, the default, is exact). Bad settings raise ConfigError before the checkpoint is read. A
+    checkpoint whose files differ from its manifest (an edited config.json or vocab.json, damaged weights) is
+    refused unless `trust_modified`."""
     from itmatch.pretrained import resolve_checkpoint
 
     placement = resolve(device, precision, device_setting="device=", precision_setting="precision=")
-    return ImageTextMatcher(load_checkpoint(resolve_checkpoint(checkpoint)), backbone, placement)
+    return ImageTextMatcher(load_checkpoint(resolve_checkpoint(checkpoint), trust_modified=trust_modified), backbone,
+                          placement)

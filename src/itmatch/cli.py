@@ -117,12 +117,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.device or args.precision:
         _placement(args)  # (before any work: reading a checkpoint or data)
     cfg = None if args.resume else _resolve_train_config(args)
+    overrides = None
     if args.resume:
-        from itmatch.config import Config
+        from itmatch.config import Config, parse_overrides
 
-        cfg = Config()  # replaced by the checkpoint's config
+        cfg = Config()  # replaced by the checkpoint's config, with --set / --data applied to it
+        overrides = parse_overrides([*(args.set or []), *([f"data.path={args.data}"] if args.data else [])])
     result = train(cfg, Path(args.out), resume=args.resume, force=args.force, device=args.device,
-                   precision=args.precision)
+                   precision=args.precision, resume_overrides=overrides, trust_modified=args.trust_modified)
     if not dist.is_main():
         return 0
     print(f"best dev rsum {result['best_rsum']:.1f} at epoch {result['best_epoch']}; "
@@ -140,17 +142,19 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from itmatch.models.registry import image_inputs
 
     placement = _placement(args)
-    checkpoints = [load_checkpoint(p) for p in args.checkpoints]
+    checkpoints = [load_checkpoint(p, trust_modified=args.trust_modified) for p in args.checkpoints]
     for c in checkpoints:
         c.model.to(placement.device)
     inputs = {image_inputs(c.config.model) for c in checkpoints}
     if len(inputs) > 1:
         raise ConfigError(f"the ensemble's models read different image inputs ({sorted(inputs)})",
                           hint="evaluate models that read the same features together")
-    data = args.data or checkpoints[0].config.data.path
+    data = args.data or checkpoints[0].data_path()  # (an error saying where it looked, if found nowhere)
     first = checkpoints[0].config
     if args.images:
         first.data.images = args.images
+    elif image_inputs(first.model) == ("pixels",):
+        first.data.images = checkpoints[0].data_path("images")
     split = open_split(first, args.split, data_path=data)
     if args.threads:
         import torch
@@ -160,7 +164,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     if args.first_stage:
         if not args.rerank:
             raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
-        fs = load_checkpoint(args.first_stage)
+        fs = load_checkpoint(args.first_stage, trust_modified=args.trust_modified)
         first_stage = (fs.model.to(placement.device), fs.vocab)
     dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
     result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
@@ -250,7 +254,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     placement = _placement(args)
     summary = build_index(Path(args.images), resolve_checkpoint(args.model), Path(args.out), force=args.force,
                           batch_size=args.batch_size, progress=not args.quiet, device=placement.device,
-                          precision=placement.precision)
+                          precision=placement.precision, trust_modified=args.trust_modified)
     from itmatch.engine.distributed import is_main
 
     if not is_main():  # (under torchrun: rank 0 reports)
@@ -274,7 +278,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
     placement = _placement(args)
     captions = read_captions_file(args.captions) if args.captions else None
     searcher = Searcher(Path(args.index), args.model, captions=captions, shortlist=args.shortlist,
-                        shortlist_index=args.faiss, device=placement.device, precision=placement.precision)
+                        shortlist_index=args.faiss, device=placement.device, precision=placement.precision,
+                        trust_modified=args.trust_modified)
     if args.image is not None:
         results = searcher.search_image(Path(args.image), args.k)
         _report_unrankable_captions(searcher.captions_without_known_word, args.captions)
@@ -312,7 +317,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     placement = _placement(args)
     serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
           images_dir=args.images, log_level=args.log_level, shortlist=args.shortlist, shortlist_index=args.faiss,
-          device=str(placement.device), precision=placement.precision)
+          device=str(placement.device), precision=placement.precision, trust_modified=args.trust_modified)
     return 0
 
 
@@ -331,6 +336,15 @@ def _add_device_arguments(s: argparse.ArgumentParser, default: str = "auto") -> 
                    help=f"auto (the GPU when torch sees one), cpu, cuda or cuda:N (default: {default})")
     s.add_argument("--precision", default=None, choices=["fp32", "bf16", "fp16"],
                    help="fp32 (exact, default), bf16 (autocast) or fp16 (autocast, CUDA only)")
+
+
+def _add_trust_argument(s: argparse.ArgumentParser) -> None:
+    """--trust-modified of every verb that loads a checkpoint (engine/checkpoint.py verify_manifest)."""
+    s.add_argument("--trust-modified", action="store_true",
+                   help="load checkpoints whose files (config.json, vocab.json, weights, ...) differ from their "
+                        "manifest.json, e.g. edited on purpose, with a warning naming them (default: refuse)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser with a one-line usage error, the form of every other `itmatch` error; the verbs'
     parsers are of this class too (argparse builds subparsers with the parent's class)."""
@@ -378,14 +392,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("train", help="train a model on a precomp dataset")
     s.add_argument("--preset", help="model preset, see `itmatch models` (e.g. scan_t2i_avg)")
     s.add_argument("--config", type=existing_file, help="YAML config (may name a preset); --set overrides it")
-    s.add_argument("--data", type=existing_dir, help="precomp directory (data.path)")
+    s.add_argument("--data", type=existing_dir,
+                   help="precomp directory (data.path; with --resume: where the data is now)")
     s.add_argument("--out", type=output_dir, required=True,
                    help="run directory (best/, last/, config.json, metrics.jsonl)")
     s.add_argument("--name", help="run name (default: the preset)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config key, repeatable")
-    s.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    s.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its last checkpoint; with it, --set changes train.* keys "
+                        "(e.g. train.epochs=30) and --data the data location")
     s.add_argument("--force", action="store_true", help="start over in a non-empty --out")
     _add_device_arguments(s, "train.device, auto")
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("evaluate", help="evaluate one checkpoint, or an ensemble of several")
@@ -422,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an existing row of the same name")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_device_arguments(s, "auto")
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_evaluate)
 
     s = sub.add_parser("analyze", help="analyses over trained models (the OAN perturbation study)")
@@ -477,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an index built with another model")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_device_arguments(s, "auto")
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_index)
 
     s = sub.add_parser("search", help="query an index: text -> photos, or --image PHOTO -> captions")
@@ -491,6 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the results as JSON")
     _add_shortlist_arguments(s)
     _add_device_arguments(s, "auto")
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_search)
 
     s = sub.add_parser("serve", help="HTTP API and web page over an index (needs the `serve` extra)")
@@ -507,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server log level (info logs every request)")
     _add_shortlist_arguments(s)
     _add_device_arguments(s, "auto")
+    _add_trust_argument(s)
     s.set_defaults(func=_cmd_serve)
     return p
 

@@ -1,24 +1,33 @@
 """Checkpoints: a directory with model.safetensors, config.json, vocab.json, optionally
-optimizer.pt and trainer.pt (tensors and plain values only), state.json and manifest.json (sizes and
-SHA-256 of the binary files). No pickled objects are ever executed: weights come from safetensors,
+optimizer.pt and trainer.pt (tensors and plain values only), state.json and manifest.json (size and
+SHA-256 of every other file). No pickled objects are ever executed: weights come from safetensors,
 every other torch file goes through `safe_torch_load` (weights_only=True), which refuses any pickled class.
 
 A checkpoint is written to a temporary directory, fsync'ed, and renamed into place, so it is never
 half-written under its final name. manifest.json is written last and verified on load, so a checkpoint
-damaged later (truncated copy, disk error) is refused with a message instead of loading garbage. A kill
-between "old moved aside" and "new renamed in" leaves the complete old checkpoint at `.NAME.old`;
-`recover_checkpoint` (called by load and save) puts it back."""
+damaged or edited later (truncated copy, disk error, a changed `lambda_softmax` in config.json, two
+words swapped in vocab.json) is refused with a message naming the file instead of loading a different
+model silently; `trust_modified=True` (`--trust-modified`) loads it anyway, with a warning. Training
+settings are changed on resume with `itmatch train --resume --set train.epochs=N`, not by editing
+config.json. A kill between "old moved aside" and "new renamed in" leaves the complete old checkpoint at
+`.NAME.old`; `recover_checkpoint` (called by load and save) puts it back.
+
+Data paths: a relative `data.path` / `data.images` is stored in config.json relative to the checkpoint
+directory (manifest version 2), so the checkpoint finds its data from any working directory and when the
+run directory moves together with its data; absolute paths are stored as they are. In memory (a loaded
+Checkpoint's config) they are paths from the current directory again, as everywhere else."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +38,22 @@ from safetensors.torch import load_file, save_file
 from itmatch.config import Config, config_from_dict
 from itmatch.data.vocab import AnyVocab, load_vocab
 from itmatch.device import to_device
-from itmatch.errors import CheckpointError, ConfigError
+from itmatch.errors import CheckpointError, ConfigError, DataError
 from itmatch.io import file_sha256
 from itmatch.models.base import Matcher
 from itmatch.models.registry import build_model
 
 WEIGHTS, CONFIG, VOCAB, OPTIMIZER, TRAINER, STATE, MANIFEST = (
     "model.safetensors", "config.json", "vocab.json", "optimizer.pt", "trainer.pt", "state.json", "manifest.json")
+# 1: binary files only, relative data paths from the working directory of the run; 2: every file, relative
+# data paths from the checkpoint directory
+MANIFEST_VERSION = 2
+DATA_PATH_KEYS = ("path", "images")  # data.* keys that name directories, stored relative to the checkpoint
+TRUST_HINT = ("if you changed it on purpose, pass --trust-modified (Python: trust_modified=True); to continue a "
+              "run with other training settings use `itmatch train --out RUN --resume --set train.epochs=N` "
+              "instead of editing config.json")
+
+log = logging.getLogger("itmatch.checkpoint")
 
 
 def safe_torch_load(path: str | Path, *, allow: tuple[type, ...] = ()) -> Any:
@@ -73,31 +91,60 @@ def _fsync(path: Path) -> None:
 
 
 def _write_manifest(directory: Path) -> None:
-    # Binary files only: the JSON files are meant to be readable and editable (e.g. train.epochs before
-    # --resume) and are fully validated when read.
+    """Size and SHA-256 of every file of the checkpoint, the JSON files included: an edited config.json or
+    vocab.json makes another model as surely as changed weights do."""
     files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-             for p in sorted(directory.iterdir()) if p.is_file() and p.suffix in (".safetensors", ".pt")}
-    (directory / MANIFEST).write_text(json.dumps({"version": 1, "files": files}, indent=2) + "\n", encoding="utf-8")
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"version": MANIFEST_VERSION, "files": files}, indent=2) + "\n",
+                                      encoding="utf-8")
 
 
-def verify_manifest(directory: str | Path) -> None:
-    """Check every file listed in manifest.json (size, SHA-256); checkpoints without one (older
-    versions) pass."""
+def _mismatch(path: Path, size: int, digest: str) -> str | None:
+    """Why `path` differs from its manifest entry, or None when it matches."""
+    if not path.is_file():
+        return "missing"
+    actual = path.stat().st_size
+    if actual != size:
+        return f"truncated or modified: {actual} bytes, the manifest says {size}"
+    if file_sha256(path) != digest:
+        return "modified: its SHA-256 differs from the manifest's"
+    return None
+
+
+def verify_manifest(directory: str | Path, *, trust_modified: bool = False) -> int:
+    """Check every file listed in manifest.json (size, SHA-256) and return the manifest's version (0 when
+    there is none). A file that differs is a CheckpointError naming it, or with `trust_modified` a warning.
+    Checkpoints of older versions load with a one-line warning saying which files are not covered."""
     directory = Path(directory)
     file = directory / MANIFEST
     if not file.is_file():
-        return
+        log.warning("%s: no manifest.json (written by an older itmatch): its files cannot be checked for damage or "
+                    "edits", directory)
+        return 0
     try:
-        files = json.loads(file.read_text(encoding="utf-8"))["files"]
-        entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in files.items()]
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+        version = int(manifest.get("version", 1))
+        entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in manifest["files"].items()]
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise CheckpointError("corrupt manifest", path=file, hint="the checkpoint is damaged; use another") from None
-    for name, size, digest in entries:
-        p = directory / name
-        if not p.is_file() or p.stat().st_size != size or file_sha256(p) != digest:
-            raise CheckpointError(f"{name} does not match the manifest (missing, truncated or modified)",
-                                  path=p, hint="the checkpoint was damaged after it was written; use another "
-                                               "(e.g. RUN/best or an older copy)")
+    changed = [(name, why) for name, size, digest in entries
+               if (why := _mismatch(directory / name, size, digest)) is not None]
+    if changed and not trust_modified:
+        name, why = changed[0]
+        others = f" (also changed: {', '.join(n for n, _ in changed[1:])})" if len(changed) > 1 else ""
+        raise CheckpointError(f"{name} does not match the manifest ({why}){others}", path=directory / name,
+                              hint=f"{TRUST_HINT}; otherwise the checkpoint was damaged after it was written: "
+                                   f"use another (e.g. RUN/best or an older copy)")
+    if changed:
+        log.warning("%s: loading despite %s (--trust-modified)", directory,
+                    "; ".join(f"{name} {why}" for name, why in changed))
+    listed = {name for name, _, _ in entries}
+    uncovered = [p.name for p in sorted(directory.iterdir())
+                 if p.is_file() and p.name != MANIFEST and p.name not in listed and not p.name.startswith(".")]
+    if uncovered and version < MANIFEST_VERSION:
+        log.warning("%s: written by an older itmatch: %s not covered by its manifest, so edits to them cannot be "
+                    "detected", directory, ", ".join(uncovered))
+    return version
 
 
 def _old(path: Path) -> Path:
@@ -123,6 +170,20 @@ class Checkpoint:
     config: Config
     vocab: AnyVocab
     state: dict[str, Any]
+    # data.<key> -> every place it was looked for when loading ([] when unset); see data_path
+    data_searched: dict[str, list[Path]] = field(default_factory=dict)
+
+    def data_path(self, key: str = "path") -> str:
+        """The checkpoint's data.<key> (precomp directory, or images folder) as found when loading; a
+        DataError naming every place that was looked at when it was found nowhere."""
+        value = getattr(self.config.data, key)
+        searched = self.data_searched.get(key, [])
+        if not value or any(p.is_dir() for p in searched) or not searched:
+            return value
+        places = "; ".join(str(p) for p in searched)
+        option = "--data DIR (the precomp directory)" if key == "path" else "--images DIR (the images folder)"
+        raise DataError(f"the checkpoint's data.{key} was not found; looked in: {places}", path=self.path / CONFIG,
+                        hint=f"pass {option}, or put the data back where the checkpoint expects it")
 
 
 def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: AnyVocab,
@@ -136,8 +197,11 @@ def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: Any
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent))
     try:
         weights = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt", "arch": config.model.arch})
-        (tmp / CONFIG).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+        # one metadata key: safetensors writes the metadata map in a random order, so with two keys the same
+        # weights saved twice made different bytes (another SHA-256: an index refused the identical model)
+        save_file(weights, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        stored = config_for_checkpoint(config, path.parent.resolve() / path.name)
+        (tmp / CONFIG).write_text(json.dumps(stored, indent=2) + "\n", encoding="utf-8")
         vocab.save(tmp / VOCAB)
         if optimizer is not None:
             # host copies: a checkpoint written on a GPU loads on a CPU-only machine (and the reverse)
@@ -163,7 +227,48 @@ def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: Any
             shutil.rmtree(tmp)
 
 
-def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Checkpoint:
+def config_for_checkpoint(config: Config, directory: Path) -> dict[str, Any]:
+    """config as written into the checkpoint `directory`: relative data paths (from the working directory)
+    become paths from the checkpoint directory, so that they resolve wherever the checkpoint is read from."""
+    data = config.to_dict()
+    for key in DATA_PATH_KEYS:
+        value = data["data"][key]
+        if value and not Path(value).is_absolute():
+            data["data"][key] = Path(os.path.relpath(Path(value).resolve(), directory)).as_posix()
+    return data
+
+
+def _data_candidates(value: str, directory: Path, version: int) -> list[Path]:
+    """Where a stored data path may be: itself when absolute; from the checkpoint directory (manifest
+    version 2); for older checkpoints, which stored it from the run's working directory: from the current
+    directory and from each parent of the checkpoint (the usual working directories of the run)."""
+    if Path(value).is_absolute():
+        return [Path(value)]
+    if version >= MANIFEST_VERSION:
+        return [(directory / value).resolve()]
+    places = [Path.cwd() / value, *(parent / value for parent in directory.parents)]
+    return list(dict.fromkeys(p.resolve() for p in places))
+
+
+def _resolve_data_paths(config: Config, directory: Path, version: int) -> dict[str, list[Path]]:
+    """Set the config's relative data paths to where they were found (as paths from the current directory,
+    like any path the user gives); return every place looked at, per key."""
+    searched = {}
+    for key in DATA_PATH_KEYS:
+        value = getattr(config.data, key)
+        if not value:
+            continue
+        candidates = _data_candidates(value, directory.resolve(), version)
+        searched[key] = candidates
+        if not Path(value).is_absolute():
+            found = next((p for p in candidates if p.is_dir()), candidates[0])
+            setattr(config.data, key, os.path.relpath(found, Path.cwd()))
+    return searched
+
+
+def load_checkpoint(path: str | Path, *, expect_arch: str | None = None, trust_modified: bool = False) -> Checkpoint:
+    """Load a checkpoint directory, refusing one whose files differ from its manifest unless
+    `trust_modified` (then with a warning). Relative data paths are resolved (Checkpoint.data_path)."""
     path = Path(path)
     if path.is_file():
         raise CheckpointError("a checkpoint is a directory; this is a single file", path=path,
@@ -174,7 +279,7 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
         if not (path / name).is_file():
             raise CheckpointError(f"not a checkpoint: {name} is missing", path=path,
                                   hint="pass a directory written by `itmatch train` (e.g. RUN/best)")
-    verify_manifest(path)
+    version = verify_manifest(path, trust_modified=trust_modified)
     try:
         data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
         if not isinstance(data, dict):
@@ -187,6 +292,7 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
     except ConfigError as exc:
         raise CheckpointError(f"config does not match this itmatch version: {exc.message}",
                               path=path / CONFIG) from None
+    searched = _resolve_data_paths(config, path, version)
     if expect_arch and config.model.arch != expect_arch:
         raise CheckpointError(f"checkpoint holds a {config.model.arch!r} model, expected {expect_arch!r}",
                               path=path, hint="pass a checkpoint of the expected model")
@@ -211,7 +317,7 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None) -> Chec
             state = json.loads((path / STATE).read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError):
             raise CheckpointError("corrupt state.json", path=path / STATE) from None
-    return Checkpoint(path, model, config, vocab, state)
+    return Checkpoint(path, model, config, vocab, state, searched)
 
 
 def init_weights_from(model: Matcher, source: Checkpoint) -> dict[str, Any]:

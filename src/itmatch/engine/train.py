@@ -9,6 +9,7 @@ with the same metrics, bit for bit on CPU. `train.checkpoint_every` adds mid-epo
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -24,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from itmatch.config import Config, config_from_dict
+from itmatch.config import Config, config_from_dict, update
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairBatch, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
@@ -241,12 +242,63 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
     return train, val, vocab
 
 
+# what `itmatch train --resume --set KEY=VALUE` may change: the schedule and where the data is; anything
+# else (model, loss, data.vocab) made the checkpoint's weights and optimizer state what they are
+RESUME_KEYS = ("train.", "data.path", "data.images")
+
+
+def _get(cfg: Config, key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _key_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted key paths of a nested override dict."""
+    out = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        out.extend(_key_paths(value, f"{path}.") if isinstance(value, dict) else [path])
+    return out
+
+
+def _same_setting(key: str, a: Any, b: Any) -> bool:
+    if key.startswith("data.") and a and b:  # the same directory, however it is written
+        return Path(a).resolve() == Path(b).resolve()
+    return a == b
+
+
+def apply_resume_overrides(cfg: Config, overrides: dict[str, Any]) -> list[str]:
+    """Apply `--set` overrides given with --resume to the checkpoint's config and return the keys whose value
+    changed. Only training settings and data locations may change (RESUME_KEYS); an override equal to the
+    checkpoint's value is accepted whatever its key, so the command that started a run, re-run with --resume
+    (as a job scheduler does), continues it."""
+    wanted = update(copy.deepcopy(cfg), overrides)
+    changed = [k for k in _key_paths(overrides) if not _same_setting(k, _get(cfg, k), _get(wanted, k))]
+    refused = [k for k in changed if not k.startswith(RESUME_KEYS)]
+    if refused:
+        raise ConfigError(f"{', '.join(f'{k}={_get(wanted, k)!r}' for k in refused)}: cannot change when resuming "
+                          f"(the checkpoint has {', '.join(f'{k}={_get(cfg, k)!r}' for k in refused)}); its weights "
+                          f"and optimizer state were made with it",
+                          hint="on --resume only train.* (e.g. train.epochs), data.path and data.images can be "
+                               "changed; to change the model start a new run from these weights with "
+                               "--set train.init_from=RUN/last")
+    update(cfg, overrides)
+    return changed
+
+
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
           transform: CaptionTransform | None = None, progress: bool = True, device: str | None = None,
-          precision: str | None = None) -> dict[str, Any]:
+          precision: str | None = None, resume_overrides: dict[str, Any] | None = None,
+          trust_modified: bool = False) -> dict[str, Any]:
     """Train `cfg` into `run_dir` (run_dir/best, run_dir/last, config.json, metrics.jsonl).
     Returns the best validation result. `device` / `precision` override train.device / train.precision
     (also when resuming: a run may continue on another device; docs/gpu.md).
+
+    With `resume`, `cfg` is replaced by the checkpoint's config, to which `resume_overrides` (a nested dict
+    as from `parse_overrides`; train.* and data locations only) are applied, e.g. {"train": {"epochs": 30}}.
+    `trust_modified` loads checkpoints (`last`, train.init_from) whose files differ from their manifest.
 
     Under torchrun (docs/distributed.md) every rank runs this with the same arguments: the model is
     wrapped in DistributedDataParallel, every global batch is split across the ranks, validation is
@@ -275,11 +327,18 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             raise ConfigError(f"cannot restart the run: its config.json is not valid JSON ({exc})",
                               path=saved) from None
         resume, force = False, True
+        apply_resume_overrides(cfg, resume_overrides or {})
     check_world(cfg)  # (before anything is written)
     header = ""
     if resume:
-        ckpt = load_checkpoint(last)
+        ckpt = load_checkpoint(last, trust_modified=trust_modified)
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
+        changed = apply_resume_overrides(cfg, resume_overrides or {})
+        if "data.path" not in changed:
+            ckpt.data_path()  # where it looked, if the data is not where the checkpoint says
+        if changed:  # the run's log says from which step on its settings differ
+            header = json.dumps({"resumed_at_step": state["step"], "overrides": {
+                k: _get(cfg, k) for k in changed}}) + "\n"
         placement = resolve_placement(cfg, device, precision)
         check_world(cfg)
         train_split, val_split, vocab = prepare_data(cfg, vocab)
@@ -292,7 +351,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         dist.barrier()  # every rank has looked at run_dir before rank 0 changes it
         seed_everything(cfg.train.seed)
         # a run started from another's weights keeps that run's vocabulary (its word embedding rows)
-        init = load_checkpoint(cfg.train.init_from, expect_arch=cfg.model.arch) if cfg.train.init_from else None
+        init = (load_checkpoint(cfg.train.init_from, expect_arch=cfg.model.arch, trust_modified=trust_modified)
+                if cfg.train.init_from else None)
         read_pixels_for_finetuning(cfg)
         train_split, val_split, vocab = prepare_data(cfg, init.vocab if init else None)
         model = build_model(cfg.model)
@@ -341,7 +401,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     lengths = [len(vocab.encode(c)) for c in train_split.captions] if cfg.train.bucket_by_length else []
     # only rank 0 writes the log; the other ranks write the same lines nowhere
     log = metrics_path.open("a", encoding="utf-8") if main else open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
-    log.write(header)  # a new run's first line (pretrained word vector counts), if any
+    log.write(header)  # a new run's first line (pretrained word vector counts), a resumed run's new settings
 
     step: torch.nn.Module = _LossStep(model, cfg)
     if distributed:

@@ -17,8 +17,11 @@ each chunk saved to `parts/` atomically, so an interrupted run continues where i
 of a finished run get a new generation name and the manifest that names them is written last, so a
 crash at any point leaves either the old index or the new one, never a mix.
 
-The model's identity is the sha256 of the checkpoint's model config (plus the backbone) and of its
-weights file; an index is only ever used with the model that built it (`check_model`).
+The model's identity is the sha256 of the checkpoint's model config (plus the backbone), of its
+weights file and of its vocabulary; an index is only ever used with the model that built it
+(`check_model`): a checkpoint with other weights, another model config (e.g. `lambda_softmax`) or another
+vocabulary (e.g. two words swapped) would rank the stored encodings with a different model. Indexes
+built before the vocabulary was part of the identity are checked on the rest, with a warning.
 """
 
 from __future__ import annotations
@@ -63,18 +66,27 @@ def rebuild_hint(index_dir: Path | str, manifest: dict | None = None) -> str:
 
 
 def model_identity(checkpoint: Path | str, backbone: str) -> dict[str, Any]:
-    """What an index's encodings depend on: the model config, the backbone and the weights."""
+    """What an index's encodings depend on (the model config, the backbone and the weights) and what its
+    queries are encoded with (the vocabulary)."""
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     canonical = json.dumps({"model": config["model"], "backbone": backbone}, sort_keys=True)
     return {"checkpoint": str(checkpoint.resolve()), "arch": config["model"]["arch"],
             "preset": config.get("preset", ""), "backbone": backbone,
             "config_hash": hashlib.sha256(canonical.encode()).hexdigest(),
-            "weights_hash": file_sha256(checkpoint / "model.safetensors")}
+            "weights_hash": file_sha256(checkpoint / "model.safetensors"),
+            "vocab_hash": file_sha256(checkpoint / "vocab.json")}
+
+
+def same_image_encoder(a: dict, b: dict) -> bool:
+    """Whether two identities encode images alike (the stored encodings of one serve the other)."""
+    return a.get("config_hash") == b.get("config_hash") and a.get("weights_hash") == b.get("weights_hash")
 
 
 def same_model(a: dict, b: dict) -> bool:
-    return a.get("config_hash") == b.get("config_hash") and a.get("weights_hash") == b.get("weights_hash")
+    """Same image encodings and same vocabulary (not compared when either identity predates it)."""
+    vocab_known = "vocab_hash" in a and "vocab_hash" in b
+    return same_image_encoder(a, b) and (not vocab_known or a["vocab_hash"] == b["vocab_hash"])
 
 
 def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
@@ -182,11 +194,18 @@ class ImageIndex:
     def check_model(self, identity: dict[str, Any]) -> None:
         """Refuse a model other than the one the index was built with."""
         built = self.manifest["model"]
+        if "vocab_hash" not in built:
+            log.warning("%s: built before indexes recorded the model's vocabulary; the checkpoint's vocabulary "
+                        "is not checked (%s)", self.root, rebuild_hint(self.root, self.manifest))
         if not same_model(built, identity):
+            differ = [name for name, key in (("weights", "weights_hash"), ("model config", "config_hash"),
+                                             ("vocabulary", "vocab_hash"))
+                      if key in built and built.get(key) != identity.get(key)]
             raise CheckpointError(
-                f"the index was built with another model ({built.get('preset') or built.get('arch')} from "
-                f"{built.get('checkpoint')}, weights {built.get('weights_hash', '')[:12]}); this checkpoint "
-                f"is {identity.get('preset') or identity.get('arch')} from {identity.get('checkpoint')}, "
+                f"the index was built with another model (its {', '.join(differ)} differ: "
+                f"{built.get('preset') or built.get('arch')} from {built.get('checkpoint')}, weights "
+                f"{built.get('weights_hash', '')[:12]}); this checkpoint is "
+                f"{identity.get('preset') or identity.get('arch')} from {identity.get('checkpoint')}, "
                 f"weights {identity.get('weights_hash', '')[:12]}",
                 path=self.root / MANIFEST,
                 hint=f"use the index's own checkpoint {built.get('checkpoint')}, or rebuild the index for this "
@@ -256,7 +275,7 @@ def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
 def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | str, *, force: bool = False,
                 batch_size: int = 8, chunk: int = 64, progress: bool = True,
                 on_chunk: Callable[[int, int], None] | None = None, device: str | torch.device = "cpu",
-                precision: str = "fp32") -> dict[str, Any]:
+                precision: str = "fp32", trust_modified: bool = False) -> dict[str, Any]:
     """Index (or update the index of) every image under `images_dir` with the model of `checkpoint`, the
     backbone and the model on `device` (in `precision`; photos are decoded on the host; what is stored is
     float32 on the host, whatever the device).
@@ -265,6 +284,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     unreadable files, seconds. An index built with another model is replaced only with `force` (its
     backbone features are reused when the backbone is the same). `on_chunk(done, total)` is called after
     each saved chunk (it may raise to stop the run, which then resumes from the saved chunks).
+    `trust_modified` loads a checkpoint whose files differ from its manifest (engine/checkpoint.py).
 
     Under torchrun (docs/distributed.md) every rank calls this with the same arguments: rank r encodes its
     contiguous share of the images to encode into chunk files of its own, then rank 0 reads every rank's
@@ -280,7 +300,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     images_dir, out_dir = Path(images_dir).resolve(), Path(out_dir)
     if not images_dir.is_dir():
         raise DataError("images folder not found", path=images_dir, hint="pass the folder that holds your photos")
-    matcher = load(checkpoint, device=device, precision=precision)
+    matcher = load(checkpoint, device=device, precision=precision, trust_modified=trust_modified)
     model, backbone_name, on = matcher.model, matcher.backbone_name, matcher.device
     identity = model_identity(checkpoint, backbone_name)
     k, dim = matcher.backbone.grid ** 2, matcher.backbone.out_dim
@@ -313,7 +333,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     old_sizes: dict[str, tuple[int, int]] = {}
     if old is not None:
         same_backbone = old["model"].get("backbone") == backbone_name
-        keep = ARRAYS if same_model(old["model"], identity) else (("features",) if same_backbone else ())
+        # (a model that differs only in its vocabulary encodes images alike: its encodings are kept)
+        keep = ARRAYS if same_image_encoder(old["model"], identity) else (("features",) if same_backbone else ())
         try:
             for name in keep:
                 if name in old["arrays"]:
@@ -416,6 +437,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                "skipped": skipped}
     # (files that still cannot be read need no rewrite: they are listed in the old manifest already)
     unchanged = (old is not None and has_regions and not encoded and skipped == old.get("skipped") and not parts
+                 and old["model"] == identity  # (else records this checkpoint: its vocabulary, its path)
                  and old.get("images_root") == str(images_dir)
                  and [(e["id"], e["sha256"]) for e in old["images"]] == [(r["id"], r["sha256"]) for r in records])
     if unchanged:  # nothing to rewrite (an up-to-date index of a large collection costs only the hashing)

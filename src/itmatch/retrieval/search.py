@@ -118,11 +118,13 @@ class Searcher:
     def __init__(self, index_dir: Path | str, checkpoint: Path | str | None = None, *,
                  images_dir: Path | str | None = None, captions: Sequence[str] | None = None,
                  verify: bool = True, shortlist: int = 0, shortlist_index: str = "flat",
-                 device: str | torch.device = "cpu", precision: str = "fp32") -> None:
+                 device: str | torch.device = "cpu", precision: str = "fp32", trust_modified: bool = False) -> None:
         """`shortlist` N > 0: text queries score only the first stage's top N images (FAISS `shortlist_index`,
         flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive.
         The model and the index's embeddings are kept on `device` (a GPU for a service: one copy, loaded
-        once), run in `precision`; scores come back to the host."""
+        once), run in `precision`; scores come back to the host. `trust_modified` loads a checkpoint whose
+        files differ from its manifest (the index must still have been built with the same weights, config
+        and vocabulary)."""
         from itmatch.api import load
         from itmatch.retrieval.index import load_index, model_identity
 
@@ -132,7 +134,7 @@ class Searcher:
         ckpt = (resolve_checkpoint(checkpoint) if checkpoint is not None
                 else Path(self.index.manifest["model"]["checkpoint"]))
         self.matcher = load(ckpt, backbone=self.index.manifest["model"]["backbone"], device=device,
-                            precision=precision)
+                            precision=precision, trust_modified=trust_modified)
         self.index.check_model(model_identity(ckpt, self.matcher.backbone_name))
         self.model, self.vocab = self.matcher.model, self.matcher.vocab
         self.images_root = Path(images_dir) if images_dir is not None else self.index.images_root

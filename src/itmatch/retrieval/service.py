@@ -250,14 +250,15 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
 def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpoint: str | Path | None = None,
           captions: str | Path | None = None, images_dir: str | Path | None = None,
           log_level: str = "info", shortlist: int = 0, shortlist_index: str = "flat",
-          device: str = "cpu", precision: str = "fp32") -> None:
+          device: str = "cpu", precision: str = "fp32", trust_modified: bool = False) -> None:
     """Load the index (refusing a corrupt one or another model's), then serve until interrupted.
     `shortlist` N > 0: text queries re-rank the first stage's top N photos (Searcher)."""
     import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     searcher = Searcher(index_dir, checkpoint, images_dir=images_dir,
                         captions=read_captions_file(captions) if captions else None, shortlist=shortlist,
-                        shortlist_index=shortlist_index, device=device, precision=precision)
+                        shortlist_index=shortlist_index, device=device, precision=precision,
+                        trust_modified=trust_modified)
     if searcher.captions_without_known_word:
         log.warning("%d caption(s) of %s have no word in the model's vocabulary and are never ranked, e.g. %r",
                     len(searcher.captions_without_known_word), captions, searcher.captions_without_known_word[0])
