@@ -8,7 +8,6 @@ argument of every verb and feed it values just outside its range (tests/test_cli
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import re
@@ -106,18 +105,14 @@ def device_name(text: str) -> str:
 
 @_named("checkpoint_ref")
 def checkpoint_ref(text: str) -> str:
-    """A checkpoint directory that exists, or the name of a pretrained model shipped with the package
-    (`itmatch models --pretrained`); looked up without importing torch, so the parser stays light."""
+    """A checkpoint directory that exists, or a name of the form of a pretrained model shipped with the
+    package (whether that model exists is checked when the verb starts, by itmatch.pretrained, which names
+    the shipped ones; the parser does not import torch)."""
     path = _given(text)
-    if path.is_dir() or (PRETRAINED_NAME.match(text) and (_pretrained_dir() / text).is_dir()):
+    if path.is_dir() or (not path.exists() and PRETRAINED_NAME.match(text)):
         return text
     what = "is a file, not a checkpoint directory" if path.exists() else "is neither a directory nor a pretrained model"
     raise argparse.ArgumentTypeError(f"{text} {what} (`itmatch models --pretrained` lists the shipped ones)")
-
-
-def _pretrained_dir() -> Path:
-    spec = importlib.util.find_spec("itmatch.pretrained")  # (finds the package folder without running it)
-    return Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else Path()
 
 
 @_named("existing_file")
