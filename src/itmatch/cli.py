@@ -36,7 +36,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from itmatch.features.extract import extract_precomp
 
     images = Path(args.images)
-    table = read_captions(args.captions, images_dir=images, fmt=args.format)
+    table = read_captions(args.captions, images_dir=images, fmt=args.format, default_split=args.default_split)
     for problem in table.skipped:
         print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
@@ -44,9 +44,23 @@ def _cmd_extract(args: argparse.Namespace) -> int:
                            scales=args.scales)
     from itmatch.engine.distributed import is_main
 
-    if is_main():  # (under torchrun: rank 0 reports)
-        print(json.dumps(meta, indent=2))
+    if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)
+        print(json.dumps(_without_file_records(meta), indent=2))
     return 0
+
+
+def _without_file_records(meta: dict) -> dict:
+    """meta.json for printing: each split's per-image lists (file fingerprints, captions left out) replaced by
+    their length (meta.json has them in full)."""
+    def short(info: dict) -> dict:
+        info = dict(info)
+        if isinstance(info.get("image_files"), dict):
+            info["image_files"] = len(info["image_files"])
+        if isinstance(info.get("extra_captions"), dict):  # {"left_out": N, "images": {id: n}}
+            info["extra_captions"] = {**info["extra_captions"], "images": len(info["extra_captions"]["images"])}
+        return info
+
+    return {**meta, "splits": {name: short(info) for name, info in meta.get("splits", {}).items()}}
 
 
 def _resolve_train_config(args: argparse.Namespace):
@@ -274,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("captions", help="caption source: Flickr8k.token.txt, dataset_*.json, captions_*.json, CSV")
     s.add_argument("--out", required=True, help="precomp output directory")
     s.add_argument("--format", default="auto", choices=["auto", "flickr8k", "karpathy", "coco", "csv"])
+    s.add_argument("--default-split", default="", choices=["train", "dev", "test", "testall"],
+                   help="split of the captions whose source names none (a CSV without a split column)")
     s.add_argument("--backbone", default="lite0", help="lite0 (7x7, default) or lite2 (9x9)")
     s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
     s.add_argument("--batch-size", type=int, default=8, help="images per forward pass (8 is fastest on CPU)")

@@ -40,6 +40,11 @@ def ids_path(root: str | Path, split: str) -> Path:
 META_NAME = "meta.json"
 
 
+def progress_path(root: str | Path, split: str) -> Path:
+    """The extractor's progress file of a split being extracted or updated (gone once it is complete)."""
+    return Path(root) / f"{split}.progress.json"
+
+
 def split_manifest(root: Path, split: str) -> dict | None:
     """What `itmatch extract` recorded about a split in meta.json (its manifest, written last); None for
     directories not written by the extractor (hand-made or SCAN's own precomp files)."""
@@ -188,6 +193,10 @@ def read_precomp(root: str | Path, split: str, *, check_finite: bool = True,
     (`scale_path`) as a MultiScaleArray."""
     root = Path(root)
     manifest = split_manifest(root, split)
+    if manifest is not None and progress_path(root, split).exists():
+        # meta.json still describes the split as it was before an update (changed photos) that did not finish
+        raise DataError(f"an update of split {split!r} by `itmatch extract` did not finish (its sources changed)",
+                        path=progress_path(root, split), hint="rerun the same `itmatch extract` command; it resumes")
     main = features_path(root, split)
     if scales:
         hint = "extract the split with `itmatch extract ... --scales c3,c4,c5` (multi-scale models need it)"

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,8 @@ from itmatch.data.precomp import (
     captions_path,
     features_path,
     ids_path,
+    progress_path,
+    read_lines,
     scale_path,
     split_manifest,
     write_captions,
@@ -59,12 +62,14 @@ from itmatch.data.precomp import (
 from itmatch.engine import distributed as dist
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
+from itmatch.fingerprint import FileRecord, changed_files, file_records, text_sha256
 from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic
 
 log = logging.getLogger("itmatch.features")
 
 META_NAME = "meta.json"
-PROGRESS_VERSION = 1
+# 2: the progress file records the source files' fingerprints (older files are started again)
+PROGRESS_VERSION = 2
 # Bump when preprocessing changes in a way that changes the features (invalidates resumable state).
 PREPROCESS_VERSION = 1
 # Save progress at least every FLUSH_IMAGES images or FLUSH_SECONDS seconds.
@@ -77,10 +82,6 @@ BatchHook = Callable[[str, int, int], None]
 
 def partial_path(root: Path, split: str) -> Path:
     return root / f"{split}_ims.npy.partial"
-
-
-def progress_path(root: Path, split: str) -> Path:
-    return root / f"{split}.progress.json"
 
 
 def _version() -> str:
@@ -246,6 +247,118 @@ def _finishing(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, .
     return bool(state and state.get("fingerprint") == fingerprint and _features_renamed(state, out_dir, split, extras))
 
 
+@dataclass
+class _SourceChanges:
+    """How the sources of a complete split differ from what its extraction recorded in meta.json."""
+
+    images: list[str]  # ids whose image file changed (other content, appeared or disappeared)
+    captions_stale: bool  # the caption text differs from the split's (maybe in no image's rows: a kill
+    # between its rewrite and meta.json's leaves the new text on disk with the old fingerprint)
+    captions: list[str]  # ids whose captions (the ones the precomp layout keeps) changed
+    kept_ids: list[str]  # the split's rows (the listed images less those skipped as unreadable)
+    kept_caps: list[str]
+    records: dict[str, FileRecord | None] | None  # the image files' fingerprints now; None: none recorded
+
+
+def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str], caps: list[str]
+                    ) -> _SourceChanges:
+    info = split_manifest(out_dir, split) or {}
+    per = len(caps) // len(ids)
+    skipped = {s["image_id"] for s in info.get("skipped", [])}
+    kept = [(i, caps[k * per:(k + 1) * per]) for k, i in enumerate(ids) if i not in skipped]
+    kept_caps = [c for _, group in kept for c in group]
+    captions: list[str] = []
+    stale = text_sha256(kept_caps) != (info.get("captions_sha256") or file_sha256(captions_path(out_dir, split)))
+    if stale:
+        # split on "\n" only: exactly the lines write_captions wrote (a caption may hold other line breaks)
+        old = captions_path(out_dir, split).read_text(encoding="utf-8").split("\n")
+        captions = [i for r, (i, group) in enumerate(kept) if old[r * per:(r + 1) * per] != group]
+    old_files = info.get("image_files")
+    if not isinstance(old_files, dict):
+        log.warning("split %s in %s was extracted by an itmatch that did not record its image files' "
+                    "fingerprints: whether a photo changed since cannot be told; pass --force to re-extract "
+                    "it (the new manifest records them)", split, out_dir)
+        return _SourceChanges([], stale, captions, [i for i, _ in kept], kept_caps, None)
+    records = file_records(images_dir, ids, old_files)
+    return _SourceChanges(changed_files(old_files, records), stale, captions, [i for i, _ in kept], kept_caps,
+                          records)
+
+
+def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceChanges,
+                    left_out: dict[str, Any]) -> dict[str, Any] | None:
+    """A split whose features are current: rewrite its captions if they changed and return its updated
+    meta.json entry (new fingerprints, e.g. touched files' mtimes), or None when nothing changed."""
+    info = {k: v for k, v in old.items() if k != "extra_captions"}
+    info.update(captions_sha256=text_sha256(ch.kept_caps), **left_out)
+    if ch.records is not None:
+        info["image_files"] = ch.records
+    if ch.captions_stale:
+        log.warning("split %s: the captions of %d image(s) changed since the extraction (%s): rewrote %s "
+                    "(the features are unchanged)", split, len(ch.captions), _examples(ch.captions),
+                    captions_path(out_dir, split).name)
+        if dist.is_main():
+            write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
+        info["updated"] = _update_record(ch)
+    if info == old:
+        log.info("split %s is complete and its sources are unchanged; kept", split)
+        return None
+    return info
+
+
+def _update_record(ch: _SourceChanges) -> dict[str, Any]:
+    return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "image_files_changed": ch.images,
+            "captions_changed": ch.captions}
+
+
+def _reuse_rows(out_dir: Path, split: str, ids: list[str], changed: list[str], extras: tuple[str, ...]
+                ) -> dict[str, Any]:
+    """`_extract_split`'s reuse arguments for an update: the row of every unchanged image in the split's
+    current arrays (opened memory-mapped; they are replaced only when the new ones are complete)."""
+    old_rows = {image_id: r for r, image_id in enumerate(read_lines(ids_path(out_dir, split)))}
+    stale = set(changed)
+    reuse = {k: old_rows[i] for k, i in enumerate(ids) if i in old_rows and i not in stale}
+    arrays = {s: np.load(scale_path(out_dir, split, s), mmap_mode="r") for s in ("c5", *extras)}
+    return {"reuse": reuse, "reuse_from": arrays}
+
+
+def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: bool) -> None:
+    """Refuse (without `force`) to replace features of another image list or backbone, saying how the
+    image lists differ."""
+    path = features_path(out_dir, split)
+    if force or not path.exists():
+        return
+    detail = ""
+    try:
+        before = read_lines(ids_path(out_dir, split))
+    except DataError:
+        before = None
+    if before is not None:
+        old, new = set(before), set(ids)
+        added, removed = [i for i in ids if i not in old], [i for i in before if i not in new]
+        if added or removed:
+            detail = (f": the captions now list {len(added)} image(s) it does not hold ({_examples(added)}) "
+                      f"and not {len(removed)} of its {len(before)} ({_examples(removed)})")
+    raise OverwriteError(f"already exists with features of another image list or backbone{detail}", path=path,
+                         hint="pass --force to re-extract the split, or write to another --out")
+
+
+def _extra_captions_report(table: CaptionTable, split: str, per_image: int) -> dict[str, Any]:
+    """Report the captions beyond `per_image` that the precomp layout leaves out; the meta.json entry."""
+    extra = table.extra_captions(split, per_image)
+    if not extra:
+        return {}
+    total = sum(extra.values())
+    log.warning("split %s: %d caption(s) of %d image(s) beyond the %d per image the precomp layout holds "
+                "were left out (%s)", split, total, len(extra), per_image,
+                _examples([f"{i}: {n}" for i, n in extra.items()]))
+    return {"extra_captions": {"left_out": total, "images": extra}}
+
+
+def _examples(names: list[str], shown: int = 3) -> str:
+    text = ", ".join(repr(n) for n in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def parse_extract_scales(spec: str | list[str] | None) -> tuple[str, ...]:
     """--scales "c3,c4,c5" -> the extra maps to write, ("c3", "c4") (c5 is always the main array)."""
     if not spec:
@@ -262,6 +375,19 @@ def stage_shapes(bb: Backbone) -> dict[str, tuple[int, int]]:
     with torch.inference_mode():
         maps = bb.stage_maps(torch.zeros(1, 3, bb.image_size, bb.image_size))
     return {k: (int(v.shape[2] * v.shape[3]), int(v.shape[1])) for k, v in maps.items()}
+
+
+def _forward(bb: Backbone, tensors: list[torch.Tensor], extras: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Region features of a batch of preprocessed images: {"c5": [B, k, D]} plus the finer stage maps
+    named in `extras`, from one forward pass; {} for an empty batch."""
+    if not tensors:
+        return {}
+    with torch.inference_mode():
+        x = torch.stack(tensors)
+        if not extras:
+            return {"c5": bb(x).float().cpu().numpy()}
+        maps = bb.stage_maps(x)  # c5 (== bb(x), the main array) and the finer maps
+        return {s: maps[s].flatten(2).transpose(1, 2).float().numpy() for s in ("c5", *extras)}
 
 
 def _open_partial(path: Path, shape: tuple[int, ...], resume: bool) -> np.memmap:
@@ -300,7 +426,14 @@ def _finish_array(final: Path, partial: Path, arr: np.memmap, written: int) -> N
 
 def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
                    ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
-                   progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = ()) -> dict[str, Any]:
+                   progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
+                   known_files: dict[str, FileRecord | None] | None = None,
+                   reuse: dict[int, int] | None = None, reuse_from: dict[str, np.ndarray] | None = None
+                   ) -> dict[str, Any]:
+    """Extract (or resume, or finish) one split. `known_files` are earlier fingerprints of the image files
+    (the size + mtime fast path); `reuse` maps the index of an image in `ids` to its row in the arrays
+    `reuse_from` ({"c5": main, "c3": ...}) of an earlier extraction, copied instead of recomputed."""
+    reuse = reuse or {}
     n = len(ids)
     per = len(caps) // n
     fp = _fingerprint(bb, ids, extras)
@@ -333,6 +466,19 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     elif state.get("batch_size") != batch_size and not finishing:
         log.info("resuming split %s with its recorded batch size %s (not %s) so the features stay "
                  "bit-identical to an uninterrupted run", split, state["batch_size"], batch_size)
+    if finishing:
+        records = state.get("records") or file_records(images_dir, ids, known_files)
+    else:
+        # Fingerprints are taken before the images are decoded, so a file replaced during the run is seen
+        # as changed by the next one (never the reverse: a record newer than the features it describes).
+        records = file_records(images_dir, ids, state.get("records") if resume else known_files)
+        done_ids = ids[:int(state["done"])] if resume else []
+        moved = changed_files({i: state["records"].get(i) for i in done_ids}, {i: records[i] for i in done_ids})
+        if moved:
+            log.warning("split %s: %d image file(s) already extracted by the interrupted run changed since "
+                        "(e.g. %r); starting the split again", split, len(moved), moved[0])
+            resume = False
+        state["records"] = records
     bs = int(state["batch_size"])
     started = time.perf_counter()
     done_at_start = int(state["done"])
@@ -359,8 +505,11 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
         try:
             last_save_images, last_save_time = state["done"], time.monotonic()
 
+            def to_decode(start: int) -> list[str]:
+                return [ids[k] for k in range(start, min(start + bs, n)) if k not in reuse]
+
             def submit(k: int) -> Future:
-                return pool.submit(_load_batch, bb, images_dir, ids[starts[k]:starts[k] + bs], skip_bad)
+                return pool.submit(_load_batch, bb, images_dir, to_decode(starts[k]), skip_bad)
 
             nxt: Future | None = submit(0) if starts else None
             for j, start in enumerate(starts):
@@ -373,23 +522,26 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                 if j + 1 < len(starts):
                     nxt = submit(j + 1)
                 w = int(state["written"])
-                if tensors:
-                    with torch.inference_mode():
-                        x = torch.stack(tensors)
-                        if extras:  # one pass: c5 (== bb(x), the main array) and the finer maps
-                            maps = bb.stage_maps(x)
-                            for s, a in extra_arrs.items():
-                                a[w:w + len(tensors)] = maps[s].flatten(2).transpose(1, 2).float().numpy()
-                            feats = maps["c5"].flatten(2).transpose(1, 2).float().numpy()
-                        else:
-                            feats = bb(x).float().cpu().numpy()
-                    arr[w:w + len(tensors)] = feats
+                computed = _forward(bb, tensors, extras)
+                bad_ids = {b.image_id for b in bad}
+                # each row of the batch, in order: (True, row of the earlier arrays) or (False, computed row)
+                order, t = [], 0
+                for k in range(start, start + len(batch_ids)):
+                    if k in reuse:
+                        order.append((True, reuse[k]))
+                    elif ids[k] not in bad_ids:
+                        order.append((False, t))
+                        t += 1
+                for s, target in {"c5": arr, **extra_arrs}.items():
+                    if order:
+                        target[w:w + len(order)] = np.stack([reuse_from[s][r] if old else computed[s][r]
+                                                             for old, r in order])
                 # Rows are in place: now advance the state (never before, so a failure redoes the batch).
                 for b in bad:
                     log.warning("skipping image %r and its captions: %s (%s)", b.image_id, b.reason, b.path)
                     index = start + batch_ids.index(b.image_id)
                     state["skipped"].append({"image_id": b.image_id, "index": index, "reason": b.reason})
-                state["written"] = w + len(tensors)
+                state["written"] = w + len(order)
                 state["done"] = start + len(batch_ids)
                 bar.update(len(batch_ids))
                 now = time.monotonic()
@@ -434,6 +586,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     computed = n - done_at_start if not finishing else 0
     return {"images": len(kept_ids), "captions": len(kept_caps), "listed_images": n,
             "features_bytes": final.stat().st_size, "features_sha256": file_sha256(final),
+            "captions_sha256": text_sha256(kept_caps), "image_files": records,
             "skipped": [{"image_id": s["image_id"], "reason": s["reason"]} for s in state["skipped"]],
             "batch_size": bs, "num_threads": torch.get_num_threads(),
             "seconds_this_run": round(seconds, 2),
@@ -446,8 +599,8 @@ def shards_root(out_dir: Path, split: str) -> Path:
 
 def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
                            ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
-                           progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = ()
-                           ) -> dict[str, Any] | None:
+                           progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
+                           known_files: dict[str, FileRecord | None] | None = None) -> dict[str, Any] | None:
     """_extract_split shared by the ranks of a torchrun group (see the module docstring). Every rank calls
     it; rank 0 returns the split's info, the others None."""
     n, world = len(ids), dist.world_size()
@@ -484,9 +637,11 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
     """Rank 0: concatenate the complete shares into the split's arrays (partial file, fsync, rename) and
     record them in the split's progress file as renamed, the state `_extract_split` finishes from."""
     shards = [(b, d) for b, d in shards if b[1] > b[0]]
-    skipped = []
+    skipped, records = [], {}
     for (start, stop), shard in shards:
-        for s in split_manifest(shard, split)["skipped"]:
+        info = split_manifest(shard, split)
+        records.update(info.get("image_files") or {})  # taken before each share decoded its images
+        for s in info["skipped"]:
             skipped.append({"image_id": s["image_id"], "index": start + ids[start:stop].index(s["image_id"]),
                             "reason": s["reason"]})
     for p in (captions_path(out_dir, split), ids_path(out_dir, split)):  # never stale beside new features
@@ -509,7 +664,7 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
     write_json_atomic(progress_path(out_dir, split), {
         "version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name, "n_images": len(ids),
         "batch_size": batch_size, "done": len(ids), "written": len(ids) - len(skipped), "skipped": skipped,
-        "features_complete": True})
+        "features_complete": True, "records": records})
 
 
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
@@ -540,12 +695,15 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     if not images_dir.is_dir():
         raise DataError("images folder not found", path=images_dir,
                         hint="pass the folder that holds the image files named in the caption source")
+    table.check_disjoint_splits()  # the readers name the lines; this catches tables built in code
     available = [s for s in table.split_names() if s]
     if splits is None:
         splits = available
         if not splits:
             raise DataError("the caption table assigns no image to a split", path=table.source or None,
-                            hint="give the captions a split (train/dev/test) or use a source with splits")
+                            hint="name the split of captions that have none, e.g. `itmatch extract ... "
+                                 "--default-split train` for a CSV without a split column, or give the "
+                                 "captions a split column (train/dev/test)")
     unknown = [s for s in splits if s not in available]
     if unknown:
         raise DataError(f"split(s) {', '.join(map(repr, unknown))} not in the caption table",
@@ -570,13 +728,19 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     # list and backbone) are kept: re-running the command is idempotent, so a run killed in a later split
     # (or after its last write, before it exited) resumes instead of refusing to overwrite them. Outputs
     # of other images or another backbone are still only replaced with `force`.
-    done_before = {s for s in splits if not force and _complete(out_dir, s, fingerprints[s], extras)}
+    # A kept split is checked against its sources: meta.json records the fingerprints of its caption text
+    # and of every image file (size + mtime, SHA-256 when they differ), so that a re-run after captions
+    # were edited or a photo was replaced updates exactly that instead of keeping stale data.
+    changes: dict[str, _SourceChanges] = {}
     for split in splits:
-        if split in done_before or _finishing(out_dir, split, fingerprints[split], extras):
+        if force or _finishing(out_dir, split, fingerprints[split], extras):
             continue
-        extra_paths = [scale_path(out_dir, split, s) for s in extras]
-        for p in (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split),
-                  *extra_paths):
+        if _complete(out_dir, split, fingerprints[split], extras):
+            changes[split] = _source_changes(out_dir, split, images_dir, *rows[split])
+            continue
+        _refuse_other_extraction(out_dir, split, rows[split][0], force)
+        for p in (captions_path(out_dir, split), ids_path(out_dir, split),
+                  *(scale_path(out_dir, split, s) for s in extras)):
             refuse_overwrite(p, force)
 
     meta_file = out_dir / META_NAME
@@ -608,17 +772,34 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
 
     with _strict_pil(), _torch_threads(num_threads):
         for split in splits:
-            if split in done_before:
-                log.info("split %s is complete from an earlier run of this command; kept", split)
-                continue
             ids, caps = rows[split]
+            left_out = _extra_captions_report(table, split, len(caps) // len(ids))
             run_split = _extract_split_sharded if dist.is_distributed() else _extract_split
+            reuse: dict[str, Any] = {}
+            ch = changes.get(split)
+            if ch is not None:
+                old_info = meta["splits"][split]
+                if not ch.images:  # same features: the caption text and the manifest are brought up to date
+                    info = _refreshed_info(out_dir, split, old_info, ch, left_out)
+                    if info is None:
+                        continue
+                    meta["splits"][split] = info
+                    write_json_atomic(meta_file, meta)
+                    remove_atomic_leftovers(meta_file)
+                    continue
+                log.warning("split %s: %d image file(s) changed since the extraction (%s): re-extracting %s",
+                            split, len(ch.images), _examples(ch.images), "their rows, keeping the others"
+                            if not dist.is_distributed() else "the split (torchrun re-extracts whole splits)")
+                if not dist.is_distributed():
+                    reuse = _reuse_rows(out_dir, split, ids, ch.images, extras)
             info = run_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
                              force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
-                             extras=extras)
+                             extras=extras, known_files=ch.records if ch is not None else None, **reuse)
             if info is None:  # a rank other than 0: rank 0 writes the manifest
                 continue
-            meta["splits"][split] = {**info, "fingerprint": fingerprints[split]}
+            meta["splits"][split] = {**info, "fingerprint": fingerprints[split], **left_out}
+            if ch is not None:
+                meta["splits"][split]["updated"] = _update_record(ch)
             write_json_atomic(meta_file, meta)
             _fsync_dir(out_dir)
             progress_path(out_dir, split).unlink(missing_ok=True)
