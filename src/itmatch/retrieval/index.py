@@ -3,8 +3,8 @@
 Layout of INDEX_DIR (everything but `parts/` is replaced atomically; `manifest.json` is written last):
 
     manifest.json               format, the model's identity, backbone, one record per image (relative
-                                path, bytes, pixel size, sha256 of the file), the array files with
-                                their shapes and sha256
+                                path, bytes, mtime_ns, pixel size, sha256 of the file), the array files
+                                with their shapes and sha256
     features-<gen>.npy          float32 [N, k, D] backbone grid features (what `itmatch extract` computes)
     regions-<gen>.npy           float32 [N, k, d] the model's per-region encodings (ImageEmb.regions)
     vectors-<gen>.npy           float32 [N, d] the global vector, for models that have one (VSE++)
@@ -12,7 +12,10 @@ Layout of INDEX_DIR (everything but `parts/` is replaced atomically; `manifest.j
 
 Incremental by content: an image's encodings are looked up by the sha256 of its file, so re-running
 after adding photos encodes only the new ones, a changed file (new hash) is re-encoded, a deleted one is
-dropped and a moved or renamed one keeps its encodings. Resumable: new images are encoded in chunks,
+dropped and a moved or renamed one keeps its encodings; the summary lists what was added, changed and
+removed. A file whose size and mtime equal its manifest record is not read again (`itmatch.fingerprint`:
+the hash is computed only when either differs), so an up-to-date index of a large collection costs one
+stat per photo. Resumable: new images are encoded in chunks,
 each chunk saved to `parts/` atomically, so an interrupted run continues where it stopped; the arrays
 of a finished run get a new generation name and the manifest that names them is written last, so a
 crash at any point leaves either the old index or the new one, never a mix.
@@ -42,6 +45,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from itmatch.errors import CheckpointError, DataError, OverwriteError
+from itmatch.fingerprint import file_record
 from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
 from itmatch.models.base import ImageEmb
 
@@ -318,10 +322,15 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     parts = _read_parts(parts_dir, identity)
 
     paths = scan_images(images_dir, exclude=out_dir)
-    records = []
+    known = {e["id"]: e for e in old["images"]} if old is not None else {}
+    records, unreadable = [], []
     for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
-        p = images_dir / rel
-        records.append({"id": rel, "bytes": p.stat().st_size, "sha256": file_sha256(p)})
+        rec = file_record(images_dir / rel, known.get(rel))  # size + mtime fast path, else sha256
+        if rec is None:
+            log.warning("skipping %s: the file vanished or cannot be read", rel)
+            unreadable.append({"id": rel, "reason": "the file vanished or cannot be read"})
+            continue
+        records.append({"id": rel, "bytes": rec["bytes"], "mtime_ns": rec["mtime_ns"], "sha256": rec["sha256"]})
 
     has_regions = "regions" in old_arrays
     todo = []  # unique contents with no encodings yet
@@ -401,15 +410,20 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                "reused": sum(1 for r in records if r["sha256"] not in encoded),
                "added": sorted(set(now_ids) - set(old_ids)), "removed": sorted(set(old_ids) - set(now_ids)),
                "changed": sorted(i for i in set(now_ids) & set(old_ids) if now_ids[i] != old_ids[i]),
-               "skipped": skipped}
-    unchanged = (old is not None and has_regions and not encoded and not skipped and not parts
+               "skipped": skipped + unreadable}
+    unchanged = (old is not None and has_regions and not encoded and not skipped and not unreadable and not parts
                  and old.get("images_root") == str(images_dir)
                  and [(e["id"], e["sha256"]) for e in old["images"]] == [(r["id"], r["sha256"]) for r in records])
-    if unchanged:  # nothing to rewrite (an up-to-date index of a large collection costs only the hashing)
+    if unchanged:  # no array to rewrite (an up-to-date index of a large collection costs one stat per photo)
+        if [e.get("mtime_ns") for e in old["images"]] != [r["mtime_ns"] for r in records]:
+            # touched files (same content, new mtime): recorded, so that the next run skips their hashing
+            images = [{**e, "bytes": r["bytes"], "mtime_ns": r["mtime_ns"]} for e, r in zip(old["images"], records,
+                                                                                         strict=True)]
+            write_json_atomic(out_dir / MANIFEST, {**old, "images": images})
         return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
     manifest = _consolidate(out_dir, old, old_arrays if has_regions else {}, old_rows, parts, records,
                             identity, row_shapes, images_dir)
-    manifest["skipped"] = skipped
+    manifest["skipped"] = skipped + unreadable
     manifest["itmatch_version"] = _version()
     manifest["backbone"] = _backbone_meta(matcher.backbone)
     write_json_atomic(out_dir / MANIFEST, manifest)  # the commit point
