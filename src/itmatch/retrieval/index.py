@@ -322,15 +322,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     parts = _read_parts(parts_dir, identity)
 
     paths = scan_images(images_dir, exclude=out_dir)
-    known = {e["id"]: e for e in old["images"]} if old is not None else {}
-    records, unreadable = [], []
-    for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
-        rec = file_record(images_dir / rel, known.get(rel))  # size + mtime fast path, else sha256
-        if rec is None:
-            log.warning("skipping %s: the file vanished or cannot be read", rel)
-            unreadable.append({"id": rel, "reason": "the file vanished or cannot be read"})
-            continue
-        records.append({"id": rel, "bytes": rec["bytes"], "mtime_ns": rec["mtime_ns"], "sha256": rec["sha256"]})
+    records, unreadable = _hash_files(images_dir, paths, progress, old)
 
     has_regions = "regions" in old_arrays
     todo = []  # unique contents with no encodings yet
@@ -401,34 +393,53 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
         skipped = [s for part in gathered for s in part]
         parts = _read_parts(parts_dir, identity)
 
+    encoded = {t["sha256"] for t in todo}
+    encoded_count = len(encoded) - len(skipped)  # the files that failed to decode were not encoded
     bad = {s["id"] for s in skipped}
     records = [r for r in records if r["id"] not in bad]
+    skipped = unreadable + skipped
     old_ids = {e["id"]: e["sha256"] for e in old["images"]} if old is not None else {}
     now_ids = {r["id"]: r["sha256"] for r in records}
-    encoded = {t["sha256"] for t in todo}
-    summary = {"index": str(out_dir), "images": len(records), "encoded": len(encoded) - len(skipped),
+    summary = {"index": str(out_dir), "images": len(records), "encoded": encoded_count,
                "reused": sum(1 for r in records if r["sha256"] not in encoded),
                "added": sorted(set(now_ids) - set(old_ids)), "removed": sorted(set(old_ids) - set(now_ids)),
                "changed": sorted(i for i in set(now_ids) & set(old_ids) if now_ids[i] != old_ids[i]),
-               "skipped": skipped + unreadable}
-    unchanged = (old is not None and has_regions and not encoded and not skipped and not unreadable and not parts
+               "skipped": skipped}
+    unchanged = (old is not None and has_regions and not encoded and not skipped and not parts
                  and old.get("images_root") == str(images_dir)
                  and [(e["id"], e["sha256"]) for e in old["images"]] == [(r["id"], r["sha256"]) for r in records])
     if unchanged:  # no array to rewrite (an up-to-date index of a large collection costs one stat per photo)
         if [e.get("mtime_ns") for e in old["images"]] != [r["mtime_ns"] for r in records]:
             # touched files (same content, new mtime): recorded, so that the next run skips their hashing
-            images = [{**e, "bytes": r["bytes"], "mtime_ns": r["mtime_ns"]} for e, r in zip(old["images"], records,
-                                                                                         strict=True)]
+            images = [{**e, "bytes": r["bytes"], "mtime_ns": r["mtime_ns"]}
+                      for e, r in zip(old["images"], records, strict=True)]
             write_json_atomic(out_dir / MANIFEST, {**old, "images": images})
         return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
     manifest = _consolidate(out_dir, old, old_arrays if has_regions else {}, old_rows, parts, records,
                             identity, row_shapes, images_dir)
-    manifest["skipped"] = skipped + unreadable
+    manifest["skipped"] = skipped
     manifest["itmatch_version"] = _version()
     manifest["backbone"] = _backbone_meta(matcher.backbone)
     write_json_atomic(out_dir / MANIFEST, manifest)  # the commit point
     _cleanup(out_dir, manifest)
     return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
+
+
+def _hash_files(images_dir: Path, paths: list[str], progress: bool, old: dict[str, Any] | None
+                ) -> tuple[list[dict], list[dict[str, str]]]:
+    """A record (id, bytes, mtime_ns, sha256) per file, and the files that could not be read, which are
+    skipped with a warning. A file whose size and mtime equal its record in the `old` manifest is not
+    read (`itmatch.fingerprint.file_record`)."""
+    known = {e["id"]: e for e in old["images"]} if old is not None else {}
+    records, unreadable = [], []
+    for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
+        rec = file_record(images_dir / rel, known.get(rel))
+        if rec is None:
+            log.warning("skipping %s: the file vanished or cannot be read", rel)
+            unreadable.append({"id": rel, "reason": "the file vanished or cannot be read"})
+            continue
+        records.append({"id": rel, "bytes": rec["bytes"], "mtime_ns": rec["mtime_ns"], "sha256": rec["sha256"]})
+    return records, unreadable
 
 
 def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarray], old_rows: dict[str, int],
