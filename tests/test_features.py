@@ -532,3 +532,38 @@ def test_cli_extracts_a_csv_without_split_column_into_the_named_split(tmp_path, 
     printed = json.loads(capsys.readouterr().out)
     assert printed["splits"]["train"]["image_files"] == 2  # per-file records are in meta.json, not printed
     assert read_precomp(out, "train").ids == ["img0.jpg", "img1.png"]
+
+
+def test_extra_captions_kept_as_training_captions(tmp_path, caplog):
+    from itmatch.data.datasets import PairDataset
+    from itmatch.data.precomp import read_extra_captions
+    from itmatch.data.vocab import build_vocab
+
+    images, table = _dataset(tmp_path, n=3)
+    table.add("img1.png", "a sixth caption", "train")
+    table.add("img1.png", "a seventh caption", "train")
+    out = tmp_path / "out"
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False, extra_captions="keep")
+    entry = meta["splits"]["train"]["extra_captions"]
+    assert entry["kept"] == 2 and entry["file"] == "train_extra_caps.tsv"
+    split = read_precomp(out, "train")
+    assert split.extra == [(1, "a sixth caption"), (1, "a seventh caption")] and len(split.captions) == 15
+    dataset = PairDataset(split, build_vocab(split.training_captions, min_count=1))
+    assert len(dataset) == 17 and dataset[16][2] == 1 and dataset[4][2] == 0  # (image, tokens, image row, j)
+    assert split.slice(1, 3).extra == [(0, "a sixth caption"), (0, "a seventh caption")]
+    assert split.head(1).extra == []
+
+    # an edited extra caption is rewritten; the same command without the option removes the file again
+    table.captions[-1] = "an edited seventh caption"
+    with caplog.at_level(logging.WARNING, logger="itmatch.features"):
+        extract_precomp(images, table, out, batch_size=4, progress=False, extra_captions="keep")
+    assert "extra captions changed" in caplog.text
+    assert read_precomp(out, "train").extra[1] == (1, "an edited seventh caption")
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert meta["splits"]["train"]["extra_captions"] == {"left_out": 2, "images": {"img1.png": 2}}
+    assert not (out / "train_extra_caps.tsv").exists() and read_precomp(out, "train").extra == []
+
+    (out / "train_extra_caps.tsv").write_text("0\tfine\n7\tout of range\n", encoding="utf-8")
+    with pytest.raises(DataError, match="row 7 is out of range") as err:
+        read_extra_captions(out, "train", 3)
+    assert err.value.line == 2

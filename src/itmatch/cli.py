@@ -41,7 +41,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
-                           scales=args.scales)
+                           scales=args.scales, extra_captions=args.extra_captions)
     from itmatch.engine.distributed import is_main
 
     if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)
@@ -290,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", default="auto", choices=["auto", "flickr8k", "karpathy", "coco", "csv"])
     s.add_argument("--default-split", default="", choices=["train", "dev", "test", "testall"],
                    help="split of the captions whose source names none (a CSV without a split column)")
+    s.add_argument("--extra-captions", default="drop", choices=["drop", "keep"],
+                   help="captions of an image beyond 5: drop (default; reported) or keep as extra training "
+                        "captions ({split}_extra_caps.tsv; evaluation keeps 5 per image)")
     s.add_argument("--backbone", default="lite0", help="lite0 (7x7, default) or lite2 (9x9)")
     s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
     s.add_argument("--batch-size", type=int, default=8, help="images per forward pass (8 is fastest on CPU)")

@@ -51,6 +51,8 @@ from tqdm import tqdm
 from itmatch.data.captions import CaptionTable
 from itmatch.data.precomp import (
     captions_path,
+    extra_captions_path,
+    extra_captions_text,
     features_path,
     ids_path,
     progress_path,
@@ -63,7 +65,7 @@ from itmatch.engine import distributed as dist
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
 from itmatch.fingerprint import FileRecord, changed_files, file_records, text_sha256
-from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic
+from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("itmatch.features")
 
@@ -284,24 +286,19 @@ def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str],
                           records)
 
 
-def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceChanges,
-                    left_out: dict[str, Any]) -> dict[str, Any] | None:
+def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceChanges) -> dict[str, Any]:
     """A split whose features are current: rewrite its captions if they changed and return its updated
-    meta.json entry (new fingerprints, e.g. touched files' mtimes), or None when nothing changed."""
+    meta.json entry (new fingerprints, e.g. touched files' mtimes; extra captions left to the caller)."""
     info = {k: v for k, v in old.items() if k != "extra_captions"}
-    info.update(captions_sha256=text_sha256(ch.kept_caps), **left_out)
+    info["captions_sha256"] = text_sha256(ch.kept_caps)
     if ch.records is not None:
         info["image_files"] = ch.records
     if ch.captions_stale:
         log.warning("split %s: the captions of %d image(s) changed since the extraction (%s): rewrote %s "
                     "(the features are unchanged)", split, len(ch.captions), _examples(ch.captions),
                     captions_path(out_dir, split).name)
-        if dist.is_main():
-            write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
+        write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
         info["updated"] = _update_record(ch)
-    if info == old:
-        log.info("split %s is complete and its sources are unchanged; kept", split)
-        return None
     return info
 
 
@@ -342,16 +339,32 @@ def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: b
                          hint="pass --force to re-extract the split, or write to another --out")
 
 
-def _extra_captions_report(table: CaptionTable, split: str, per_image: int) -> dict[str, Any]:
-    """Report the captions beyond `per_image` that the precomp layout leaves out; the meta.json entry."""
-    extra = table.extra_captions(split, per_image)
-    if not extra:
-        return {}
-    total = sum(extra.values())
-    log.warning("split %s: %d caption(s) of %d image(s) beyond the %d per image the precomp layout holds "
-                "were left out (%s)", split, total, len(extra), per_image,
-                _examples([f"{i}: {n}" for i, n in extra.items()]))
-    return {"extra_captions": {"left_out": total, "images": extra}}
+def _sync_extra_captions(out_dir: Path, split: str, table: CaptionTable, kept_ids: list[str], per_image: int,
+                         keep: bool) -> dict[str, Any]:
+    """Captions beyond `per_image` of the split's rows `kept_ids`: written to `{split}_extra_caps.tsv`
+    (when its content differs) if `keep`, else reported as left out (and an older such file removed, so
+    that no stale one sits beside the split). Returns the split's meta.json entry for them."""
+    kept = set(kept_ids)
+    extra = {i: group[per_image:] for i, group in table.grouped(split).items() if len(group) > per_image and i in kept}
+    path = extra_captions_path(out_dir, split)
+    counts = {i: len(c) for i, c in extra.items()}
+    total = sum(counts.values())
+    if not keep or not extra:
+        path.unlink(missing_ok=True)
+        if not extra:
+            return {}
+        log.warning("split %s: %d caption(s) of %d image(s) beyond the %d per image the precomp layout holds "
+                    "were left out (%s); pass --extra-captions keep to train on them", split, total, len(extra),
+                    per_image, _examples([f"{i} +{n}" for i, n in counts.items()]))
+        return {"extra_captions": {"left_out": total, "images": counts}}
+    lines = extra_captions_text(kept_ids, extra)
+    digest = text_sha256(lines)
+    if path.exists() and file_sha256(path) != digest:
+        log.warning("split %s: the extra captions changed since the extraction: rewrote %s", split, path.name)
+    if not path.exists() or file_sha256(path) != digest:
+        write_text_atomic(path, "\n".join(lines) + "\n")
+    log.info("split %s: %d extra caption(s) of %d image(s) kept in %s", split, total, len(extra), path.name)
+    return {"extra_captions": {"kept": total, "images": counts, "file": path.name, "sha256": digest}}
 
 
 def _examples(names: list[str], shown: int = 3) -> str:
@@ -670,7 +683,8 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
                     skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
-                    on_batch: BatchHook | None = None, scales: str | list[str] | None = None) -> dict[str, Any]:
+                    on_batch: BatchHook | None = None, scales: str | list[str] | None = None,
+                    extra_captions: str = "drop") -> dict[str, Any]:
     """Extract backbone grid features of every image of `table` into the precomp layout in `out_dir`.
 
     Writes, per split (default: every non-empty split name of the table), `{split}_ims.npy` float32
@@ -684,12 +698,18 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     `num_threads` sets torch's intra-op threads for the run (default: leave torch's setting).
     `scales` ("c3,c4,c5" or a list) also writes the finer stage maps (SAVE's c3/c4) beside the main
     array, from the same forward pass (see the module docstring).
+    `extra_captions`: what to do with the captions of an image beyond the 5 the precomp layout holds:
+    "drop" (reported, listed in meta.json) or "keep" (written to `{split}_extra_caps.tsv`; training pairs
+    them with their image, evaluation keeps the protocol's 5 per image).
     Under torchrun every rank calls this with the same arguments and extracts a share of the images
     (see the module docstring); the output directory must be on a file system all ranks see.
     Returns the metadata written to meta.json.
     """
     dist.init_from_env("gloo")
     images_dir, out_dir = Path(images_dir), Path(out_dir)
+    if extra_captions not in ("drop", "keep"):
+        raise ValueError(f"extra_captions must be 'drop' or 'keep', got {extra_captions!r}")
+    keep_extra = extra_captions == "keep"
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not images_dir.is_dir():
@@ -773,15 +793,19 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     with _strict_pil(), _torch_threads(num_threads):
         for split in splits:
             ids, caps = rows[split]
-            left_out = _extra_captions_report(table, split, len(caps) // len(ids))
+            per = len(caps) // len(ids)
             run_split = _extract_split_sharded if dist.is_distributed() else _extract_split
             reuse: dict[str, Any] = {}
             ch = changes.get(split)
             if ch is not None:
                 old_info = meta["splits"][split]
                 if not ch.images:  # same features: the caption text and the manifest are brought up to date
-                    info = _refreshed_info(out_dir, split, old_info, ch, left_out)
-                    if info is None:
+                    if not dist.is_main():
+                        continue
+                    info = _refreshed_info(out_dir, split, old_info, ch)
+                    info.update(_sync_extra_captions(out_dir, split, table, ch.kept_ids, per, keep_extra))
+                    if info == old_info:
+                        log.info("split %s is complete and its sources are unchanged; kept", split)
                         continue
                     meta["splits"][split] = info
                     write_json_atomic(meta_file, meta)
@@ -797,7 +821,10 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                              extras=extras, known_files=ch.records if ch is not None else None, **reuse)
             if info is None:  # a rank other than 0: rank 0 writes the manifest
                 continue
-            meta["splits"][split] = {**info, "fingerprint": fingerprints[split], **left_out}
+            skipped = {s["image_id"] for s in info["skipped"]}
+            kept_ids = [i for i in ids if i not in skipped]
+            meta["splits"][split] = {**info, "fingerprint": fingerprints[split],
+                                     **_sync_extra_captions(out_dir, split, table, kept_ids, per, keep_extra)}
             if ch is not None:
                 meta["splits"][split]["updated"] = _update_record(ch)
             write_json_atomic(meta_file, meta)
