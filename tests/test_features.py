@@ -469,6 +469,8 @@ def test_unchanged_rerun_stats_without_hashing_and_a_touched_photo_is_no_change(
     hashed.clear()
     extract_precomp(images, table, out, batch_size=4, progress=False)
     assert hashed == []  # the new mtime was recorded
+    extract_precomp(images, table, out, batch_size=4, progress=False, rehash=True)
+    assert len(hashed) == 3 and decoded == []  # every file read, none changed
 
 
 def test_interrupted_update_is_refused_by_readers_and_resumes(tmp_path):

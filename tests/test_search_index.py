@@ -277,3 +277,4 @@ def test_rerun_reads_only_files_whose_size_or_mtime_changed(tiny_search_setup, p
     assert _build(tiny_search_setup, photos, out)["encoded"] == 0 and hashed == ["test_00005.png"]
     hashed.clear()
     assert _build(tiny_search_setup, photos, out)["encoded"] == 0 and hashed == []
+    assert _build(tiny_search_setup, photos, out, rehash=True)["encoded"] == 0 and len(hashed) == 12

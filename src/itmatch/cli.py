@@ -41,7 +41,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
-                           scales=args.scales, extra_captions=args.extra_captions)
+                           scales=args.scales, extra_captions=args.extra_captions, rehash=args.rehash)
     from itmatch.engine.distributed import is_main
 
     if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)
@@ -206,7 +206,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     from itmatch.retrieval.index import build_index
 
     summary = build_index(Path(args.images), Path(args.model), Path(args.out), force=args.force,
-                          batch_size=args.batch_size, progress=not args.quiet)
+                          batch_size=args.batch_size, progress=not args.quiet, rehash=args.rehash)
     from itmatch.engine.distributed import is_main
 
     if not is_main():  # (under torchrun: rank 0 reports)
@@ -293,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--extra-captions", default="drop", choices=["drop", "keep"],
                    help="captions of an image beyond 5: drop (default; reported) or keep as extra training "
                         "captions ({split}_extra_caps.tsv; evaluation keeps 5 per image)")
+    s.add_argument("--rehash", action="store_true",
+                   help="check every image's content (SHA-256) against the last extraction (default: only "
+                        "images whose size or mtime changed)")
     s.add_argument("--backbone", default="lite0", help="lite0 (7x7, default) or lite2 (9x9)")
     s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
     s.add_argument("--batch-size", type=int, default=8, help="images per forward pass (8 is fastest on CPU)")
@@ -392,6 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="index directory (created; updated in place on later runs)")
     s.add_argument("--batch-size", type=int, default=8, help="images per backbone forward pass")
     s.add_argument("--force", action="store_true", help="replace an index built with another model")
+    s.add_argument("--rehash", action="store_true",
+                   help="hash every photo (default: only those whose size or mtime changed since the last run)")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd_index)
 

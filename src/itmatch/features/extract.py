@@ -11,6 +11,22 @@ and SHA-256 (the manifest, written last), and only then is the progress file del
 refuses a split of an itmatch-precomp directory that meta.json does not record, or whose features
 differ from the recorded size: an interrupted run never leaves files that read as a complete split.
 
+Re-runs never keep stale data silently. meta.json records, per split, the SHA-256 of the caption text
+(`captions_sha256`, = the SHA-256 of `{split}_caps.txt`) and a fingerprint of every listed image file
+(`image_files`: bytes, mtime_ns, SHA-256; taken before the images are decoded, so a photo replaced during
+a run is seen as changed by the next one). The same command run again over a complete split:
+  - trusts an image whose size and mtime are unchanged without reading it (`rehash` reads them all) and
+    hashes the others; a touched file (same SHA-256) only gets its new mtime recorded;
+  - rewrites `{split}_caps.txt` when captions were edited (the features do not depend on them) and logs
+    which images' captions changed;
+  - re-extracts exactly the replaced photos: the split is rebuilt like a fresh one (`.partial`, progress
+    file, rename, meta.json last), the unchanged images' rows copied from the current array, only the
+    changed ones decoded and run through the backbone, and logs which; meta.json's `updated` records the
+    last update. While such an update is unfinished, `read_precomp` refuses the split;
+  - refuses (without `force`) a different image list, naming images added and removed.
+Captions beyond the per-image count are reported and listed in meta.json (`extra_captions`), or, with
+`extra_captions="keep"`, written to `{split}_extra_caps.tsv` for training.
+
 Multi-scale (`scales`, SAVE): the same pass also writes the backbone's finer stage maps beside the main
 array, `{split}_ims_c3.npy` [N, h3*w3, C3] and `{split}_ims_c4.npy` (c5 is the main array itself), each
 streamed, resumed and renamed like the main one; meta.json lists them under "scales".
@@ -262,8 +278,8 @@ class _SourceChanges:
     records: dict[str, FileRecord | None] | None  # the image files' fingerprints now; None: none recorded
 
 
-def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str], caps: list[str]
-                    ) -> _SourceChanges:
+def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str], caps: list[str], *,
+                    rehash: bool = False) -> _SourceChanges:
     info = split_manifest(out_dir, split) or {}
     per = len(caps) // len(ids)
     skipped = {s["image_id"] for s in info.get("skipped", [])}
@@ -281,7 +297,7 @@ def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str],
                     "fingerprints: whether a photo changed since cannot be told; pass --force to re-extract "
                     "it (the new manifest records them)", split, out_dir)
         return _SourceChanges([], stale, captions, [i for i, _ in kept], kept_caps, None)
-    records = file_records(images_dir, ids, old_files)
+    records = file_records(images_dir, ids, None if rehash else old_files)
     return _SourceChanges(changed_files(old_files, records), stale, captions, [i for i, _ in kept], kept_caps,
                           records)
 
@@ -684,7 +700,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
                     skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
                     on_batch: BatchHook | None = None, scales: str | list[str] | None = None,
-                    extra_captions: str = "drop") -> dict[str, Any]:
+                    extra_captions: str = "drop", rehash: bool = False) -> dict[str, Any]:
     """Extract backbone grid features of every image of `table` into the precomp layout in `out_dir`.
 
     Writes, per split (default: every non-empty split name of the table), `{split}_ims.npy` float32
@@ -701,6 +717,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     `extra_captions`: what to do with the captions of an image beyond the 5 the precomp layout holds:
     "drop" (reported, listed in meta.json) or "keep" (written to `{split}_extra_caps.tsv`; training pairs
     them with their image, evaluation keeps the protocol's 5 per image).
+    A split an earlier run completed is checked against its sources (see the module docstring): images
+    whose size and mtime are unchanged are trusted without reading them, unless `rehash`.
     Under torchrun every rank calls this with the same arguments and extracts a share of the images
     (see the module docstring); the output directory must be on a file system all ranks see.
     Returns the metadata written to meta.json.
@@ -756,7 +774,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
         if force or _finishing(out_dir, split, fingerprints[split], extras):
             continue
         if _complete(out_dir, split, fingerprints[split], extras):
-            changes[split] = _source_changes(out_dir, split, images_dir, *rows[split])
+            changes[split] = _source_changes(out_dir, split, images_dir, *rows[split], rehash=rehash)
             continue
         _refuse_other_extraction(out_dir, split, rows[split][0], force)
         for p in (captions_path(out_dir, split), ids_path(out_dir, split),
