@@ -428,6 +428,12 @@ def test_rerun_after_captions_were_edited_rewrites_them_and_says_so(tmp_path, mo
     np.testing.assert_array_equal(np.asarray(split.images), features)
     assert meta["splits"]["train"]["updated"]["captions_changed"] == ["img1.png"]
     assert json.loads((out / "meta.json").read_text()) == meta
+    # the caption file changed by hand is seen too, and written again from the source
+    caps_file = out / "train_caps.txt"
+    caps_file.write_text(caps_file.read_text().replace("picture 2 caption 4", "tampered"))
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert meta["splits"]["train"]["updated"]["captions_changed"] == ["img2.jpg"] and decoded == []
+    assert read_precomp(out, "train").captions[14] == "picture 2 caption 4"
 
 
 def test_rerun_after_a_photo_was_replaced_reextracts_only_its_row(tmp_path, monkeypatch, caplog, lite0):

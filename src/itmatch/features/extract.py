@@ -270,8 +270,7 @@ class _SourceChanges:
     """How the sources of a complete split differ from what its extraction recorded in meta.json."""
 
     images: list[str]  # ids whose image file changed (other content, appeared or disappeared)
-    captions_stale: bool  # the caption text differs from the split's (maybe in no image's rows: a kill
-    # between its rewrite and meta.json's leaves the new text on disk with the old fingerprint)
+    captions_stale: bool  # the caption text differs from the split's `{split}_caps.txt`
     captions: list[str]  # ids whose captions (the ones the precomp layout keeps) changed
     kept_ids: list[str]  # the split's rows (the listed images less those skipped as unreadable)
     kept_caps: list[str]
@@ -286,7 +285,8 @@ def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str],
     kept = [(i, caps[k * per:(k + 1) * per]) for k, i in enumerate(ids) if i not in skipped]
     kept_caps = [c for _, group in kept for c in group]
     captions: list[str] = []
-    stale = text_sha256(kept_caps) != (info.get("captions_sha256") or file_sha256(captions_path(out_dir, split)))
+    # compared with the file itself: edited captions, and a caption file changed by hand, are both seen
+    stale = text_sha256(kept_caps) != file_sha256(captions_path(out_dir, split))
     if stale:
         # split on "\n" only: exactly the lines write_captions wrote (a caption may hold other line breaks)
         old = captions_path(out_dir, split).read_text(encoding="utf-8").split("\n")
@@ -310,12 +310,15 @@ def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceC
     if ch.records is not None:
         info["image_files"] = ch.records
     if ch.captions_stale:
-        log.warning("split %s: the captions of %d image(s) changed since the extraction (%s): rewrote %s "
-                    "(the features are unchanged)", split, len(ch.captions), _examples(ch.captions),
-                    captions_path(out_dir, split).name)
+        _log_caption_changes(out_dir, split, ch)
         write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
         info["updated"] = _update_record(ch)
     return info
+
+
+def _log_caption_changes(out_dir: Path, split: str, ch: _SourceChanges) -> None:
+    log.warning("split %s: the captions of %d image(s) changed since the extraction (%s): rewrote %s", split,
+                len(ch.captions), _examples(ch.captions), captions_path(out_dir, split).name)
 
 
 def _update_record(ch: _SourceChanges) -> dict[str, Any]:
@@ -832,6 +835,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                 log.warning("split %s: %d image file(s) changed since the extraction (%s): re-extracting %s",
                             split, len(ch.images), _examples(ch.images), "their rows, keeping the others"
                             if not dist.is_distributed() else "the split (torchrun re-extracts whole splits)")
+                if ch.captions_stale:
+                    _log_caption_changes(out_dir, split, ch)
                 if not dist.is_distributed():
                     reuse = _reuse_rows(out_dir, split, ids, ch.images, extras)
             info = run_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
