@@ -409,17 +409,17 @@ def stage_shapes(bb: Backbone) -> dict[str, tuple[int, int]]:
     return {k: (int(v.shape[2] * v.shape[3]), int(v.shape[1])) for k, v in maps.items()}
 
 
-def _forward(bb: Backbone, tensors: list[torch.Tensor], extras: tuple[str, ...]) -> dict[str, np.ndarray]:
-    """Region features of a batch of preprocessed images: {"c5": [B, k, D]} plus the finer stage maps
-    named in `extras`, from one forward pass; {} for an empty batch."""
-    if not tensors:
-        return {}
-    with torch.inference_mode():
-        x = torch.stack(tensors)
-        if not extras:
-            return {"c5": bb(x).float().cpu().numpy()}
-        maps = bb.stage_maps(x)  # c5 (== bb(x), the main array) and the finer maps
-        return {s: maps[s].flatten(2).transpose(1, 2).float().numpy() for s in ("c5", *extras)}
+def _batch_rows(indices: range, reuse: dict[int, int], bad: set[int]) -> list[tuple[bool, int]]:
+    """Where each output row of a batch comes from, in order: (True, row of the earlier arrays) for a
+    reused image, (False, k) for the batch's k-th computed image; images in `bad` (skipped) give none."""
+    rows, computed = [], 0
+    for index in indices:
+        if index in reuse:
+            rows.append((True, reuse[index]))
+        elif index not in bad:
+            rows.append((False, computed))
+            computed += 1
+    return rows
 
 
 def _open_partial(path: Path, shape: tuple[int, ...], resume: bool) -> np.memmap:
@@ -554,26 +554,29 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                 if j + 1 < len(starts):
                     nxt = submit(j + 1)
                 w = int(state["written"])
-                computed = _forward(bb, tensors, extras)
-                bad_ids = {b.image_id for b in bad}
-                # each row of the batch, in order: (True, row of the earlier arrays) or (False, computed row)
-                order, t = [], 0
-                for k in range(start, start + len(batch_ids)):
-                    if k in reuse:
-                        order.append((True, reuse[k]))
-                    elif ids[k] not in bad_ids:
-                        order.append((False, t))
-                        t += 1
-                for s, target in {"c5": arr, **extra_arrs}.items():
-                    if order:
-                        target[w:w + len(order)] = np.stack([reuse_from[s][r] if old else computed[s][r]
-                                                             for old, r in order])
+                if tensors:
+                    with torch.inference_mode():
+                        x = torch.stack(tensors)
+                        if extras:  # one pass: c5 (== bb(x), the main array) and the finer maps
+                            maps = bb.stage_maps(x)
+                            for s, a in extra_arrs.items():
+                                a[w:w + len(tensors)] = maps[s].flatten(2).transpose(1, 2).float().numpy()
+                            feats = maps["c5"].flatten(2).transpose(1, 2).float().numpy()
+                        else:
+                            feats = bb(x).float().cpu().numpy()
+                    arr[w:w + len(tensors)] = feats
+                rows = _batch_rows(range(start, start + len(batch_ids)), reuse,
+                                   {start + batch_ids.index(b.image_id) for b in bad})
+                if any(old for old, _ in rows):  # an update: interleave the copied rows with the computed ones
+                    for s, target in {"c5": arr, **extra_arrs}.items():
+                        new = np.array(target[w:w + len(tensors)])
+                        target[w:w + len(rows)] = np.stack([reuse_from[s][r] if old else new[r] for old, r in rows])
                 # Rows are in place: now advance the state (never before, so a failure redoes the batch).
                 for b in bad:
                     log.warning("skipping image %r and its captions: %s (%s)", b.image_id, b.reason, b.path)
                     index = start + batch_ids.index(b.image_id)
                     state["skipped"].append({"image_id": b.image_id, "index": index, "reason": b.reason})
-                state["written"] = w + len(order)
+                state["written"] = w + len(rows)
                 state["done"] = start + len(batch_ids)
                 bar.update(len(batch_ids))
                 now = time.monotonic()
