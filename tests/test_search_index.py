@@ -278,4 +278,3 @@ def test_links_to_files_outside_the_folder_are_not_indexed(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="itmatch.retrieval"):
         assert scan_images(photos) == ["inside.jpg", "sub/link_in.jpg"]
     assert "link_out.jpg" in caplog.text and "outside" in caplog.text
-
