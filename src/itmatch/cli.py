@@ -40,8 +40,9 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     for problem in table.skipped:
         print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
+                           extra_captions=args.extra_captions, rehash=args.rehash,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
-                           scales=args.scales, extra_captions=args.extra_captions, rehash=args.rehash)
+                           scales=args.scales)
     from itmatch.engine.distributed import is_main
 
     if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)

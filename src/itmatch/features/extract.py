@@ -703,10 +703,10 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
 
 
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
+                    extra_captions: str = "drop", rehash: bool = False,
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
                     skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
-                    on_batch: BatchHook | None = None, scales: str | list[str] | None = None,
-                    extra_captions: str = "drop", rehash: bool = False) -> dict[str, Any]:
+                    on_batch: BatchHook | None = None, scales: str | list[str] | None = None) -> dict[str, Any]:
     """Extract backbone grid features of every image of `table` into the precomp layout in `out_dir`.
 
     Writes, per split (default: every non-empty split name of the table), `{split}_ims.npy` float32

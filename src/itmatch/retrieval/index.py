@@ -250,19 +250,22 @@ def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
 
 
 def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | str, *, force: bool = False,
+                rehash: bool = False,
                 batch_size: int = 8, chunk: int = 64, progress: bool = True,
-                on_chunk: Callable[[int, int], None] | None = None, rehash: bool = False) -> dict[str, Any]:
+                on_chunk: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Index (or update the index of) every image under `images_dir` with the model of `checkpoint`.
 
     Returns a summary: counts of images total / added (newly encoded) / reused / removed, skipped
     unreadable files, seconds. An index built with another model is replaced only with `force` (its
     backbone features are reused when the backbone is the same). `on_chunk(done, total)` is called after
-    each saved chunk (it may raise to stop the run, which then resumes from the saved chunks). A photo
-    whose size and mtime equal its manifest record is not read again, unless `rehash`.
+    each saved chunk (it may raise to stop the run, which then resumes from the saved chunks).
 
     Under torchrun (docs/distributed.md) every rank calls this with the same arguments: rank r encodes its
     contiguous share of the images to encode into chunk files of its own, then rank 0 reads every rank's
     chunks and writes the index; every rank returns rank 0's summary.
+
+    A photo whose size and mtime equal its record in the existing manifest is not read again, unless
+    `rehash` (then every photo is hashed).
     """
     from itmatch.api import load
     from itmatch.engine import distributed as dist
