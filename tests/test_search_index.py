@@ -95,6 +95,9 @@ def test_rerun_reads_only_files_whose_size_or_mtime_changed(tiny_search_setup, p
     hashed.clear()
     assert _build(tiny_search_setup, photos, out)["encoded"] == 0 and hashed == []
     assert _build(tiny_search_setup, photos, out, rehash=True)["encoded"] == 0 and len(hashed) == 12
+    (photos / "dangling.png").symlink_to(photos / "gone.png")  # a file that cannot be read: skipped, not a crash
+    skipped = _build(tiny_search_setup, photos, out)["skipped"]
+    assert [s["id"] for s in skipped] == ["dangling.png"] and "cannot read the file" in skipped[0]["reason"]
 
 
 def test_resumes_after_interruption_and_skips_unreadable(tiny_search_setup, photos, tmp_path):

@@ -19,23 +19,28 @@ from itmatch.io import file_sha256
 FileRecord = dict[str, Any]  # {"bytes": int, "mtime_ns": int, "sha256": str}
 
 
-def file_record(path: Path, known: FileRecord | None = None) -> FileRecord | None:
-    """The record of `path` (None when it is not a readable file); `known` (an earlier record of the
-    same path) is returned as it is when size and mtime still match, without reading the file."""
-    try:
-        st = path.stat()
-        if known and known.get("bytes") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns:
-            return known
-        return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
-    except (OSError, ValueError):  # missing, unreadable, or a name no file can have
-        return None
+def file_record(path: Path, known: FileRecord | None = None) -> FileRecord:
+    """The record of `path` (OSError when it cannot be read); `known` (an earlier record of the same
+    path) is returned as it is when size and mtime still match, without reading the file."""
+    st = path.stat()
+    if known and known.get("bytes") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns:
+        return known
+    return {"bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
 
 
 def file_records(root: Path, names: list[str], known: dict[str, FileRecord | None] | None = None
                  ) -> dict[str, FileRecord | None]:
-    """{name: record of root/name} for every name, with the size + mtime fast path against `known`."""
+    """{name: record of root/name, None when it cannot be read} for every name, with the size + mtime
+    fast path against `known`."""
     known = known or {}
-    return {name: file_record(root / name, known.get(name)) for name in names}
+    return {name: _record_or_none(root / name, known.get(name)) for name in names}
+
+
+def _record_or_none(path: Path, known: FileRecord | None) -> FileRecord | None:
+    try:
+        return file_record(path, known)
+    except (OSError, ValueError):  # missing, unreadable, or a name no file can have (a NUL byte)
+        return None
 
 
 def changed_files(old: dict[str, FileRecord | None], new: dict[str, FileRecord | None]) -> list[str]:

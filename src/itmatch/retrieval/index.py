@@ -437,10 +437,11 @@ def _hash_files(images_dir: Path, paths: list[str], progress: bool, old: dict[st
     known = {e["id"]: e for e in old["images"]} if old is not None else {}
     records, unreadable = [], []
     for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
-        rec = file_record(images_dir / rel, known.get(rel))
-        if rec is None:
-            log.warning("skipping %s: the file vanished or cannot be read", rel)
-            unreadable.append({"id": rel, "reason": "the file vanished or cannot be read"})
+        try:
+            rec = file_record(images_dir / rel, known.get(rel))
+        except OSError as exc:
+            log.warning("skipping %s: cannot read the file (%s)", rel, exc.strerror or exc)
+            unreadable.append({"id": rel, "reason": f"cannot read the file: {exc.strerror or exc}"})
             continue
         records.append({"id": rel, "bytes": rec["bytes"], "mtime_ns": rec["mtime_ns"], "sha256": rec["sha256"]})
     return records, unreadable
