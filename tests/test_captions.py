@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from itmatch.data.captions import (
+    CaptionTable,
     SkippedRowsWarning,
     coco_split_from_name,
     read_captions,
@@ -345,3 +346,49 @@ def test_forced_format_overrides_detection(tmp_path: Path) -> None:
         (tmp_path / f"Flickr_8k.{split}Images.txt").write_text(ids, encoding="utf-8")
     table = read_captions(path, fmt="flickr8k")
     assert table.captions == ["one ."] and table.splits == ["train"]
+
+
+# ------------------------------------------------------------------------------------- split hygiene
+
+def test_csv_image_in_two_splits_names_the_image_and_both_lines(tmp_path: Path) -> None:
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption,split\na.jpg,one,train\nb.jpg,two,test\na.jpg,three,test\n", encoding="utf-8")
+    with pytest.raises(DataError, match="'a.jpg' is in both the train split") as err:
+        read_csv(path)
+    assert err.value.line == 4 and "line 2" in str(err.value) and "leaks" in (err.value.hint or "")
+
+
+def test_table_built_in_code_with_an_image_in_two_splits_is_refused() -> None:
+    table = CaptionTable(source="made-in-code")
+    table.add("a.jpg", "one", "train")
+    table.add("b.jpg", "two", "test")
+    table.check_disjoint_splits()
+    table.add("b.jpg", "three", "train")
+    with pytest.raises(DataError, match=r"'b.jpg' is in both the test split \(row 1\) and the train split \(row 2\)"):
+        table.check_disjoint_splits()
+
+
+def test_csv_without_split_column_gets_the_default_split(tmp_path: Path) -> None:
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption\na.jpg,one\nb.jpg,two\n", encoding="utf-8")
+    assert read_captions(path, default_split="train").splits == ["train", "train"]
+    assert read_csv(path, default_split="dev").splits == ["dev", "dev"]
+    # an empty cell takes the default too; a named split stays
+    mixed = tmp_path / "mixed.csv"
+    mixed.write_text("image,caption,split\na.jpg,one,\na.jpg,two,train\nb.jpg,three,test\n", encoding="utf-8")
+    assert read_captions(mixed, default_split="train").splits == ["train", "train", "test"]
+    with pytest.raises(DataError, match="in both the \\(none\\) split"):
+        read_captions(mixed)
+    with pytest.raises(DataError, match="unknown default split 'validation'"):
+        read_captions(path, default_split="validation")
+
+
+def test_extra_captions_are_counted_per_image() -> None:
+    table = CaptionTable()
+    for c in range(7):
+        table.add("seven.jpg", f"c{c}", "train")
+    for c in range(5):
+        table.add("five.jpg", f"c{c}", "train")
+    assert table.extra_captions("train") == {"seven.jpg": 2}
+    ids, caps = table.precomp_rows("train")
+    assert ids == ["seven.jpg", "five.jpg"] and caps[:5] == [f"c{c}" for c in range(5)]

@@ -358,7 +358,8 @@ def test_extraction_in_two_processes_equals_one_process(runs):
         a, b = read_precomp(single, split), read_precomp(merged, split)
         assert np.array_equal(np.asarray(a.images), np.asarray(b.images))
         assert (a.ids, a.captions) == (b.ids, b.captions)
-        keys = ("images", "captions", "listed_images", "features_sha256", "skipped", "fingerprint")
+        keys = ("images", "captions", "listed_images", "features_sha256", "skipped", "fingerprint", "image_files",
+                "captions_sha256")
         assert {k: merged_meta["splits"][split][k] for k in keys} == {k: meta["splits"][split][k] for k in keys}
     assert meta["splits"]["train"]["skipped"][0]["image_id"] == "p3.png"
 

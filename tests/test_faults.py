@@ -186,6 +186,40 @@ def test_extraction_killed_at_random_points_resumes_to_identical_arrays(tmp_path
     print(f"extraction: {context}")
 
 
+def test_extraction_update_killed_at_random_points_resumes_to_identical_arrays(tmp_path):
+    """A re-run after photos were replaced and a caption edited (docs/reliability.md, row 5c) rebuilds the
+    split with the unchanged rows copied; killed at random moments and resumed, it ends bit-identical to an
+    uninterrupted update."""
+    from itmatch.data.precomp import read_precomp
+
+    rng = random.Random(SEED + 3)
+    images, captions = _images(tmp_path, 24)
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    for out in (ref_dir, run_dir):
+        _reference(_extract_code(images, captions, out), out / "train.progress.json")
+    replaced = [f"im{i}.png" for i in range(0, 20, 3)]
+    for k, name in enumerate(replaced):
+        arr = np.random.default_rng(100 + k).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(images / name)
+    captions.write_text(captions.read_text().replace("picture 4 caption 2", "an edited caption"))
+    startup, work = _reference(_extract_code(images, captions, ref_dir), ref_dir / "train.progress.json")
+    faults = _kill_and_resume(_extract_code(images, captions, run_dir), run_dir / "train.progress.json", rng,
+                              startup, work)
+    assert faults, "no kill landed: the job finished before every kill moment"
+    context = f"seed {SEED + 3}, faults {faults}"
+    for split in ("train", "dev"):
+        a, b = read_precomp(ref_dir, split), read_precomp(run_dir, split, verify_checksum=True)
+        np.testing.assert_array_equal(np.asarray(a.images), np.asarray(b.images), err_msg=context)
+        assert a.captions == b.captions and a.ids == b.ids, context
+    meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (ref_dir, run_dir))
+    for key in ("features_sha256", "captions_sha256", "image_files"):
+        assert meta_a["splits"]["train"][key] == meta_b["splits"]["train"][key], (key, context)
+    assert meta_b["splits"]["train"]["updated"]["image_files_changed"] == replaced, context
+    assert "an edited caption" in read_precomp(run_dir, "train").captions
+    assert not list(run_dir.glob("*.progress.json")) and not list(run_dir.glob("*.partial")), context
+    print(f"extraction update: {context}")
+
+
 def _evaluate_code(ckpt: Path, data: Path, blocks: Path, out: Path) -> str:
     # A budget of 40 KB cuts the 40 x 200 test matrix into ~1300 blocks, so that kills land between blocks.
     argv = ["evaluate", str(ckpt), "--data", str(data), "--split", "test", "--budget-gb", str(4e4 / 2**30),

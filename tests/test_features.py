@@ -379,3 +379,199 @@ def test_real_flickr8k_photos(tmp_path, lite0):
         x = torch.stack([lite0.preprocess(_open(folder / n)) for n in names])
         top = lite0.classify(x).softmax(-1).max(-1).values
     assert float(top.mean()) > 0.05
+
+
+# ------------------------------------------------------------------------ sources changed since extraction
+
+def _decoded(monkeypatch) -> list[str]:
+    """Record the ids the extractor decodes (the real decoder still runs)."""
+    seen: list[str] = []
+    real = extract_mod._load_one
+
+    def spy(bb, images_dir, image_id):
+        seen.append(image_id)
+        return real(bb, images_dir, image_id)
+
+    monkeypatch.setattr(extract_mod, "_load_one", spy)
+    return seen
+
+
+def _hashed(monkeypatch) -> list[Path]:
+    """Record the files whose SHA-256 the source fingerprints compute."""
+    import itmatch.fingerprint as fingerprint
+
+    seen: list[Path] = []
+    real = fingerprint.file_sha256
+
+    def spy(path, *args):
+        seen.append(Path(path))
+        return real(path, *args)
+
+    monkeypatch.setattr(fingerprint, "file_sha256", spy)
+    return seen
+
+
+def test_rerun_after_captions_were_edited_rewrites_them_and_says_so(tmp_path, monkeypatch, caplog):
+    images, table = _dataset(tmp_path, n=3)
+    out = tmp_path / "out"
+    first = extract_precomp(images, table, out, batch_size=4, progress=False)
+    features = np.load(out / "train_ims.npy")
+    assert first["splits"]["train"]["captions_sha256"] and len(first["splits"]["train"]["image_files"]) == 3
+    table.captions[5 + 2] = "an edited caption of picture 1"
+    decoded = _decoded(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="itmatch.features"):
+        meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert decoded == []  # the features did not depend on the captions: nothing recomputed
+    assert "captions of 1 image(s) changed" in caplog.text and "'img1.png'" in caplog.text
+    split = read_precomp(out, "train")
+    assert split.captions[5 + 2] == "an edited caption of picture 1"
+    np.testing.assert_array_equal(np.asarray(split.images), features)
+    assert meta["splits"]["train"]["updated"]["captions_changed"] == ["img1.png"]
+    assert json.loads((out / "meta.json").read_text()) == meta
+    # the caption file changed by hand is seen too, and written again from the source
+    caps_file = out / "train_caps.txt"
+    caps_file.write_text(caps_file.read_text().replace("picture 2 caption 4", "tampered"))
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert meta["splits"]["train"]["updated"]["captions_changed"] == ["img2.jpg"] and decoded == []
+    assert read_precomp(out, "train").captions[14] == "picture 2 caption 4"
+
+
+def test_rerun_after_a_photo_was_replaced_reextracts_only_its_row(tmp_path, monkeypatch, caplog, lite0):
+    images, table = _dataset(tmp_path, n=4)
+    out = tmp_path / "out"
+    extract_precomp(images, table, out, batch_size=2, progress=False)
+    before = np.load(out / "train_ims.npy")
+    _image(42, size=(80, 60)).save(images / "img2.jpg")  # another photo under the same name
+    decoded = _decoded(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="itmatch.features"):
+        meta = extract_precomp(images, table, out, batch_size=2, progress=False)
+    assert decoded == ["img2.jpg"]
+    assert "1 image file(s) changed" in caplog.text and "'img2.jpg'" in caplog.text
+    after = read_precomp(out, "train", verify_checksum=True)
+    rows = np.asarray(after.images)
+    np.testing.assert_array_equal(rows[[0, 1, 3]], before[[0, 1, 3]])  # the other rows are kept as they were
+    with torch.inference_mode():
+        fresh = lite0(lite0.preprocess(_open(images / "img2.jpg"))[None]).numpy()[0]
+    np.testing.assert_allclose(rows[2], fresh, rtol=1e-4, atol=1e-4)
+    assert meta["splits"]["train"]["updated"]["image_files_changed"] == ["img2.jpg"]
+    assert not (out / "train.progress.json").exists()
+
+
+def test_unchanged_rerun_stats_without_hashing_and_a_touched_photo_is_no_change(tmp_path, monkeypatch):
+    images, table = _dataset(tmp_path, n=3)
+    out = tmp_path / "out"
+    extract_precomp(images, table, out, batch_size=4, progress=False)
+    hashed, decoded = _hashed(monkeypatch), _decoded(monkeypatch)
+    extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert hashed == [] and decoded == []  # size + mtime fast path
+    photo = images / "img0.jpg"
+    st = photo.stat()
+    import os
+
+    os.utime(photo, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: same bytes, new mtime
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert hashed == [photo] and decoded == [] and "updated" not in meta["splits"]["train"]
+    assert meta["splits"]["train"]["image_files"]["img0.jpg"]["mtime_ns"] == st.st_mtime_ns + 10**9
+    hashed.clear()
+    extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert hashed == []  # the new mtime was recorded
+    extract_precomp(images, table, out, batch_size=4, progress=False, rehash=True)
+    assert len(hashed) == 3 and decoded == []  # every file read, none changed
+
+
+def test_interrupted_update_is_refused_by_readers_and_resumes(tmp_path):
+    images, table = _dataset(tmp_path, n=4)
+    out = tmp_path / "out"
+    extract_precomp(images, table, out, batch_size=2, progress=False)
+    _image(43).save(images / "img3.png")
+
+    def stop(split, done, total):
+        raise Stop
+
+    with pytest.raises(Stop):
+        extract_precomp(images, table, out, batch_size=2, progress=False, on_batch=stop)
+    # meta.json still describes the old split: a reader must not take it for current data
+    with pytest.raises(DataError, match="did not finish") as err:
+        read_precomp(out, "train")
+    assert "rerun the same" in (err.value.hint or "")
+    meta = extract_precomp(images, table, out, batch_size=2, progress=False)
+    assert meta["splits"]["train"]["updated"]["image_files_changed"] == ["img3.png"]
+    assert read_precomp(out, "train", verify_checksum=True).n_images == 4
+
+
+def test_other_image_list_is_refused_saying_what_differs(tmp_path):
+    images, table = _dataset(tmp_path, n=3)
+    out = tmp_path / "out"
+    extract_precomp(images, table, out, batch_size=4, progress=False)
+    _image(7).save(images / "extra.jpg")
+    table.image_ids[:5] = ["extra.jpg"] * 5  # img0.jpg's rows now name another photo
+    with pytest.raises(OverwriteError) as err:
+        extract_precomp(images, table, out, batch_size=4, progress=False)
+    text = str(err.value)
+    assert "1 image(s) it does not hold ('extra.jpg')" in text and "not 1 of its 3 ('img0.jpg')" in text
+    assert "--force" in text
+
+
+def test_image_in_two_splits_and_extra_captions_are_reported(tmp_path, caplog):
+    images, table = _dataset(tmp_path, n=2)
+    table.add("img1.png", "a sixth caption", "train")
+    table.add("img1.png", "a seventh caption", "train")
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="itmatch.features"):
+        meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert meta["splits"]["train"]["extra_captions"] == {"left_out": 2, "images": {"img1.png": 2}}
+    assert "2 caption(s) of 1 image(s) beyond the 5 per image" in caplog.text
+    table.add("img0.jpg", "the same photo in the test split", "test")
+    with pytest.raises(DataError, match="'img0.jpg' is in both the train split"):
+        extract_precomp(images, table, tmp_path / "other", batch_size=4, progress=False)
+
+
+def test_cli_extracts_a_csv_without_split_column_into_the_named_split(tmp_path, capsys):
+    from itmatch.cli import main
+
+    images, _ = _dataset(tmp_path, n=2)
+    csv = tmp_path / "mine.csv"
+    csv.write_text("image,caption\n" + "".join(f"img{i}.{'jpg' if i == 0 else 'png'},caption {c} of {i}\n"
+                                               for i in range(2) for c in range(5)), encoding="utf-8")
+    out = tmp_path / "out"
+    assert main(["extract", str(images), str(csv), "--out", str(out)]) == 2
+    assert "--default-split train" in capsys.readouterr().err
+    assert main(["extract", str(images), str(csv), "--out", str(out), "--default-split", "train"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["splits"]["train"]["image_files"] == 2  # per-file records are in meta.json, not printed
+    assert read_precomp(out, "train").ids == ["img0.jpg", "img1.png"]
+
+
+def test_extra_captions_kept_as_training_captions(tmp_path, caplog):
+    from itmatch.data.datasets import PairDataset
+    from itmatch.data.precomp import read_extra_captions
+    from itmatch.data.vocab import build_vocab
+
+    images, table = _dataset(tmp_path, n=3)
+    table.add("img1.png", "a sixth caption", "train")
+    table.add("img1.png", "a seventh caption", "train")
+    out = tmp_path / "out"
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False, extra_captions="keep")
+    entry = meta["splits"]["train"]["extra_captions"]
+    assert entry["kept"] == 2 and entry["file"] == "train_extra_caps.tsv"
+    split = read_precomp(out, "train")
+    assert split.extra == [(1, "a sixth caption"), (1, "a seventh caption")] and len(split.captions) == 15
+    dataset = PairDataset(split, build_vocab(split.training_captions, min_count=1))
+    assert len(dataset) == 17 and dataset[16][2] == 1 and dataset[4][2] == 0  # (image, tokens, image row, j)
+    assert split.slice(1, 3).extra == [(0, "a sixth caption"), (0, "a seventh caption")]
+    assert split.head(1).extra == []
+
+    # an edited extra caption is rewritten; the same command without the option removes the file again
+    table.captions[-1] = "an edited seventh caption"
+    with caplog.at_level(logging.WARNING, logger="itmatch.features"):
+        extract_precomp(images, table, out, batch_size=4, progress=False, extra_captions="keep")
+    assert "extra captions changed" in caplog.text
+    assert read_precomp(out, "train").extra[1] == (1, "an edited seventh caption")
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert meta["splits"]["train"]["extra_captions"] == {"left_out": 2, "images": {"img1.png": 2}}
+    assert not (out / "train_extra_caps.tsv").exists() and read_precomp(out, "train").extra == []
+
+    (out / "train_extra_caps.tsv").write_text("0\tfine\n7\tout of range\n", encoding="utf-8")
+    with pytest.raises(DataError, match="row 7 is out of range") as err:
+        read_extra_captions(out, "train", 3)
+    assert err.value.line == 2

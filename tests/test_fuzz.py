@@ -123,10 +123,15 @@ def test_csv_reader_returns_exactly_the_rows_written(rows):
         (root / "c.csv").write_text(buf.getvalue(), encoding="utf-8")
         return root / "c.csv"
 
-    table = _in_tmp(write, lambda root, path: read_captions(path))
     grouped: dict[str, list[tuple[str, str]]] = {}
     for image, caption, split in rows:
         grouped.setdefault(image, []).append((caption, split))
+    leaking = [i for i, group in grouped.items() if len({s for _, s in group}) > 1]
+    if leaking:  # an image in two splits is refused, naming the first such row's image
+        with pytest.raises(DataError, match="is in both the"):
+            _in_tmp(write, lambda root, path: read_captions(path))
+        return
+    table = _in_tmp(write, lambda root, path: read_captions(path))
     expected = [(i, c, s) for i, group in grouped.items() for c, s in group]  # grouped per image
     assert list(zip(table.image_ids, table.captions, table.splits, strict=True)) == expected
 

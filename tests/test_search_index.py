@@ -68,6 +68,38 @@ def test_incremental_add_change_delete_move(tiny_search_setup, photos, tmp_path)
         assert torch.allclose(fresh, stored, atol=1e-5), image_id
 
 
+def test_rerun_reads_only_files_whose_size_or_mtime_changed(tiny_search_setup, photos, tmp_path, monkeypatch):
+    import os
+
+    import itmatch.fingerprint as fingerprint
+
+    out = tmp_path / "index"
+    _build(tiny_search_setup, photos, out)
+    hashed = []
+    real = fingerprint.file_sha256
+    monkeypatch.setattr(fingerprint, "file_sha256", lambda path, *a: hashed.append(path.name) or real(path, *a))
+    again = _build(tiny_search_setup, photos, out)
+    assert hashed == [] and again["encoded"] == 0  # one stat per photo, no reading
+    touched = photos / "test_00005.png"
+    st = touched.stat()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes, new mtime
+    Image.new("RGB", (224, 224), (10, 200, 30)).save(photos / "test_00006.png")  # new content
+    upd = _build(tiny_search_setup, photos, out)
+    assert sorted(hashed) == ["test_00005.png", "test_00006.png"]
+    assert upd["changed"] == ["test_00006.png"] and upd["encoded"] == 1
+    entry = next(e for e in json.loads((out / MANIFEST).read_text())["images"] if e["id"] == "test_00005.png")
+    assert entry["mtime_ns"] == st.st_mtime_ns + 10**9
+    hashed.clear()
+    os.utime(touched, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))  # touched alone: manifest refreshed
+    assert _build(tiny_search_setup, photos, out)["encoded"] == 0 and hashed == ["test_00005.png"]
+    hashed.clear()
+    assert _build(tiny_search_setup, photos, out)["encoded"] == 0 and hashed == []
+    assert _build(tiny_search_setup, photos, out, rehash=True)["encoded"] == 0 and len(hashed) == 12
+    (photos / "dangling.png").symlink_to(photos / "gone.png")  # a file that cannot be read: skipped, not a crash
+    skipped = _build(tiny_search_setup, photos, out)["skipped"]
+    assert [s["id"] for s in skipped] == ["dangling.png"] and "cannot read the file" in skipped[0]["reason"]
+
+
 def test_resumes_after_interruption_and_skips_unreadable(tiny_search_setup, photos, tmp_path):
     out = tmp_path / "index"
     (photos / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")

@@ -77,17 +77,32 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
     placement = _placement(args)
     images = Path(args.images)
-    table = read_captions(args.captions, images_dir=images, fmt=args.format)
+    table = read_captions(args.captions, images_dir=images, fmt=args.format, default_split=args.default_split)
     for problem in table.skipped:
         print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
+                           extra_captions=args.extra_captions, rehash=args.rehash,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
                            scales=args.scales, device=placement.device, precision=placement.precision)
     from itmatch.engine.distributed import is_main
 
-    if is_main():  # (under torchrun: rank 0 reports)
-        print(json.dumps(meta, indent=2))
+    if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)
+        print(json.dumps(_without_file_records(meta), indent=2))
     return 0
+
+
+def _without_file_records(meta: dict) -> dict:
+    """meta.json for printing: each split's per-image lists (file fingerprints, captions left out) replaced by
+    their length (meta.json has them in full)."""
+    def short(info: dict) -> dict:
+        info = dict(info)
+        if isinstance(info.get("image_files"), dict):
+            info["image_files"] = len(info["image_files"])
+        if isinstance(info.get("extra_captions"), dict):  # {"left_out": N, "images": {id: n}}
+            info["extra_captions"] = {**info["extra_captions"], "images": len(info["extra_captions"]["images"])}
+        return info
+
+    return {**meta, "splits": {name: short(info) for name, info in meta.get("splits", {}).items()}}
 
 
 def _resolve_train_config(args: argparse.Namespace):
@@ -254,7 +269,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     placement = _placement(args)
     summary = build_index(Path(args.images), resolve_checkpoint(args.model), Path(args.out), force=args.force,
                           batch_size=args.batch_size, progress=not args.quiet, device=placement.device,
-                          precision=placement.precision, trust_modified=args.trust_modified)
+                          precision=placement.precision, trust_modified=args.trust_modified, rehash=args.rehash)
     from itmatch.engine.distributed import is_main
 
     if not is_main():  # (under torchrun: rank 0 reports)
@@ -378,6 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="caption source: Flickr8k.token.txt, dataset_*.json, captions_*.json, CSV")
     s.add_argument("--out", type=output_dir, required=True, help="precomp output directory")
     s.add_argument("--format", default="auto", choices=["auto", "flickr8k", "karpathy", "coco", "csv"])
+    s.add_argument("--default-split", default="", choices=["train", "dev", "test", "testall"],
+                   help="split of the captions whose source names none (a CSV without a split column)")
+    s.add_argument("--extra-captions", default="drop", choices=["drop", "keep"],
+                   help="captions of an image beyond 5: drop (default; reported) or keep as extra training "
+                        "captions ({split}_extra_caps.tsv; evaluation keeps 5 per image)")
+    s.add_argument("--rehash", action="store_true",
+                   help="check every image's content (SHA-256) against the last extraction (default: only "
+                        "images whose size or mtime changed)")
     s.add_argument("--backbone", default="lite0", help="lite0 (7x7, default) or lite2 (9x9)")
     s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
     s.add_argument("--batch-size", type=positive_int, default=8, help="images per forward pass (8 is fastest on CPU)")
@@ -494,6 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="index directory (created; updated in place on later runs)")
     s.add_argument("--batch-size", type=positive_int, default=8, help="images per backbone forward pass")
     s.add_argument("--force", action="store_true", help="replace an index built with another model")
+    s.add_argument("--rehash", action="store_true",
+                   help="hash every photo (default: only those whose size or mtime changed since the last run)")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_device_arguments(s, "auto")
     _add_trust_argument(s)

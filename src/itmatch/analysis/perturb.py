@@ -50,11 +50,11 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     out = Path(out)
     train_split = read_precomp(cfg.data.path, cfg.data.train_split)
     test_split = read_precomp(cfg.data.path, split)
-    tagged = tag_captions(train_split.captions, cache_dir=tag_cache or out / "cache", progress=progress)
+    tagged = tag_captions(train_split.training_captions, cache_dir=tag_cache or out / "cache", progress=progress)
     priors = prior_probabilities(tagged)
     rows = []
     for kind in kinds:
-        transform = CaptionPerturbation(kind, train_split.captions, tagged, seed=seed)
+        transform = CaptionPerturbation(kind, train_split.training_captions, tagged, seed=seed)
         run_dir = out / kind
         if force or not (run_dir / "best").exists():
             run_cfg = copy.deepcopy(cfg)
@@ -75,7 +75,7 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
                 row[d][f"{k}_delta"] = delta
                 row[d][f"{k}_delta_pct"] = 100.0 * delta / base[d][k] if base[d][k] else 0.0
     report = {"model": cfg.preset or cfg.model.arch, "data": cfg.data.path, "split": split, "protocol": protocol,
-              "train_captions": len(train_split.captions), "priors": priors, "rows": rows}
+              "train_captions": len(train_split.training_captions), "priors": priors, "rows": rows}
     write_json_atomic(out / "perturb.json", report)
     write_text_atomic(out / "perturb.csv", to_csv(report))
     write_text_atomic(out / "perturb.md", to_markdown(report))

@@ -10,6 +10,7 @@ import json
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from itmatch.errors import DataError
@@ -48,10 +49,28 @@ class CaptionTable:
                 groups.setdefault(image_id, []).append(caption)
         return groups
 
+    def check_disjoint_splits(self) -> None:
+        """Raise DataError naming the first image whose captions sit in two splits (test data would leak
+        into training). The readers catch this with line numbers; this catches tables built in code."""
+        split_of: dict[str, tuple[str, int]] = {}
+        for row, (image_id, split) in enumerate(zip(self.image_ids, self.splits, strict=True)):
+            first_split, first_row = split_of.setdefault(image_id, (split, row))
+            if first_split != split:
+                raise DataError(f"image {image_id!r} is in both the {first_split or '(none)'} split (row "
+                                f"{first_row}) and the {split or '(none)'} split (row {row})",
+                                path=self.source or None, hint=SPLIT_LEAK_HINT)
+
+    def extra_captions(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> dict[str, int]:
+        """{image id: how many of its captions come after the first `per_image`} for the images of
+        `split` that have more (the precomp layout holds exactly `per_image` per image)."""
+        return {image_id: len(group) - per_image for image_id, group in self.grouped(split).items()
+                if len(group) > per_image}
+
     def precomp_rows(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> tuple[list[str], list[str]]:
         """(image ids, captions) in the precomp order: captions per_image*i .. per_image*i+per_image-1
         belong to image i. Images with more captions keep their first `per_image` (as the Karpathy
-        splits used by SCAN do); an image with fewer is an error."""
+        splits used by SCAN do; `extra_captions` says which, and the extractor reports them); an image
+        with fewer is an error."""
         ids: list[str] = []
         caps: list[str] = []
         for image_id, group in self.grouped(split).items():
@@ -89,13 +108,16 @@ FLICKR8K_IMAGE_DIRS = ("images", "Flicker8k_Dataset", "Flickr8k_Dataset")
 KARPATHY_SPLITS = {"train": "train", "restval": "train", "val": "dev", "test": "test"}
 CSV_SPLITS = ("train", "dev", "test", "testall", "")
 CSV_HEADER = "image,caption[,split]"
+SPLIT_LEAK_HINT = ("an image must belong to one split only (else test data leaks into training): "
+                   "remove or rename the other rows")
 
 
 class SkippedRowsWarning(UserWarning):
     """Some caption rows were reported and skipped (see CaptionTable.skipped for each one)."""
 
 
-def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: str = "auto") -> CaptionTable:
+def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: str = "auto",
+                  default_split: str = "") -> CaptionTable:
     """Read any supported caption source into a CaptionTable.
 
     `source` is a file, or a directory holding `Flickr8k.token.txt` or a single `dataset_*.json`.
@@ -103,8 +125,18 @@ def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: st
     every dataset; pass `fmt` ("flickr8k", "karpathy", "coco", "csv") when detection guesses wrong.
     `images_dir`, when given, is where image ids are looked up; captions of images that are missing
     there are reported in `table.skipped` and dropped (features cannot be extracted for them).
+    `default_split` is the split of the rows whose source names none (a CSV without a split column, a
+    COCO file whose name says no split, Flickr8K images in no split list); "" leaves them unassigned.
     """
-    path = Path(source)
+    _check_split_name(default_split, Path(source))
+    table = _read_any(Path(source), images_dir, fmt, default_split)
+    if default_split:
+        table.splits = [s or default_split for s in table.splits]
+    return table
+
+
+def _read_any(path: Path, images_dir: Path | None, fmt: str, default_split: str) -> CaptionTable:
+    read_csv_here = partial(read_csv, default_split=default_split)  # so that its split check sees the default
     if fmt not in ("auto", *FORMATS):
         raise DataError(f"unknown caption format {fmt!r}", path=path,
                         hint=f"use one of: auto, {', '.join(FORMATS)}")
@@ -117,7 +149,7 @@ def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: st
     if fmt == "flickr8k":
         return read_flickr8k(path, images_dir=images_dir)
     if fmt == "csv":
-        return read_csv(path, images_dir=images_dir)
+        return read_csv_here(path, images_dir=images_dir)
     if fmt == "karpathy":
         return read_karpathy(path, images_dir=images_dir)
     if fmt == "coco":
@@ -125,7 +157,7 @@ def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: st
     # auto, on a file
     name = path.name.lower()
     if name.endswith(".csv"):
-        return read_csv(path, images_dir=images_dir)
+        return read_csv_here(path, images_dir=images_dir)
     if name.endswith((".token.txt", ".token")):
         return read_flickr8k(path, images_dir=images_dir)
     if name.endswith(".json"):
@@ -141,7 +173,7 @@ def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: st
     if "\t" in first and "#" in first.split("\t", 1)[0]:
         return read_flickr8k(path, images_dir=images_dir)
     if first.strip().lower().startswith("image,caption"):
-        return read_csv(path, images_dir=images_dir)
+        return read_csv_here(path, images_dir=images_dir)
     raise DataError("cannot tell the caption format of this file", path=path,
                     hint=f"pass fmt= one of {', '.join(FORMATS)}")
 
@@ -224,8 +256,16 @@ class _Builder:
         self.source = source
         self.groups: OrderedDict[str, list[tuple[str, str]]] = OrderedDict()
         self.skipped: list[str] = []
+        self.first_seen: dict[str, tuple[str, str]] = {}  # image id -> (split, where its first row is)
 
-    def add(self, image_id: str, caption: str, split: str) -> None:
+    def add(self, image_id: str, caption: str, split: str, where: str = "", line: int | None = None) -> None:
+        """Add one row; `where` (e.g. "line 12") and `line` locate it for the error an image in two
+        splits raises."""
+        first_split, first_where = self.first_seen.setdefault(image_id, (split, where))
+        if first_split != split:
+            raise DataError(f"image {image_id!r} is in both the {first_split or '(none)'} split ({first_where}) "
+                            f"and the {split or '(none)'} split ({where})", path=self.source, line=line,
+                            hint=SPLIT_LEAK_HINT)
         self.groups.setdefault(image_id, []).append((caption, split))
 
     def skip(self, where: str, message: str) -> None:
@@ -311,6 +351,12 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None) -> Capt
             continue
         builder.add(image, caption, split or "")
     return builder.table()
+
+
+def _check_split_name(split: str, path: Path) -> None:
+    if split not in CSV_SPLITS:
+        raise DataError(f"unknown default split {split!r}", path=path,
+                        hint="use train, dev, test or testall (dev is the validation split)")
 
 
 def _where(path: Path, location: str) -> str:
@@ -456,14 +502,17 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
     return builder.table()
 
 
-def read_csv(source: str | Path, *, images_dir: Path | None = None) -> CaptionTable:
+def read_csv(source: str | Path, *, images_dir: Path | None = None, default_split: str = "") -> CaptionTable:
     """Read a plain CSV with header `image,caption` and an optional third column `split`: the simplest
     way to bring one's own photos. Quoting follows the csv module (captions may contain commas).
 
-    `split` values must be train, dev, test, testall or empty; a file without the column puts every row
-    in split "". A UTF-8 byte-order mark (spreadsheet exports) is accepted.
+    `split` values must be train, dev, test, testall or empty; rows without one (an empty cell, or a file
+    without the column) get `default_split` (`itmatch extract --default-split train`), by default "" (no
+    split: such rows cannot be extracted). All rows of one image must be in the same split: an image in
+    two splits is an error naming both lines. A UTF-8 byte-order mark (spreadsheet exports) is accepted.
     """
     path = Path(source)
+    _check_split_name(default_split, path)
     if not path.is_file():
         raise DataError("CSV file not found", path=path)
     on_disk = _ImageCheck(images_dir)
@@ -506,7 +555,7 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None) -> CaptionTa
                     builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: "
                                                      f"image not found in {images_dir}")
                     continue
-                builder.add(image, caption, split)
+                builder.add(image, caption, split or default_split, where=f"line {lineno}", line=lineno)
         except csv.Error as exc:
             raise DataError(f"malformed CSV: {exc}", path=path, line=reader.line_num) from None
         except UnicodeDecodeError as exc:

@@ -78,21 +78,23 @@ class PairBatch:
 
 
 class PairDataset(Dataset):
-    """(image features, caption tokens) for every caption of a split."""
+    """(image features, caption tokens) for every training caption of a split (`training_captions`: the
+    per-image ones, then the extra ones kept by `itmatch extract --extra-captions keep`)."""
 
     def __init__(self, split: PrecompSplit, vocab: Vocab, transform: CaptionTransform | None = None) -> None:
         self.split, self.vocab, self.transform = split, vocab, transform
+        self.captions = split.training_captions
 
     def __len__(self) -> int:
-        return len(self.split.captions)
+        return len(self.captions)
 
     def __getitem__(self, j: int) -> tuple[Any, list[int], int, int]:
         """(image, tokens, image index, caption index); the image is None when an image file cannot be
         decoded in training (ImageFiles reports it; `collate_pairs` drops the pair)."""
-        caption = self.split.captions[j]
+        caption = self.captions[j]
         if self.transform is not None:
             caption = self.transform(caption, j)
-        i = j // self.split.per_image
+        i = self.split.image_of(j)
         image = self.split.images[i]
         if isinstance(image, np.ndarray):
             image = np.asarray(image, dtype=np.float32)

@@ -1,10 +1,14 @@
 """SCAN "precomp" layout: {split}_ims.npy [N, k, D] float32, {split}_caps.txt (5 per image, captions
-5i..5i+4 describe image i) and {split}_ids.txt (one image id per line; optional on read)."""
+5i..5i+4 describe image i) and {split}_ids.txt (one image id per line; optional on read).
+
+itmatch addition: {split}_extra_caps.tsv (optional, `itmatch extract --extra-captions keep`), the captions
+of images that have more than 5, one `ROW<TAB>caption` a line (ROW: the image's row in {split}_ims.npy).
+Training pairs them with their image like the others; evaluation keeps the protocol's 5 per image."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +37,20 @@ def captions_path(root: str | Path, split: str) -> Path:
     return Path(root) / f"{split}_caps.txt"
 
 
+def extra_captions_path(root: str | Path, split: str) -> Path:
+    return Path(root) / f"{split}_extra_caps.tsv"
+
+
 def ids_path(root: str | Path, split: str) -> Path:
     return Path(root) / f"{split}_ids.txt"
 
 
 META_NAME = "meta.json"
+
+
+def progress_path(root: str | Path, split: str) -> Path:
+    """The extractor's progress file of a split being extracted or updated (gone once it is complete)."""
+    return Path(root) / f"{split}.progress.json"
 
 
 def split_manifest(root: Path, split: str) -> dict | None:
@@ -125,10 +138,22 @@ class PrecompSplit:
     captions: list[str]
     ids: list[str]
     per_image: int = CAPTIONS_PER_IMAGE
+    # (image row, caption): captions beyond per_image kept for training (`{split}_extra_caps.tsv`)
+    extra: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def n_images(self) -> int:
         return int(self.images.shape[0])
+
+    @property
+    def training_captions(self) -> list[str]:
+        """Every caption training pairs with an image: `captions` (caption j describes image j // per_image)
+        then the extra ones (caption len(captions) + e describes image extra[e][0])."""
+        return self.captions + [caption for _, caption in self.extra]
+
+    def image_of(self, j: int) -> int:
+        """The image row of training caption j (an index into `training_captions`)."""
+        return j // self.per_image if j < len(self.captions) else self.extra[j - len(self.captions)][0]
 
     def __len__(self) -> int:
         return len(self.captions)
@@ -140,8 +165,9 @@ class PrecompSplit:
     def slice(self, start: int, stop: int) -> PrecompSplit:
         """Images [start, stop) and their captions, e.g. one COCO 1K fold."""
         p = self.per_image
+        extra = [(row - start, caption) for row, caption in self.extra if start <= row < stop]
         return PrecompSplit(self.root, self.split, self.images[start:stop],
-                            self.captions[p * start:p * stop], self.ids[start:stop], p)
+                            self.captions[p * start:p * stop], self.ids[start:stop], p, extra)
 
 
 def _open_features(fpath: Path, split: str, check_finite: bool, hint: str, manifest: dict | None = None,
@@ -188,6 +214,10 @@ def read_precomp(root: str | Path, split: str, *, check_finite: bool = True,
     (`scale_path`) as a MultiScaleArray."""
     root = Path(root)
     manifest = split_manifest(root, split)
+    if manifest is not None and progress_path(root, split).exists():
+        # meta.json still describes the split as it was before an update (changed photos) that did not finish
+        raise DataError(f"an update of split {split!r} by `itmatch extract` did not finish (its sources changed)",
+                        path=progress_path(root, split), hint="rerun the same `itmatch extract` command; it resumes")
     main = features_path(root, split)
     if scales:
         hint = "extract the split with `itmatch extract ... --scales c3,c4,c5` (multi-scale models need it)"
@@ -200,7 +230,30 @@ def read_precomp(root: str | Path, split: str, *, check_finite: bool = True,
                                 "run `itmatch extract` (or point --data at a directory with this split)",
                                 manifest, verify_checksum)
     captions, ids = read_text_side(root, split, len(images), per_image)
-    return PrecompSplit(root, split, images, captions, ids, per_image)
+    return PrecompSplit(root, split, images, captions, ids, per_image, read_extra_captions(root, split, len(images)))
+
+
+def read_extra_captions(root: str | Path, split: str, n: int) -> list[tuple[int, str]]:
+    """The kept extra captions of a split of `n` images ([] when it has none), validated."""
+    path = extra_captions_path(root, split)
+    if not path.exists():
+        return []
+    extra = []
+    for lineno, line in enumerate(read_lines(path), 1):
+        row, tab, caption = line.partition("\t")
+        if not tab or not row.isdigit() or not caption.strip():
+            raise DataError("expected ROW<TAB>caption", path=path, line=lineno,
+                            hint="re-extract with `itmatch extract ... --extra-captions keep`, or delete the file")
+        if int(row) >= n:
+            raise DataError(f"image row {row} is out of range: the split has {n} images", path=path, line=lineno,
+                            hint="the file belongs to another extraction; re-extract the split")
+        extra.append((int(row), caption))
+    return extra
+
+
+def extra_captions_text(ids: list[str], extra: dict[str, list[str]]) -> list[str]:
+    """The lines of `{split}_extra_caps.tsv` for the split's rows `ids` and {image id: its extra captions}."""
+    return [f"{row}\t{caption}" for row, image_id in enumerate(ids) for caption in extra.get(image_id, ())]
 
 
 def read_text_side(root: str | Path, split: str, n: int, per_image: int = CAPTIONS_PER_IMAGE

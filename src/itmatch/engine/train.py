@@ -233,7 +233,7 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
     train = open_split(cfg, cfg.data.train_split, train=True)
     val = open_split(cfg, cfg.data.val_split).head(cfg.train.val_images)
     if vocab is None:
-        vocab = make_vocab(cfg, train.captions)
+        vocab = make_vocab(cfg, train.training_captions)
     cfg.model.vocab_size = len(vocab)
     fill_image_dims(cfg, train)
     meta = Path(cfg.data.path) / "meta.json"
@@ -398,7 +398,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 fh.truncate(keep)
 
     dataset = PairDataset(train_split, vocab, transform)
-    lengths = [len(vocab.encode(c)) for c in train_split.captions] if cfg.train.bucket_by_length else []
+    lengths = [len(vocab.encode(c)) for c in dataset.captions] if cfg.train.bucket_by_length else []
     # only rank 0 writes the log; the other ranks write the same lines nowhere
     log = metrics_path.open("a", encoding="utf-8") if main else open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
     log.write(header)  # a new run's first line (pretrained word vector counts), a resumed run's new settings

@@ -11,6 +11,22 @@ and SHA-256 (the manifest, written last), and only then is the progress file del
 refuses a split of an itmatch-precomp directory that meta.json does not record, or whose features
 differ from the recorded size: an interrupted run never leaves files that read as a complete split.
 
+Re-runs never keep stale data silently. meta.json records, per split, the SHA-256 of the caption text
+(`captions_sha256`, = the SHA-256 of `{split}_caps.txt`) and a fingerprint of every listed image file
+(`image_files`: bytes, mtime_ns, SHA-256; taken before the images are decoded, so a photo replaced during
+a run is seen as changed by the next one). The same command run again over a complete split:
+  - trusts an image whose size and mtime are unchanged without reading it (`rehash` reads them all) and
+    hashes the others; a touched file (same SHA-256) only gets its new mtime recorded;
+  - rewrites `{split}_caps.txt` when captions were edited (the features do not depend on them) and logs
+    which images' captions changed;
+  - re-extracts exactly the replaced photos: the split is rebuilt like a fresh one (`.partial`, progress
+    file, rename, meta.json last), the unchanged images' rows copied from the current array, only the
+    changed ones decoded and run through the backbone, and logs which; meta.json's `updated` records the
+    last update. While such an update is unfinished, `read_precomp` refuses the split;
+  - refuses (without `force`) a different image list, naming images added and removed.
+Captions beyond the per-image count are reported and listed in meta.json (`extra_captions`), or, with
+`extra_captions="keep"`, written to `{split}_extra_caps.tsv` for training.
+
 Multi-scale (`scales`, SAVE): the same pass also writes the backbone's finer stage maps beside the main
 array, `{split}_ims_c3.npy` [N, h3*w3, C3] and `{split}_ims_c4.npy` (c5 is the main array itself), each
 streamed, resumed and renamed like the main one; meta.json lists them under "scales".
@@ -38,6 +54,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,8 +67,12 @@ from tqdm import tqdm
 from itmatch.data.captions import CaptionTable
 from itmatch.data.precomp import (
     captions_path,
+    extra_captions_path,
+    extra_captions_text,
     features_path,
     ids_path,
+    progress_path,
+    read_lines,
     scale_path,
     split_manifest,
     write_captions,
@@ -60,12 +81,14 @@ from itmatch.device import module_device, resolve
 from itmatch.engine import distributed as dist
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
-from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic
+from itmatch.fingerprint import FileRecord, changed_files, file_records, text_sha256
+from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("itmatch.features")
 
 META_NAME = "meta.json"
-PROGRESS_VERSION = 1
+# 2: the progress file records the source files' fingerprints (older files are started again)
+PROGRESS_VERSION = 2
 # Bump when preprocessing changes in a way that changes the features (invalidates resumable state).
 PREPROCESS_VERSION = 1
 # Save progress at least every FLUSH_IMAGES images or FLUSH_SECONDS seconds.
@@ -78,10 +101,6 @@ BatchHook = Callable[[str, int, int], None]
 
 def partial_path(root: Path, split: str) -> Path:
     return root / f"{split}_ims.npy.partial"
-
-
-def progress_path(root: Path, split: str) -> Path:
-    return root / f"{split}.progress.json"
 
 
 def _version() -> str:
@@ -247,6 +266,132 @@ def _finishing(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, .
     return bool(state and state.get("fingerprint") == fingerprint and _features_renamed(state, out_dir, split, extras))
 
 
+@dataclass
+class _SourceChanges:
+    """How the sources of a complete split differ from what its extraction recorded in meta.json."""
+
+    images: list[str]  # ids whose image file changed (other content, appeared or disappeared)
+    captions_stale: bool  # the caption text differs from the split's `{split}_caps.txt`
+    captions: list[str]  # ids whose captions (the ones the precomp layout keeps) changed
+    kept_ids: list[str]  # the split's rows (the listed images less those skipped as unreadable)
+    kept_caps: list[str]
+    records: dict[str, FileRecord | None] | None  # the image files' fingerprints now; None: none recorded
+
+
+def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str], caps: list[str], *,
+                    rehash: bool = False) -> _SourceChanges:
+    info = split_manifest(out_dir, split) or {}
+    per = len(caps) // len(ids)
+    skipped = {s["image_id"] for s in info.get("skipped", [])}
+    kept = [(i, caps[k * per:(k + 1) * per]) for k, i in enumerate(ids) if i not in skipped]
+    kept_caps = [c for _, group in kept for c in group]
+    captions: list[str] = []
+    # compared with the file itself: edited captions, and a caption file changed by hand, are both seen
+    stale = text_sha256(kept_caps) != file_sha256(captions_path(out_dir, split))
+    if stale:
+        # split on "\n" only: exactly the lines write_captions wrote (a caption may hold other line breaks)
+        old = captions_path(out_dir, split).read_text(encoding="utf-8").split("\n")
+        captions = [i for r, (i, group) in enumerate(kept) if old[r * per:(r + 1) * per] != group]
+    old_files = info.get("image_files")
+    if not isinstance(old_files, dict):
+        log.warning("split %s in %s was extracted by an itmatch that did not record its image files' "
+                    "fingerprints: whether a photo changed since cannot be told; pass --force to re-extract "
+                    "it (the new manifest records them)", split, out_dir)
+        return _SourceChanges([], stale, captions, [i for i, _ in kept], kept_caps, None)
+    records = file_records(images_dir, ids, None if rehash else old_files)
+    return _SourceChanges(changed_files(old_files, records), stale, captions, [i for i, _ in kept], kept_caps,
+                          records)
+
+
+def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceChanges) -> dict[str, Any]:
+    """A split whose features are current: rewrite its captions if they changed and return its updated
+    meta.json entry (new fingerprints, e.g. touched files' mtimes; extra captions left to the caller)."""
+    info = {k: v for k, v in old.items() if k != "extra_captions"}
+    info["captions_sha256"] = text_sha256(ch.kept_caps)
+    if ch.records is not None:
+        info["image_files"] = ch.records
+    if ch.captions_stale:
+        _log_caption_changes(out_dir, split, ch)
+        write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
+        info["updated"] = _update_record(ch)
+    return info
+
+
+def _log_caption_changes(out_dir: Path, split: str, ch: _SourceChanges) -> None:
+    log.warning("split %s: the captions of %d image(s) changed since the extraction (%s): rewrote %s", split,
+                len(ch.captions), _examples(ch.captions), captions_path(out_dir, split).name)
+
+
+def _update_record(ch: _SourceChanges) -> dict[str, Any]:
+    return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "image_files_changed": ch.images,
+            "captions_changed": ch.captions}
+
+
+def _reuse_rows(out_dir: Path, split: str, ids: list[str], changed: list[str], extras: tuple[str, ...]
+                ) -> dict[str, Any]:
+    """`_extract_split`'s reuse arguments for an update: the row of every unchanged image in the split's
+    current arrays (opened memory-mapped; they are replaced only when the new ones are complete)."""
+    old_rows = {image_id: r for r, image_id in enumerate(read_lines(ids_path(out_dir, split)))}
+    stale = set(changed)
+    reuse = {k: old_rows[i] for k, i in enumerate(ids) if i in old_rows and i not in stale}
+    arrays = {s: np.load(scale_path(out_dir, split, s), mmap_mode="r") for s in ("c5", *extras)}
+    return {"reuse": reuse, "reuse_from": arrays}
+
+
+def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: bool) -> None:
+    """Refuse (without `force`) to replace features of another image list or backbone, saying how the
+    image lists differ."""
+    path = features_path(out_dir, split)
+    if force or not path.exists():
+        return
+    detail = ""
+    try:
+        before = read_lines(ids_path(out_dir, split))
+    except DataError:
+        before = None
+    if before is not None:
+        old, new = set(before), set(ids)
+        added, removed = [i for i in ids if i not in old], [i for i in before if i not in new]
+        if added or removed:
+            detail = (f": the captions now list {len(added)} image(s) it does not hold ({_examples(added)}) "
+                      f"and not {len(removed)} of its {len(before)} ({_examples(removed)})")
+    raise OverwriteError(f"already exists with features of another image list or backbone{detail}", path=path,
+                         hint="pass --force to re-extract the split, or write to another --out")
+
+
+def _sync_extra_captions(out_dir: Path, split: str, table: CaptionTable, kept_ids: list[str], per_image: int,
+                         keep: bool) -> dict[str, Any]:
+    """Captions beyond `per_image` of the split's rows `kept_ids`: written to `{split}_extra_caps.tsv`
+    (when its content differs) if `keep`, else reported as left out (and an older such file removed, so
+    that no stale one sits beside the split). Returns the split's meta.json entry for them."""
+    kept = set(kept_ids)
+    extra = {i: group[per_image:] for i, group in table.grouped(split).items() if len(group) > per_image and i in kept}
+    path = extra_captions_path(out_dir, split)
+    counts = {i: len(c) for i, c in extra.items()}
+    total = sum(counts.values())
+    if not keep or not extra:
+        path.unlink(missing_ok=True)
+        if not extra:
+            return {}
+        log.warning("split %s: %d caption(s) of %d image(s) beyond the %d per image the precomp layout holds "
+                    "were left out (%s); pass --extra-captions keep to train on them", split, total, len(extra),
+                    per_image, _examples([f"{i} +{n}" for i, n in counts.items()]))
+        return {"extra_captions": {"left_out": total, "images": counts}}
+    lines = extra_captions_text(kept_ids, extra)
+    digest = text_sha256(lines)
+    if path.exists() and file_sha256(path) != digest:
+        log.warning("split %s: the extra captions changed since the extraction: rewrote %s", split, path.name)
+    if not path.exists() or file_sha256(path) != digest:
+        write_text_atomic(path, "\n".join(lines) + "\n")
+    log.info("split %s: %d extra caption(s) of %d image(s) kept in %s", split, total, len(extra), path.name)
+    return {"extra_captions": {"kept": total, "images": counts, "file": path.name, "sha256": digest}}
+
+
+def _examples(names: list[str], shown: int = 3) -> str:
+    text = ", ".join(repr(n) for n in names[:shown])
+    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def parse_extract_scales(spec: str | list[str] | None) -> tuple[str, ...]:
     """--scales "c3,c4,c5" -> the extra maps to write, ("c3", "c4") (c5 is always the main array)."""
     if not spec:
@@ -263,6 +408,19 @@ def stage_shapes(bb: Backbone) -> dict[str, tuple[int, int]]:
     with torch.inference_mode():
         maps = bb.stage_maps(torch.zeros(1, 3, bb.image_size, bb.image_size, device=module_device(bb)))
     return {k: (int(v.shape[2] * v.shape[3]), int(v.shape[1])) for k, v in maps.items()}
+
+
+def _batch_rows(indices: range, reuse: dict[int, int], bad: set[int]) -> list[tuple[bool, int]]:
+    """Where each output row of a batch comes from, in order: (True, row of the earlier arrays) for a
+    reused image, (False, k) for the batch's k-th computed image; images in `bad` (skipped) give none."""
+    rows, computed = [], 0
+    for index in indices:
+        if index in reuse:
+            rows.append((True, reuse[index]))
+        elif index not in bad:
+            rows.append((False, computed))
+            computed += 1
+    return rows
 
 
 def _open_partial(path: Path, shape: tuple[int, ...], resume: bool) -> np.memmap:
@@ -301,7 +459,14 @@ def _finish_array(final: Path, partial: Path, arr: np.memmap, written: int) -> N
 
 def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
                    ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
-                   progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = ()) -> dict[str, Any]:
+                   progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
+                   known_files: dict[str, FileRecord | None] | None = None,
+                   reuse: dict[int, int] | None = None, reuse_from: dict[str, np.ndarray] | None = None
+                   ) -> dict[str, Any]:
+    """Extract (or resume, or finish) one split. `known_files` are earlier fingerprints of the image files
+    (the size + mtime fast path); `reuse` maps the index of an image in `ids` to its row in the arrays
+    `reuse_from` ({"c5": main, "c3": ...}) of an earlier extraction, copied instead of recomputed."""
+    reuse = reuse or {}
     n = len(ids)
     per = len(caps) // n
     fp = _fingerprint(bb, ids, extras)
@@ -334,6 +499,19 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     elif state.get("batch_size") != batch_size and not finishing:
         log.info("resuming split %s with its recorded batch size %s (not %s) so the features stay "
                  "bit-identical to an uninterrupted run", split, state["batch_size"], batch_size)
+    if finishing:
+        records = state.get("records") or file_records(images_dir, ids, known_files)
+    else:
+        # Fingerprints are taken before the images are decoded, so a file replaced during the run is seen
+        # as changed by the next one (never the reverse: a record newer than the features it describes).
+        records = file_records(images_dir, ids, state.get("records") if resume else known_files)
+        done_ids = ids[:int(state["done"])] if resume else []
+        moved = changed_files({i: state["records"].get(i) for i in done_ids}, {i: records[i] for i in done_ids})
+        if moved:
+            log.warning("split %s: %d image file(s) already extracted by the interrupted run changed since "
+                        "(e.g. %r); starting the split again", split, len(moved), moved[0])
+            resume = False
+        state["records"] = records
     bs = int(state["batch_size"])
     started = time.perf_counter()
     done_at_start = int(state["done"])
@@ -360,8 +538,11 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
         try:
             last_save_images, last_save_time = state["done"], time.monotonic()
 
+            def to_decode(start: int) -> list[str]:
+                return [ids[k] for k in range(start, min(start + bs, n)) if k not in reuse]
+
             def submit(k: int) -> Future:
-                return pool.submit(_load_batch, bb, images_dir, ids[starts[k]:starts[k] + bs], skip_bad)
+                return pool.submit(_load_batch, bb, images_dir, to_decode(starts[k]), skip_bad)
 
             nxt: Future | None = submit(0) if starts else None
             for j, start in enumerate(starts):
@@ -385,12 +566,18 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                         else:
                             feats = bb(x).float().cpu().numpy()
                     arr[w:w + len(tensors)] = feats
+                rows = _batch_rows(range(start, start + len(batch_ids)), reuse,
+                                   {start + batch_ids.index(b.image_id) for b in bad})
+                if any(old for old, _ in rows):  # an update: interleave the copied rows with the computed ones
+                    for s, target in {"c5": arr, **extra_arrs}.items():
+                        new = np.array(target[w:w + len(tensors)])
+                        target[w:w + len(rows)] = np.stack([reuse_from[s][r] if old else new[r] for old, r in rows])
                 # Rows are in place: now advance the state (never before, so a failure redoes the batch).
                 for b in bad:
                     log.warning("skipping image %r and its captions: %s (%s)", b.image_id, b.reason, b.path)
                     index = start + batch_ids.index(b.image_id)
                     state["skipped"].append({"image_id": b.image_id, "index": index, "reason": b.reason})
-                state["written"] = w + len(tensors)
+                state["written"] = w + len(rows)
                 state["done"] = start + len(batch_ids)
                 bar.update(len(batch_ids))
                 now = time.monotonic()
@@ -435,6 +622,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     computed = n - done_at_start if not finishing else 0
     return {"images": len(kept_ids), "captions": len(kept_caps), "listed_images": n,
             "features_bytes": final.stat().st_size, "features_sha256": file_sha256(final),
+            "captions_sha256": text_sha256(kept_caps), "image_files": records,
             "skipped": [{"image_id": s["image_id"], "reason": s["reason"]} for s in state["skipped"]],
             "batch_size": bs, "num_threads": torch.get_num_threads(),
             "seconds_this_run": round(seconds, 2),
@@ -447,8 +635,8 @@ def shards_root(out_dir: Path, split: str) -> Path:
 
 def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
                            ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
-                           progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = ()
-                           ) -> dict[str, Any] | None:
+                           progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
+                           known_files: dict[str, FileRecord | None] | None = None) -> dict[str, Any] | None:
     """_extract_split shared by the ranks of a torchrun group (see the module docstring). Every rank calls
     it; rank 0 returns the split's info, the others None."""
     n, world = len(ids), dist.world_size()
@@ -485,9 +673,11 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
     """Rank 0: concatenate the complete shares into the split's arrays (partial file, fsync, rename) and
     record them in the split's progress file as renamed, the state `_extract_split` finishes from."""
     shards = [(b, d) for b, d in shards if b[1] > b[0]]
-    skipped = []
+    skipped, records = [], {}
     for (start, stop), shard in shards:
-        for s in split_manifest(shard, split)["skipped"]:
+        info = split_manifest(shard, split)
+        records.update(info.get("image_files") or {})  # taken before each share decoded its images
+        for s in info["skipped"]:
             skipped.append({"image_id": s["image_id"], "index": start + ids[start:stop].index(s["image_id"]),
                             "reason": s["reason"]})
     for p in (captions_path(out_dir, split), ids_path(out_dir, split)):  # never stale beside new features
@@ -510,10 +700,11 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
     write_json_atomic(progress_path(out_dir, split), {
         "version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name, "n_images": len(ids),
         "batch_size": batch_size, "done": len(ids), "written": len(ids) - len(skipped), "skipped": skipped,
-        "features_complete": True})
+        "features_complete": True, "records": records})
 
 
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
+                    extra_captions: str = "drop", rehash: bool = False,
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
                     skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
                     on_batch: BatchHook | None = None, scales: str | list[str] | None = None,
@@ -531,6 +722,11 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     `num_threads` sets torch's intra-op threads for the run (default: leave torch's setting).
     `scales` ("c3,c4,c5" or a list) also writes the finer stage maps (SAVE's c3/c4) beside the main
     array, from the same forward pass (see the module docstring).
+    `extra_captions`: what to do with the captions of an image beyond the 5 the precomp layout holds:
+    "drop" (reported, listed in meta.json) or "keep" (written to `{split}_extra_caps.tsv`; training pairs
+    them with their image, evaluation keeps the protocol's 5 per image).
+    A split an earlier run completed is checked against its sources (see the module docstring): images
+    whose size and mtime are unchanged are trusted without reading them, unless `rehash`.
     Under torchrun every rank calls this with the same arguments and extracts a share of the images
     (see the module docstring); the output directory must be on a file system all ranks see.
     The backbone runs on `device` in `precision` (docs/gpu.md); images are decoded on a host thread and the
@@ -540,17 +736,23 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     placement = resolve(device, precision)
     dist.init_from_env("gloo")
     images_dir, out_dir = Path(images_dir), Path(out_dir)
+    if extra_captions not in ("drop", "keep"):
+        raise ValueError(f"extra_captions must be 'drop' or 'keep', got {extra_captions!r}")
+    keep_extra = extra_captions == "keep"
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if not images_dir.is_dir():
         raise DataError("images folder not found", path=images_dir,
                         hint="pass the folder that holds the image files named in the caption source")
+    table.check_disjoint_splits()  # the readers name the lines; this catches tables built in code
     available = [s for s in table.split_names() if s]
     if splits is None:
         splits = available
         if not splits:
             raise DataError("the caption table assigns no image to a split", path=table.source or None,
-                            hint="give the captions a split (train/dev/test) or use a source with splits")
+                            hint="name the split of captions that have none, e.g. `itmatch extract ... "
+                                 "--default-split train` for a CSV without a split column, or give the "
+                                 "captions a split column (train/dev/test)")
     unknown = [s for s in splits if s not in available]
     if unknown:
         raise DataError(f"split(s) {', '.join(map(repr, unknown))} not in the caption table",
@@ -575,13 +777,19 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     # list and backbone) are kept: re-running the command is idempotent, so a run killed in a later split
     # (or after its last write, before it exited) resumes instead of refusing to overwrite them. Outputs
     # of other images or another backbone are still only replaced with `force`.
-    done_before = {s for s in splits if not force and _complete(out_dir, s, fingerprints[s], extras)}
+    # A kept split is checked against its sources: meta.json records the fingerprints of its caption text
+    # and of every image file (size + mtime, SHA-256 when they differ), so that a re-run after captions
+    # were edited or a photo was replaced updates exactly that instead of keeping stale data.
+    changes: dict[str, _SourceChanges] = {}
     for split in splits:
-        if split in done_before or _finishing(out_dir, split, fingerprints[split], extras):
+        if force or _finishing(out_dir, split, fingerprints[split], extras):
             continue
-        extra_paths = [scale_path(out_dir, split, s) for s in extras]
-        for p in (features_path(out_dir, split), captions_path(out_dir, split), ids_path(out_dir, split),
-                  *extra_paths):
+        if _complete(out_dir, split, fingerprints[split], extras):
+            changes[split] = _source_changes(out_dir, split, images_dir, *rows[split], rehash=rehash)
+            continue
+        _refuse_other_extraction(out_dir, split, rows[split][0], force)
+        for p in (captions_path(out_dir, split), ids_path(out_dir, split),
+                  *(scale_path(out_dir, split, s) for s in extras)):
             refuse_overwrite(p, force)
 
     meta_file = out_dir / META_NAME
@@ -613,17 +821,43 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
 
     with _strict_pil(), _torch_threads(num_threads), placement.autocast():
         for split in splits:
-            if split in done_before:
-                log.info("split %s is complete from an earlier run of this command; kept", split)
-                continue
             ids, caps = rows[split]
+            per = len(caps) // len(ids)
             run_split = _extract_split_sharded if dist.is_distributed() else _extract_split
+            reuse: dict[str, Any] = {}
+            ch = changes.get(split)
+            if ch is not None:
+                old_info = meta["splits"][split]
+                if not ch.images:  # same features: the caption text and the manifest are brought up to date
+                    if not dist.is_main():
+                        continue
+                    info = _refreshed_info(out_dir, split, old_info, ch)
+                    info.update(_sync_extra_captions(out_dir, split, table, ch.kept_ids, per, keep_extra))
+                    if info == old_info:
+                        log.info("split %s is complete and its sources are unchanged; kept", split)
+                        continue
+                    meta["splits"][split] = info
+                    write_json_atomic(meta_file, meta)
+                    remove_atomic_leftovers(meta_file)
+                    continue
+                log.warning("split %s: %d image file(s) changed since the extraction (%s): re-extracting %s",
+                            split, len(ch.images), _examples(ch.images), "their rows, keeping the others"
+                            if not dist.is_distributed() else "the split (torchrun re-extracts whole splits)")
+                if ch.captions_stale:
+                    _log_caption_changes(out_dir, split, ch)
+                if not dist.is_distributed():
+                    reuse = _reuse_rows(out_dir, split, ids, ch.images, extras)
             info = run_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
                              force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
-                             extras=extras)
+                             extras=extras, known_files=ch.records if ch is not None else None, **reuse)
             if info is None:  # a rank other than 0: rank 0 writes the manifest
                 continue
-            meta["splits"][split] = {**info, "fingerprint": fingerprints[split]}
+            skipped = {s["image_id"] for s in info["skipped"]}
+            kept_ids = [i for i in ids if i not in skipped]
+            meta["splits"][split] = {**info, "fingerprint": fingerprints[split],
+                                     **_sync_extra_captions(out_dir, split, table, kept_ids, per, keep_extra)}
+            if ch is not None:
+                meta["splits"][split]["updated"] = _update_record(ch)
             write_json_atomic(meta_file, meta)
             _fsync_dir(out_dir)
             progress_path(out_dir, split).unlink(missing_ok=True)

@@ -3,8 +3,8 @@
 Layout of INDEX_DIR (everything but `parts/` is replaced atomically; `manifest.json` is written last):
 
     manifest.json               format, the model's identity, backbone, one record per image (relative
-                                path, bytes, pixel size, sha256 of the file), the array files with
-                                their shapes and sha256
+                                path, bytes, mtime_ns, pixel size, sha256 of the file), the array files
+                                with their shapes and sha256
     features-<gen>.npy          float32 [N, k, D] backbone grid features (what `itmatch extract` computes)
     regions-<gen>.npy           float32 [N, k, d] the model's per-region encodings (ImageEmb.regions)
     vectors-<gen>.npy           float32 [N, d] the global vector, for models that have one (VSE++)
@@ -12,7 +12,10 @@ Layout of INDEX_DIR (everything but `parts/` is replaced atomically; `manifest.j
 
 Incremental by content: an image's encodings are looked up by the sha256 of its file, so re-running
 after adding photos encodes only the new ones, a changed file (new hash) is re-encoded, a deleted one is
-dropped and a moved or renamed one keeps its encodings. Resumable: new images are encoded in chunks,
+dropped and a moved or renamed one keeps its encodings; the summary lists what was added, changed and
+removed. A file whose size and mtime equal its manifest record is not read again (`itmatch.fingerprint`:
+the hash is computed only when either differs), so an up-to-date index of a large collection costs one
+stat per photo. Resumable: new images are encoded in chunks,
 each chunk saved to `parts/` atomically, so an interrupted run continues where it stopped; the arrays
 of a finished run get a new generation name and the manifest that names them is written last, so a
 crash at any point leaves either the old index or the new one, never a mix.
@@ -45,6 +48,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from itmatch.errors import CheckpointError, DataError, OverwriteError
+from itmatch.fingerprint import file_record
 from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
 from itmatch.models.base import ImageEmb
 from itmatch.retrieval.names import public_id
@@ -273,6 +277,7 @@ def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
 
 
 def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | str, *, force: bool = False,
+                rehash: bool = False,
                 batch_size: int = 8, chunk: int = 64, progress: bool = True,
                 on_chunk: Callable[[int, int], None] | None = None, device: str | torch.device = "cpu",
                 precision: str = "fp32", trust_modified: bool = False) -> dict[str, Any]:
@@ -289,6 +294,9 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     Under torchrun (docs/distributed.md) every rank calls this with the same arguments: rank r encodes its
     contiguous share of the images to encode into chunk files of its own, then rank 0 reads every rank's
     chunks and writes the index; every rank returns rank 0's summary.
+
+    A photo whose size and mtime equal its record in the existing manifest is not read again, unless
+    `rehash` (then every photo is hashed).
     """
     from itmatch.api import load
     from itmatch.engine import distributed as dist
@@ -350,7 +358,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     parts = _read_parts(parts_dir, identity)
 
     paths = scan_images(images_dir, exclude=out_dir)
-    records, unreadable = _hash_files(images_dir, paths, progress)
+    records, unreadable = _hash_files(images_dir, paths, progress, None if rehash else old)
 
     has_regions = "regions" in old_arrays
     todo = []  # unique contents with no encodings yet
@@ -440,7 +448,12 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                  and old["model"] == identity  # (else records this checkpoint: its vocabulary, its path)
                  and old.get("images_root") == str(images_dir)
                  and [(e["id"], e["sha256"]) for e in old["images"]] == [(r["id"], r["sha256"]) for r in records])
-    if unchanged:  # nothing to rewrite (an up-to-date index of a large collection costs only the hashing)
+    if unchanged:  # no array to rewrite (an up-to-date index of a large collection costs one stat per photo)
+        if [e.get("mtime_ns") for e in old["images"]] != [r["mtime_ns"] for r in records]:
+            # touched files (same content, new mtime): recorded, so that the next run skips their hashing
+            images = [{**e, "bytes": r["bytes"], "mtime_ns": r["mtime_ns"]}
+                      for e, r in zip(old["images"], records, strict=True)]
+            write_json_atomic(out_dir / MANIFEST, {**old, "images": images})
         return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
     manifest = _consolidate(out_dir, old, old_arrays if has_regions else {}, old_rows, parts, records,
                             identity, row_shapes, images_dir)
@@ -452,17 +465,21 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
 
 
-def _hash_files(images_dir: Path, paths: list[str], progress: bool) -> tuple[list[dict], list[dict[str, str]]]:
-    """A record (id, bytes, sha256) per file, and the files that could not be read (a dangling link, no
-    permission, a name too long for the system's path limit), which are skipped with a warning."""
+def _hash_files(images_dir: Path, paths: list[str], progress: bool, old: dict[str, Any] | None
+                ) -> tuple[list[dict], list[dict[str, str]]]:
+    """A record (id, bytes, mtime_ns, sha256) per file, and the files that could not be read, which are
+    skipped with a warning. A file whose size and mtime equal its record in the `old` manifest is not
+    read (`itmatch.fingerprint.file_record`)."""
+    known = {e["id"]: e for e in old["images"]} if old is not None else {}
     records, unreadable = [], []
     for rel in tqdm(paths, desc="hash images", unit="img", disable=not progress, leave=False):
-        p = images_dir / rel
         try:
-            records.append({"id": rel, "bytes": p.stat().st_size, "sha256": file_sha256(p)})
+            rec = file_record(images_dir / rel, known.get(rel))
         except OSError as exc:
             log.warning("skipping %s: cannot read the file (%s)", public_id(rel), exc.strerror or exc)
             unreadable.append({"id": rel, "reason": f"cannot read the file: {exc.strerror or exc}"})
+            continue
+        records.append({"id": rel, "bytes": rec["bytes"], "mtime_ns": rec["mtime_ns"], "sha256": rec["sha256"]})
     return records, unreadable
 
 
