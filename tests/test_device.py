@@ -318,3 +318,21 @@ def test_training_in_bf16_on_the_cpu_runs_and_records_its_setting(tiny_precomp, 
     weights = torch.load(tmp_path / "run" / "last" / "optimizer.pt", weights_only=True)
     assert all(v.dtype == torch.float32 for s in weights["state"].values() for v in s.values() if v.dim())
     assert resolve("cpu", "bf16").precision == "bf16"
+
+
+@pytest.mark.slow
+def test_the_gpu_bench_runs_on_the_cpu_at_smoke_size(tmp_path):
+    """bench/gpu.py takes the issue's GPU measurements; on the CPU at tiny sizes it must still run."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "report.json"
+    bench = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    subprocess.run([sys.executable, str(bench), "eval", "train", "--device", "cpu", "--smoke", "--images", "2",
+                    "--captions", "20", "--reference-images", "1", "--presets", "vsepp", "--out", str(out)],
+                   check=True, capture_output=True, timeout=600)
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["eval"]["public_loop"][0]["max_abs_diff_vs_engine"] < 1e-4
+    assert {r["precision"] for r in report["train"]["steps"]} == {"fp32", "bf16"}

@@ -437,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="images folder, for models that read pixels (default: the checkpoint's data.images)")
     s.add_argument("--protocol", default="full", choices=["1k", "full", "coco1k", "coco5k"])
     s.add_argument("--budget-gb", type=positive_float, default=4.0,
-                   help="memory budget of scoring: score matrix + one block's temporaries (default 4)")
+                   help="memory budget of scoring: score matrix + one block's temporaries (default 4); on a GPU "
+                        "it bounds the host's score matrix and blocks are sized from the GPU's free memory")
     s.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (default 0: all cores)")
     s.add_argument("--rerank", type=non_negative_int, default=0, metavar="K",
                    help="two-stage: re-score only the first stage's top K per query, both directions "

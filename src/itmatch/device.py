@@ -9,8 +9,8 @@ Precision is autocast, never a cast of the weights: parameters, optimizer state 
 so a checkpoint trained in bf16 evaluates in fp32 and the reverse. fp32 is the default and is exact: no
 autocast at all (the same numbers as before this setting existed). fp16 needs CUDA and trains with a
 gradient scaler; bf16 runs on a GPU that supports it and also on the CPU, where torch's CPU autocast
-implements it: allowed there (useful to check a bf16 run before renting a GPU, and fast on CPUs with bf16
-matrix units), but on most CPUs it is slower than fp32, which is why it is never chosen for you."""
+implements it: allowed there (to check a bf16 run before renting a GPU; faster than fp32 on CPUs with bf16
+instructions, emulated on others), but never chosen for you, because it is not exact."""
 
 from __future__ import annotations
 

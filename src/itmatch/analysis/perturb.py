@@ -20,6 +20,7 @@ from typing import Any
 from itmatch.config import Config
 from itmatch.data.perturb import PERTURBATIONS, POS_CLASSES, CaptionPerturbation, prior_probabilities, tag_captions
 from itmatch.data.precomp import PrecompSplit, read_precomp
+from itmatch.device import resolve
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.train import train
@@ -93,7 +94,10 @@ def _evaluate(run_dir: Path, split: PrecompSplit, protocol: str, progress: bool)
         if cached.get("n_captions") == len(split.captions):
             return cached["result"], cached["best_epoch"]
     ckpt = load_checkpoint(run_dir / "best")
-    result = evaluate_models([(ckpt.model, ckpt.vocab)], split, protocol, progress=progress)
+    where = resolve(ckpt.config.train.device, ckpt.config.train.precision, device_setting="train.device",
+                    precision_setting="train.precision")  # (evaluated where and as it trained)
+    result = evaluate_models([(ckpt.model.to(where.device), ckpt.vocab)], split, protocol, progress=progress,
+                             precision=where.precision)
     best_epoch = ckpt.state.get("best_epoch")
     write_json_atomic(cache, {"n_captions": len(split.captions), "best_epoch": best_epoch, "result": result})
     return result, best_epoch

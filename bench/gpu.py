@@ -1,0 +1,251 @@
+"""Accelerator benchmarks of issue 23 (docs/gpu.md): run them on a GPU; they also run on the CPU at small
+sizes (--smoke), which is how they are kept working without one.
+
+  python bench/gpu.py eval  --device cuda            # SCAN t-i AVG, 1000 x 36 x 1024 vs the 5000 F30K test captions
+  python bench/gpu.py train --device cuda            # training throughput per preset, fp32 vs bf16
+  python bench/gpu.py train --device cuda --data runs/data/flickr8k_lite0 --epochs 20   # + recall of both
+  python bench/gpu.py eval train --device cpu --smoke  # the CPU check (seconds)
+
+eval: exact evaluation of the SCAN t-i AVG head at Flickr30K test scale (random region features, the real test
+captions' lengths), seconds in fp32, TF32 and bf16 autocast, the FLOPs actually executed (torch's counter) as a
+fraction of the same device's measured matmul peak (fp32, TF32, bf16 GEMMs timed in the same run), beside the
+public per-caption loop (bench/scan_reference.py, the same math as SCAN's evaluation.py) on the same device and
+embeddings in float32 and float64, with the largest difference from it.
+train: images/s and seconds per Flickr8K epoch of every preset's training step (forward, loss, backward, Adam)
+at batch 128 in fp32 and bf16; with --data, the same schedule trained in both precisions and the 1K test
+rsum of each (issue 23: bf16 must not lose more than 1 rsum).
+Writes a JSON report (--out) and prints one line per measurement; nothing here is a test."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from perf import F30K, counted_flops, make_model, random_features, read_captions  # noqa: E402
+
+from itmatch.data.datasets import pad_tokens  # noqa: E402
+from itmatch.device import Placement, resolve  # noqa: E402
+from itmatch.inference import encode_caption_buckets, encode_images, score_matrix, unbucket_texts  # noqa: E402
+
+FLICKR8K_TRAIN_CAPTIONS = 30000  # 6000 images x 5: one epoch at batch 128 is 234 steps
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int = 3) -> float:
+    """Best wall seconds of `repeats` calls after one warm-up call (kernels compiled, allocator warm)."""
+    fn()
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, tf32: bool = False) -> float:
+    """The device's dense GEMM peak as measured here: best of a few size^3 products in `dtype`."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        return 2 * size**3 / timed(lambda: a @ b, device, 5) / 1e12
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def section_eval(args, placement: Placement) -> dict:
+    from scan_reference import _xattn
+
+    device = placement.device
+    model, cfg, vocab = make_model("scan_t2i_avg")  # D = 1024, the paper's
+    model.to(device)
+    captions = read_captions(F30K[0], args.captions)
+    with torch.inference_mode():
+        img = encode_images(model, random_features(args.images))
+        buckets = encode_caption_buckets(model, captions, vocab)
+    n, m = len(img), sum(len(c) for c, _ in buckets)
+    flops = counted_flops(lambda: score_matrix(model, img.take(torch.arange(1)), buckets)) * n
+    gemm = 4096 if device.type == "cuda" else 1024
+    peaks = {"fp32": matmul_peak_tflops(device, torch.float32, gemm)}
+    if device.type == "cuda":
+        peaks["tf32"] = matmul_peak_tflops(device, torch.float32, gemm, tf32=True)
+        peaks["bf16"] = matmul_peak_tflops(device, torch.bfloat16, gemm)
+    reference = score_matrix(model, img, buckets)
+    rows = []
+    for mode in (["fp32", "tf32", "bf16"] if device.type == "cuda" else ["fp32", "bf16"]):
+        run = Placement(device, "bf16" if mode == "bf16" else "fp32")
+        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+        with run.autocast():
+            seconds = timed(lambda: score_matrix(model, img, buckets), device, args.repeats)
+            scores = score_matrix(model, img, buckets)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        peak = peaks.get(mode, peaks["fp32"])
+        row = {"mode": mode, "images": n, "captions": m, "seconds": round(seconds, 4), "tflop": flops / 1e12,
+               "tflops": flops / seconds / 1e12, "peak_tflops": peak, "fraction_of_peak": flops / seconds / 1e12 / peak,
+               "max_abs_diff_vs_fp32": float((scores - reference).abs().max())}
+        rows.append(row)
+        print(f"eval {mode:<5} {seconds:8.3f} s  {row['tflops']:.3g} TFLOP/s = {100 * row['fraction_of_peak']:.0f}% "
+              f"of the {peak:.3g} measured  (max diff vs fp32 {row['max_abs_diff_vs_fp32']:.1e})", flush=True)
+    # the public per-caption loop on the same device and embeddings (SCAN's shard_xattn_t2i, shards of 128)
+    txt = unbucket_texts(buckets)
+    public = []
+    for dtype in (torch.float32, torch.float64):
+        images, words = img.regions.to(dtype), txt.words.to(dtype)
+        lengths = txt.lengths.tolist()
+        n_ref = min(n, args.reference_images)
+
+        def loop(images=images, words=words, lengths=lengths, n_ref=n_ref):
+            with torch.inference_mode():
+                return torch.cat([torch.cat([_xattn(images[i0:i0 + 128][:n_ref - i0], words[j0:j0 + 128],
+                                                    lengths[j0:j0 + 128], "t2i", "avg", 9.0, 6.0)
+                                             for j0 in range(0, m, 128)], 1) for i0 in range(0, n_ref, 128)])
+
+        seconds = timed(loop, device, 1) * n / n_ref  # extrapolated from n_ref images when fewer are timed
+        diff = float((loop().float().cpu() - reference[:n_ref]).abs().max())
+        public.append({"dtype": str(dtype).removeprefix("torch."), "timed_images": n_ref,
+                       "seconds_all_images": round(seconds, 3), "max_abs_diff_vs_engine": diff})
+        print(f"public loop {str(dtype):<14} {seconds:8.2f} s for {n} images (timed on {n_ref}), max diff vs the "
+              f"engine {diff:.1e}", flush=True)
+    return {"preset": "scan_t2i_avg", "embed": cfg.model.embed_size, "regions": 36, "modes": rows,
+            "public_loop": public, "measured_peak_tflops": peaks}
+
+
+def training_step(model, cfg, feats: torch.Tensor, batch, optimizer, scaler, placement: Placement) -> None:
+    with placement.autocast():
+        loss = model.training_loss(model.encode_images(feats), model.encode_texts(batch.tokens, batch.lengths),
+                                   cfg.loss, hardest=True)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def section_train(args, placement: Placement) -> dict:
+    device = placement.device
+    precisions = ["fp32", "bf16"]
+    captions = read_captions(F30K[0], args.batch)
+    feats = torch.from_numpy(random_features(args.batch, seed=2, dim=args.img_dim)).to(device)
+    rows = []
+    for preset in args.presets:
+        for precision in precisions:
+            model, cfg, vocab = make_model(preset, embed=args.embed, img_dim=args.img_dim)
+            if cfg.model.arch == "mmca":  # B^2 cross-attention pairs do not fit at B = 128 (docs/mmca.md)
+                model.head.train_negatives = 8
+            model.to(device).train()
+            run = Placement(device, precision)
+            batch = pad_tokens([vocab.encode(c) for c in captions]).to(device)
+            optimizer = torch.optim.Adam(model.parameters(), lr=2e-4)
+            scaler = run.grad_scaler()
+            step = functools.partial(training_step, model, cfg, feats, batch, optimizer, scaler, run)
+            seconds = timed(step, device, args.steps)
+            row = {"preset": preset, "precision": precision, "embed": cfg.model.embed_size, "batch": args.batch,
+                   "seconds_per_step": round(seconds, 4), "images_per_s": args.batch / seconds,
+                   "flickr8k_epoch_seconds": FLICKR8K_TRAIN_CAPTIONS // args.batch * seconds}
+            rows.append(row)
+            print(f"train {preset:<16} {precision}  {row['images_per_s']:8.0f} img/s  "
+                  f"{row['flickr8k_epoch_seconds']:7.1f} s per Flickr8K epoch (model step only)", flush=True)
+    recall = []
+    if args.data:
+        recall = train_both_precisions(args, placement)
+    return {"steps": rows, "recall": recall}
+
+
+def train_both_precisions(args, placement: Placement) -> list[dict]:
+    """The same schedule trained in fp32 and in bf16 on a precomp dataset, and the 1K test rsum of each."""
+    from itmatch.data.precomp import read_precomp
+    from itmatch.engine.checkpoint import load_checkpoint
+    from itmatch.engine.evaluate import evaluate_models
+    from itmatch.engine.train import train
+    from itmatch.models.registry import resolve_config
+
+    out = []
+    for preset in args.presets:
+        for precision in ("fp32", "bf16"):
+            run = Path(args.runs) / f"{preset}_{precision}"
+            cfg = resolve_config(preset, {"data": {"path": args.data}, "train": {
+                "epochs": args.epochs, "lr_update": max(1, args.epochs // 2), "bucket_by_length": True,
+                "max_batches": args.max_batches}, "loss": {"warmup_epochs": 1}})
+            t0 = time.perf_counter()
+            train(cfg, run, force=True, progress=False, device=str(placement.device), precision=precision)
+            seconds = time.perf_counter() - t0
+            ckpt = load_checkpoint(run / "best")
+            split = read_precomp(args.data, "test")
+            result = evaluate_models([(ckpt.model.to(placement.device), ckpt.vocab)], split,
+                                     "1k" if split.n_images >= 1000 else "full", precision=precision)
+            out.append({"preset": preset, "precision": precision, "epochs": args.epochs,
+                        "train_seconds": round(seconds, 1), "test_rsum": result["rsum"]})
+            print(f"recall {preset:<16} {precision}  rsum {result['rsum']:.1f} after {seconds:.0f} s", flush=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("sections", nargs="+", choices=["eval", "train"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--smoke", action="store_true", help="small sizes (the CPU check: seconds)")
+    p.add_argument("--images", type=int, help="images scored (default 1000; --smoke 4)")
+    p.add_argument("--captions", type=int, help="F30K test captions (default all 5000; --smoke 100)")
+    p.add_argument("--reference-images", type=int, help="images the public loop is timed on (default all; "
+                                                         "--smoke 2), extrapolated to --images")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats (the best is kept)")
+    p.add_argument("--presets", default="vsepp,scan_t2i_avg,scan_i2t_lse,oan,sman,save_dsa,mmca",
+                   help="comma list of presets for `train`")
+    p.add_argument("--embed", type=int, default=1024, help="joint dimension D for `train` (--smoke 32)")
+    p.add_argument("--img-dim", type=int, default=1280, help="region feature size (Lite0: 1280)")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5, help="timed training steps (best kept)")
+    p.add_argument("--data", help="precomp directory: also train both precisions and compare their recall")
+    p.add_argument("--epochs", type=int, default=20)
+    p.add_argument("--max-batches", type=int, default=0, help="cap batches per epoch of the recall runs")
+    p.add_argument("--runs", default="runs/bench_gpu", help="run directories of the recall runs")
+    p.add_argument("--out", help="JSON report (default runs/bench_gpu/<device>.json)")
+    args = p.parse_args()
+    placement = resolve(args.device, "fp32")
+    if args.smoke:
+        args.images, args.captions = args.images or 4, args.captions or 100
+        args.reference_images = args.reference_images or 2
+        args.embed, args.batch, args.steps, args.repeats = 32, 16, 1, 1
+        if args.presets == p.get_default("presets"):
+            args.presets = "vsepp,scan_t2i_avg"
+    args.images, args.captions = args.images or 1000, args.captions or 5000
+    args.reference_images = args.reference_images or args.images
+    args.presets = [s for s in args.presets.split(",") if s]
+    device = placement.device
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+              "torch": torch.__version__, "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(sys.argv), "smoke": args.smoke}
+    torch.manual_seed(0)
+    np.random.seed(0)
+    for section in args.sections:
+        report[section] = (section_eval if section == "eval" else section_train)(args, placement)
+    out = Path(args.out or ROOT / "runs" / "bench_gpu" / f"{device.type}{'_smoke' if args.smoke else ''}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
