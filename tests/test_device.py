@@ -336,3 +336,16 @@ def test_the_gpu_bench_runs_on_the_cpu_at_smoke_size(tmp_path):
     report = json.loads(out.read_text())
     assert report["eval"]["public_loop"][0]["max_abs_diff_vs_engine"] < 1e-4
     assert {r["precision"] for r in report["train"]["steps"]} == {"fp32", "bf16"}
+
+
+def test_a_gpu_schedule_on_a_cpu_only_machine_names_the_cpu_schedule(tmp_path, capsys, monkeypatch):
+    """configs/flickr8k/gpu.yaml sets train.device: cuda; without CUDA, training stops before any work and
+    says to use the CPU schedule."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = Path(__file__).resolve().parents[1] / "configs" / "flickr8k" / "gpu.yaml"
+    out = tmp_path / "run"
+    argv = ["train", "--preset", "vsepp", "--config", str(config), "--data", str(tmp_path), "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "train.device" in err and "configs/flickr8k/cpu.yaml" in err and "Traceback" not in err
+    assert not out.exists()

@@ -222,9 +222,15 @@ def resolve_placement(cfg: Config, device: str | None = None, precision: str | N
         cfg.train.device = device
     if precision is not None:
         cfg.train.precision = precision
-    return resolve(cfg.train.device, cfg.train.precision,
-                   device_setting="--device" if device is not None else "train.device",
-                   precision_setting="--precision" if precision is not None else "train.precision")
+    try:
+        return resolve(cfg.train.device, cfg.train.precision,
+                       device_setting="--device" if device is not None else "train.device",
+                       precision_setting="--precision" if precision is not None else "train.precision")
+    except ConfigError as exc:
+        if device is None and cfg.train.device.startswith("cuda"):  # a GPU schedule on a machine without one
+            exc.hint = (f"{exc.hint}; this config is a GPU schedule: on a CPU-only machine train with the CPU "
+                        "schedule (e.g. --config configs/flickr8k/cpu.yaml) or pass --device cpu")
+        raise
 
 
 def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, PrecompSplit, AnyVocab]:
