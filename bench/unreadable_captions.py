@@ -1,5 +1,5 @@
 """How far captions the model cannot read would reach in photo -> captions ranking if they were scored (the
-figure behind docs/reliability.md U2): captions made only of unknown words are added to a split's captions,
+figure behind docs/reliability.md row 13): captions made only of unknown words are added to a split's captions,
 every pair is scored with the model's own head, and for each image we count its true captions that score
 below the best unreadable caption, and whether an unreadable caption is the image's top-1.
 `Searcher.search_image` never ranks such captions, so with it both counts are 0.

@@ -165,8 +165,6 @@ def _extract_code(images: Path, captions: Path, out: Path) -> str:
 
 
 def test_extraction_killed_at_random_points_resumes_to_identical_arrays(tmp_path):
-    from itmatch.data.precomp import read_precomp
-
     rng = random.Random(SEED + 1)
     images, captions = _images(tmp_path, 24)
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
@@ -175,15 +173,23 @@ def test_extraction_killed_at_random_points_resumes_to_identical_arrays(tmp_path
                               startup, work)
     assert faults, "no kill landed: the job finished before every kill moment"
     context = f"seed {SEED + 1}, faults {faults}"
+    _assert_same_extraction(ref_dir, run_dir, context, ("features_sha256",))
+    print(f"extraction: {context}")
+
+
+def _assert_same_extraction(ref_dir: Path, run_dir: Path, context: str, meta_keys: tuple[str, ...]) -> None:
+    """The killed-and-resumed extraction in `run_dir` equals the uninterrupted one in `ref_dir`: arrays,
+    captions, ids, the `meta_keys` of each split's meta.json, and no leftover progress or partial file."""
+    from itmatch.data.precomp import read_precomp
+
+    meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (ref_dir, run_dir))
     for split in ("train", "dev"):
         a, b = read_precomp(ref_dir, split), read_precomp(run_dir, split, verify_checksum=True)
         np.testing.assert_array_equal(np.asarray(a.images), np.asarray(b.images), err_msg=context)
         assert a.captions == b.captions and a.ids == b.ids, context
-    meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (ref_dir, run_dir))
-    for split in ("train", "dev"):
-        assert meta_a["splits"][split]["features_sha256"] == meta_b["splits"][split]["features_sha256"], context
+        for key in meta_keys:
+            assert meta_a["splits"][split][key] == meta_b["splits"][split][key], (split, key, context)
     assert not list(run_dir.glob("*.progress.json")) and not list(run_dir.glob("*.partial")), context
-    print(f"extraction: {context}")
 
 
 def test_extraction_update_killed_at_random_points_resumes_to_identical_arrays(tmp_path):
@@ -207,16 +213,10 @@ def test_extraction_update_killed_at_random_points_resumes_to_identical_arrays(t
                               startup, work)
     assert faults, "no kill landed: the job finished before every kill moment"
     context = f"seed {SEED + 3}, faults {faults}"
-    for split in ("train", "dev"):
-        a, b = read_precomp(ref_dir, split), read_precomp(run_dir, split, verify_checksum=True)
-        np.testing.assert_array_equal(np.asarray(a.images), np.asarray(b.images), err_msg=context)
-        assert a.captions == b.captions and a.ids == b.ids, context
-    meta_a, meta_b = (json.loads((d / "meta.json").read_text()) for d in (ref_dir, run_dir))
-    for key in ("features_sha256", "captions_sha256", "image_files"):
-        assert meta_a["splits"]["train"][key] == meta_b["splits"]["train"][key], (key, context)
-    assert meta_b["splits"]["train"]["updated"]["image_files_changed"] == replaced, context
+    _assert_same_extraction(ref_dir, run_dir, context, ("features_sha256", "captions_sha256", "image_files"))
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["splits"]["train"]["updated"]["image_files_changed"] == replaced, context
     assert "an edited caption" in read_precomp(run_dir, "train").captions
-    assert not list(run_dir.glob("*.progress.json")) and not list(run_dir.glob("*.partial")), context
     print(f"extraction update: {context}")
 
 
