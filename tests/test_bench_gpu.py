@@ -68,7 +68,8 @@ def test_the_gpu_schedule_files_train_a_few_batches(preset, schedule, tiny_preco
     """A smoke run of each schedule file (2 batches on the tiny fixture; the full schedule needs a GPU)."""
     cfg = resolve_config(preset, load_yaml(ROOT / "configs" / "flickr8k" / schedule), parse_overrides(
         [f"data.path={tiny_precomp}", "model.embed_size=16", "model.word_dim=8", "train.epochs=1",
-         "train.max_batches=2", "train.batch_size=16", "train.val_images=20", "train.threads=1"]))
+         "train.max_batches=2", "train.batch_size=16", "train.val_images=20", "train.threads=1",
+         "train.device=cpu"]))  # (the files ask for CUDA; the smoke run is on the CPU)
     result = train(cfg, tmp_path / "run", progress=False)
     assert result["best_epoch"] == 1 and (tmp_path / "run" / "best" / "model.safetensors").is_file()
 

@@ -91,18 +91,23 @@ def test_precision_is_a_checked_config_key():
 
 @no_gpu
 @pytest.mark.parametrize("argv", [
-    ["evaluate", "no/such/checkpoint", "--device", "cuda:7"],
-    ["train", "--preset", "vsepp", "--data", "no/such/data", "--out", "{out}", "--device", "cuda"],
-    ["train", "--preset", "vsepp", "--data", "no/such/data", "--out", "{out}", "--precision", "fp16"],
-    ["extract", "no/such/images", "no/such/captions.txt", "--out", "{out}", "--device", "cuda"],
-    ["index", "no/such/photos", "--model", "no/such/ckpt", "--out", "{out}", "--device", "cuda:1"],
-    ["search", "no/such/index", "a dog", "--device", "cuda"],
+    ["evaluate", "{empty}", "--device", "cuda:7"],
+    ["train", "--preset", "vsepp", "--data", "{empty}", "--out", "{out}", "--device", "cuda"],
+    ["train", "--preset", "vsepp", "--data", "{empty}", "--out", "{out}", "--precision", "fp16"],
+    ["extract", "{empty}", "{file}", "--out", "{out}", "--device", "cuda"],
+    ["index", "{empty}", "--model", "{empty}", "--out", "{out}", "--device", "cuda:1"],
+    ["search", "{empty}", "a dog", "--device", "cuda"],
 ])
 def test_every_verb_refuses_a_bad_device_before_any_work(argv, tmp_path, capsys):
-    out = tmp_path / "out"
-    assert main([a.replace("{out}", str(out)) for a in argv]) == 2
+    """The inputs exist (the argument checks pass) but are empty: reading any of them would fail with
+    another message, so the device error shows that nothing was read."""
+    out, empty, file = tmp_path / "out", tmp_path / "empty", tmp_path / "captions.txt"
+    empty.mkdir()
+    file.write_text("")
+    given = {"{out}": str(out), "{empty}": str(empty), "{file}": str(file)}
+    assert main([given.get(a, a) for a in argv]) == 2
     err = capsys.readouterr().err
-    assert "--device" in err or "--precision" in err, err  # not "no/such/..." : nothing was read
+    assert "--device" in err or "--precision" in err, err
     assert not out.exists()
 
 
