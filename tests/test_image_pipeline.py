@@ -17,7 +17,9 @@ from PIL import Image
 import itmatch
 from itmatch.data.captions import CaptionTable
 from itmatch.data.images import ImageFiles
+from itmatch.errors import DataError
 from itmatch.features import extract_precomp, load_backbone
+from itmatch.features.pipeline import UnreadableImage, decode_image
 from itmatch.retrieval.index import build_index, load_index
 
 FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k" / "images"
@@ -127,6 +129,8 @@ def test_api_and_index_compute_the_reference_grids(tiny_search_setup, photo_fold
             opened.append(im.copy())
     from_pil = matcher.image_features(opened, batch_size=len(names))
     np.testing.assert_array_equal(from_pil.numpy(), reference["grids"])
+    from_bytes = matcher.image_features([(folder / n).read_bytes() for n in names], batch_size=len(names))
+    np.testing.assert_array_equal(from_bytes.numpy(), reference["grids"])
 
     build_index(folder, tiny_search_setup["checkpoint"], tmp_path / "index", batch_size=len(names),
                 chunk=len(names), progress=False)
@@ -134,6 +138,21 @@ def test_api_and_index_compute_the_reference_grids(tiny_search_setup, photo_fold
     rows = {e["id"]: r for r, e in enumerate(index.manifest["images"])}
     features = np.load(tmp_path / "index" / index.manifest["arrays"]["features"]["file"])
     np.testing.assert_array_equal(features[[rows[n] for n in names]], reference["grids"])
+    sizes = {e["id"]: (e["width"], e["height"]) for e in index.manifest["images"]}
+    assert sizes["b_exif6.jpg"] == (56, 80) and sizes["a_rgb.jpg"] == (80, 56)  # as shown: upright
+
+
+def test_an_unreadable_image_is_an_error_naming_it(tmp_path):
+    broken = tmp_path / "broken.jpg"
+    broken.write_bytes(b"not an image at all")
+    with pytest.raises(UnreadableImage, match="cannot read image") as err:
+        decode_image(broken)
+    assert err.value.path == broken and not err.value.missing and isinstance(err.value, DataError)
+    with pytest.raises(UnreadableImage, match="not found") as err:
+        decode_image(tmp_path / "gone.png")
+    assert err.value.missing
+    with pytest.raises(UnreadableImage, match="<bytes>: cannot read image"):
+        decode_image(b"\xff\xd8 truncated")
 
 
 def test_extraction_of_stage_maps_writes_the_reference_maps(lite0, photo_folder, reference, tmp_path):
