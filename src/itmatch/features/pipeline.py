@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, ImageOps
+from PIL import ExifTags, Image, ImageFile, ImageOps
 from torch import nn
 
 from itmatch.device import Placement, module_device
@@ -59,7 +59,8 @@ def strict_decoding() -> Iterator[None]:
 def upright_rgb(image: Image.Image) -> Image.Image:
     """EXIF orientation applied (a phone photo stored sideways comes out as shown), then any mode (greyscale,
     CMYK, palette, alpha) converted to 3-channel RGB."""
-    image = ImageOps.exif_transpose(image)
+    if image.getexif().get(ExifTags.Base.Orientation, 1) != 1:  # (else exif_transpose would only copy it)
+        image = ImageOps.exif_transpose(image)
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
