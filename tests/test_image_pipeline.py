@@ -167,3 +167,24 @@ def test_extraction_of_stage_maps_writes_the_reference_maps(lite0, photo_folder,
     for scale, name in (("c3", "test_ims_c3.npy"), ("c4", "test_ims_c4.npy"), ("c5", "test_ims.npy")):
         expected = maps[scale].flatten(2).transpose(1, 2).numpy()
         np.testing.assert_array_equal(np.load(tmp_path / "precomp" / name), expected, err_msg=scale)
+
+
+def test_bf16_runs_the_backbone_in_autocast_alike_in_extraction_and_the_api(tiny_search_setup, photo_folder,
+                                                                            reference, tmp_path):
+    """--precision bf16 on the CPU: extraction and the API run the same autocast forward (equal grids, float32
+    on the host), and it is really bf16 (the grids differ from fp32's)."""
+    folder, names = photo_folder
+    names = names[:4]
+    table = CaptionTable()
+    for name in names:
+        for c in range(5):
+            table.add(name, f"a photo {name} {c}", "test")
+    extract_precomp(folder, table, tmp_path / "precomp", batch_size=4, progress=False, precision="bf16")
+    extracted = np.load(tmp_path / "precomp" / "test_ims.npy")
+    matcher = itmatch.load(tiny_search_setup["checkpoint"], device="cpu", precision="bf16")
+    from_api = matcher.image_features([folder / n for n in names], batch_size=4)
+    assert from_api.dtype == torch.float32 and extracted.dtype == np.float32
+    np.testing.assert_array_equal(from_api.numpy(), extracted)
+    assert not np.array_equal(extracted, reference["grids"][:4])
+    fp32 = reference["grids"][:4]
+    assert np.abs(extracted - fp32).mean() < 0.05 * np.abs(fp32).mean()  # bf16's rounding, not other features
