@@ -14,12 +14,14 @@ from itmatch.data.precomp import MultiScaleArray
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.errors import DataError, UnknownWordsWarning
+from itmatch.features.pipeline import decode_image, grid_features
 from itmatch.inference import encode_captions, encode_images, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.models.registry import image_inputs, pixel_backbone
 from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two_stage_scores
 
-ImageInput = str | Path | Image.Image
+#: an image file's path, its bytes, or a decoded PIL image
+ImageInput = str | Path | bytes | Image.Image
 
 
 class ImageTextMatcher:
@@ -52,33 +54,21 @@ class ImageTextMatcher:
     @torch.inference_mode()
     def image_features(self, images: Sequence[ImageInput], batch_size: int = 8
                        ) -> torch.Tensor | MultiScaleArray:
-        """What the model reads for image files or PIL images, as `itmatch extract` computes it: region
-        features [N, k, D]; for a multi-scale model (SAVE) its cached stage maps; for a pixel model the
-        preprocessed pixels [N, 3, S, S]."""
+        """What the model reads for image files (paths or their bytes) or PIL images, as `itmatch extract`
+        computes it (features/pipeline.py): region features [N, k, D]; for a multi-scale model (SAVE) its
+        cached stage maps; for a pixel model the preprocessed pixels [N, 3, S, S]. An unreadable file raises
+        DataError naming it."""
         inputs = image_inputs(self.checkpoint.config.model)
         parts = []
         for start in range(0, len(images), batch_size):
-            batch = []
-            for item in images[start:start + batch_size]:
-                if isinstance(item, Image.Image):
-                    batch.append(self.backbone.preprocess(item))
-                    continue
-                try:
-                    with Image.open(item) as im:
-                        batch.append(self.backbone.preprocess(im))
-                except OSError as exc:
-                    raise DataError(f"cannot read image ({exc})", path=item,
-                                    hint="pass a readable JPEG/PNG file") from None
+            batch = [self.backbone.preprocess(item if isinstance(item, Image.Image) else decode_image(item))
+                     for item in images[start:start + batch_size]]
             x = torch.stack(batch)  # (decoded on the host; the features come back to it)
             if inputs == ("pixels",):
                 parts.append(x)
                 continue
-            with self.placement.autocast():
-                if inputs:
-                    maps = self.backbone.stage_maps(x.to(self.device))
-                    parts.append({s: maps[s].flatten(2).transpose(1, 2).float().cpu() for s in inputs})
-                else:
-                    parts.append(self.backbone(x.to(self.device)).float().cpu())
+            grids = grid_features(self.backbone, x, self.placement, inputs)
+            parts.append({s: grids[s] for s in inputs} if inputs else grids["c5"])
         if isinstance(parts[0], dict):
             return MultiScaleArray({s: torch.cat([p[s] for p in parts]).numpy() for s in inputs})
         return torch.cat(parts)

@@ -24,7 +24,7 @@ from itmatch.argtypes import (
     positive_float,
     positive_int,
 )
-from itmatch.errors import ConfigError, ItmatchError
+from itmatch.errors import ItmatchError
 
 split_size = int_in(0, 99999)  # synth: image file names have five digits
 
@@ -149,57 +149,34 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from itmatch.engine import distributed as dist
-    from itmatch.engine.checkpoint import load_checkpoint
-    from itmatch.engine.evaluate import evaluate_models, format_table
-    from itmatch.engine.inputs import open_split
-    from itmatch.engine.results import result_row, upsert_row
-    from itmatch.io import write_json_atomic
-    from itmatch.models.registry import image_inputs
+    from itmatch.engine.evaluate import evaluate_run
 
-    placement = _placement(args)
-    checkpoints = [load_checkpoint(p, trust_modified=args.trust_modified) for p in args.checkpoints]
-    for c in checkpoints:
-        c.model.to(placement.device)
-    inputs = {image_inputs(c.config.model) for c in checkpoints}
-    if len(inputs) > 1:
-        raise ConfigError(f"the ensemble's models read different image inputs ({sorted(inputs)})",
-                          hint="evaluate models that read the same features together")
-    data = args.data or checkpoints[0].data_path()  # (an error saying where it looked, if found nowhere)
-    first = checkpoints[0].config
-    if args.images:
-        first.data.images = args.images
-    elif image_inputs(first.model) == ("pixels",):
-        first.data.images = checkpoints[0].data_path("images")
-    split = open_split(first, args.split, data_path=data)
-    if args.threads:
-        import torch
+    placement = _placement(args)  # (an error naming --device / --precision, before any work)
+    run = evaluate_run(
+        args.checkpoints, split=args.split, data=args.data, images=args.images, protocol=args.protocol,
+        budget_gb=args.budget_gb, threads=args.threads, rerank=args.rerank, prune=args.prune,
+        first_stage=args.first_stage, faiss=args.faiss, resume_dir=args.resume_dir, json_path=args.json,
+        results=args.results, name=args.name, dataset=args.dataset, force=args.force, progress=not args.quiet,
+        command=args.command or "itmatch " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        device=placement.device, precision=placement.precision, trust_modified=args.trust_modified)
+    if dist.is_main():
+        _print_evaluation(run.metrics)
+        if run.row is not None:
+            print(f"row {run.row['name']!r} written to {args.results}")
+    return 0
 
-        torch.set_num_threads(args.threads)
-    first_stage = None
-    if args.first_stage:
-        if not args.rerank:
-            raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
-        fs = load_checkpoint(args.first_stage, trust_modified=args.trust_modified)
-        first_stage = (fs.model.to(placement.device), fs.vocab)
-    dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
-    result = evaluate_models([(c.model, c.vocab) for c in checkpoints], split, args.protocol,
-                             args.budget_gb * 1024**3, progress=not args.quiet, rerank=args.rerank,
-                             first_stage=first_stage, index=args.faiss, resume_dir=args.resume_dir,
-                             prune=args.prune, precision=placement.precision)
-    if not dist.is_main():
-        return 0
+
+def _print_evaluation(result: dict) -> None:
+    """The metrics table, and notes on resumed scoring, truncated captions and two-stage scoring."""
+    from itmatch.engine.evaluate import format_table
+
     if "resumed" in result:
         r = result["resumed"]
         print(f"resumed: {r['blocks']} score blocks came from {r['from']} ({r['seconds']:.0f} s of earlier "
               f"scoring, counted in eval_seconds)", file=sys.stderr)
-    result["checkpoints"] = [str(p) for p in args.checkpoints]
-    if args.first_stage:
-        result["first_stage"] = str(args.first_stage)
-    truncated = sum(getattr(c.vocab, "truncated", 0) for c in checkpoints)
-    if truncated:
-        result["truncated_captions"] = truncated
-        print(f"note: {truncated} captions were longer than the text encoder's limit and were truncated",
-              file=sys.stderr)
+    if result.get("truncated_captions"):
+        print(f"note: {result['truncated_captions']} captions were longer than the text encoder's limit and were "
+              "truncated", file=sys.stderr)
     print(format_table(result))
     if "two_stage" in result and not isinstance(result["two_stage"], list):
         ts = result["two_stage"]
@@ -207,16 +184,6 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
                else f"two-stage: top {ts['k']} ({ts['index']})")
         print(f"{how}, {ts['pairs_scored']} of {ts['pairs_total']} pairs scored "
               f"({100 * ts['fraction_scored']:.1f}%)")
-    if args.json:
-        write_json_atomic(args.json, result)
-    if args.results:
-        name = args.name or "+".join(c.config.name for c in checkpoints)
-        model = "+".join(c.config.preset or c.config.model.arch for c in checkpoints)
-        command = args.command or "itmatch " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-        upsert_row(args.results, result_row(name, model, args.dataset or Path(data).name, result, command),
-                   force=args.force)
-        print(f"row {name!r} written to {args.results}")
-    return 0
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:

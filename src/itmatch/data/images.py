@@ -1,10 +1,10 @@
 """Image files as a split's `images`, for models that read pixels (SAVE end to end).
 
 `ImageFiles` behaves like the precomp feature array (len, [i], [i:j]) but decodes files on access:
-  - evaluation (`augment=False`): the backbone's deterministic rule (`features.backbones.to_pixels`:
-    EXIF orientation, any mode -> RGB, bilinear resize to S x S without keeping the aspect ratio), the
-    same pixels `itmatch extract` caches; an undecodable file raises DataError naming it (never dropped
-    from a test set);
+  - evaluation (`augment=False`): the image pipeline's deterministic rule (features/pipeline.py: EXIF
+    orientation, any mode -> RGB, bilinear resize to S x S without keeping the aspect ratio), the same
+    pixels `itmatch extract` feeds its backbone; an undecodable file raises DataError naming it (never
+    dropped from a test set);
   - training (`augment=True`): random crop of 50-100 % of the area with aspect ratio 3/4-4/3, horizontal
     flip with probability 1/2 (the "standard" ImageNet-style augmentation VSE++ fine-tunes with), then
     the same resize; an undecodable file is reported once (path and reason) and its captions are skipped.
@@ -23,7 +23,8 @@ from PIL import Image, ImageOps
 
 from itmatch.data.precomp import PrecompSplit, ids_path, read_lines, read_text_side
 from itmatch.errors import DataError
-from itmatch.features.backbones import backbone_spec, normalise_pixels, to_pixels
+from itmatch.features.backbones import backbone_spec
+from itmatch.features.pipeline import UnreadableImage, decode_image, preprocess
 
 log = logging.getLogger("itmatch.data")
 
@@ -31,8 +32,8 @@ log = logging.getLogger("itmatch.data")
 def random_crop_flip(image: Image.Image, rng: random.Random, area: tuple[float, float] = (0.5, 1.0),
                      ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: float = 0.5) -> Image.Image:
     """A random crop (fraction of the area in `area`, aspect ratio in `ratio`, log-uniform) and a
-    horizontal flip with probability `flip`; falls back to the whole image when no crop fits."""
-    image = ImageOps.exif_transpose(image)
+    horizontal flip with probability `flip` of an upright image (`pipeline.decode_image`); falls back to
+    the whole image when no crop fits."""
     w, h = image.size
     for _ in range(10):
         target = rng.uniform(*area) * w * h
@@ -68,20 +69,13 @@ class ImageFiles:
     def shape(self) -> tuple[int, int, int, int]:
         return (len(self.ids), 3, self.size, self.size)
 
-    def _decode(self, path: Path, augment: bool) -> torch.Tensor:
-        with Image.open(path) as im:
-            im.load()
-            if augment:
-                im = random_crop_flip(im, self.rng)
-            return normalise_pixels(self.family, to_pixels(im, self.size))
-
     def load(self, index: int, augment: bool | None = None) -> torch.Tensor | None:
         augment = self.augment if augment is None else augment
         path = self.images_dir / self.ids[index]
         try:
-            return self._decode(path, augment)
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-            reason = "image file not found" if isinstance(exc, FileNotFoundError) else f"cannot read image: {exc}"
+            image = decode_image(path)
+        except UnreadableImage as exc:
+            reason = exc.reason
             if not augment:
                 raise DataError(f"{reason} (image {self.ids[index]!r})", path=path,
                                 hint="evaluation needs every image of the split: replace the file, or "
@@ -90,6 +84,9 @@ class ImageFiles:
                 self.reported.add(str(path))
                 log.warning("skipping the captions of an unreadable training image: %s (%s)", path, reason)
             return None
+        if augment:
+            image = random_crop_flip(image, self.rng)
+        return preprocess(image, self.family, self.size)
 
     def __getitem__(self, index: int | slice) -> torch.Tensor | None | ImageFiles:
         if isinstance(index, slice):

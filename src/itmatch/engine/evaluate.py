@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import AnyVocab, unknown_word_report
-from itmatch.device import Placement, check_precision, module_device
+from itmatch.device import Placement, check_precision, module_device, resolve
 from itmatch.engine import distributed as dist
+from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
+from itmatch.engine.inputs import open_split
 from itmatch.engine.metrics import average_folds, retrieval_metrics
+from itmatch.engine.results import result_row, upsert_row
 from itmatch.engine.score_cache import ScoreCache
 from itmatch.errors import ConfigError, DataError
 from itmatch.inference import (  # noqa: F401 (the inference core, also importable from here as before)
@@ -34,7 +39,9 @@ from itmatch.inference import (  # noqa: F401 (the inference core, also importab
 )
 from itmatch.inference import score_matrix as _score_matrix
 from itmatch.inference import sharded_score_matrix as _sharded_score_matrix
+from itmatch.io import write_json_atomic
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
+from itmatch.models.registry import image_inputs
 from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, pruned_scores, two_stage_scores
 
 PROTOCOLS = ("1k", "full", "coco1k", "coco5k")
@@ -251,3 +258,102 @@ def format_unknown_words(report: dict, prefix: str = "") -> str:
         line += "; most frequent: " + ", ".join(f"{w} {c}" for w, c in report["top_unknown"])
     return line
 
+
+
+# -- one evaluation run from checkpoint directories (what `itmatch evaluate` does) -----------------------------
+
+@dataclass
+class EvaluationRun:
+    """The outcome of `evaluate_run`: `metrics` (what --json writes) and the results row written, if any."""
+
+    metrics: dict
+    row: dict[str, str] | None = None
+
+
+@contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` within the block (0: leave torch's setting), restored after."""
+    previous = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _open_eval_split(checkpoint: Checkpoint, split: str, data: str | Path | None, images: str | Path | None
+                     ) -> tuple[PrecompSplit, str]:
+    """The split the first checkpoint's model reads (features, or image files for a pixel model), from `data`
+    (default: the checkpoint's own data directory) and `images`; and the data directory it came from."""
+    root = str(data) if data else checkpoint.data_path()  # (an error saying where it looked, if found nowhere)
+    cfg = checkpoint.config
+    if images:
+        cfg.data.images = str(images)
+    elif image_inputs(cfg.model) == ("pixels",):
+        cfg.data.images = checkpoint.data_path("images")
+    return open_split(cfg, split, data_path=root), root
+
+
+def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test", data: str | Path | None = None,
+                 images: str | Path | None = None, protocol: str = "full", budget_gb: float = 4.0,
+                 threads: int = 0, rerank: int = 0, prune: bool = False, first_stage: str | Path | None = None,
+                 faiss: str = "flat", resume_dir: str | Path | None = None, json_path: str | Path | None = None,
+                 results: str | Path | None = None, name: str | None = None, dataset: str | None = None,
+                 command: str | None = None, force: bool = False, progress: bool = True,
+                 device: str | torch.device = "auto", precision: str = "fp32", trust_modified: bool = False
+                 ) -> EvaluationRun:
+    """Evaluate one checkpoint directory, or an ensemble of several, as `itmatch evaluate` does (the verb only
+    parses its arguments and calls this; docs/architecture.md).
+
+    Loads the checkpoints onto `device` (in `precision`; both checked before any work), opens `split` of `data`
+    (default: the first checkpoint's data directory; `images` for models that read pixels), scores it
+    exhaustively (or two-stage with `rerank` K and `first_stage`'s global embedding, or with safe `prune`-ing;
+    `resume_dir` keeps finished score blocks so that a killed run continues) under `protocol`, and returns the
+    metrics. With `json_path` they are also written there; with `results`, a row named `name` (default: the
+    checkpoints' run names joined by '+') is added to that results CSV (an existing row is replaced only with
+    `force`), recording `command`, which is then required: the command line that reproduces the row.
+    Under torchrun every rank calls this; rank 0 writes the outputs and every rank returns its metrics.
+    """
+    placement = resolve(device, precision, device_setting="device=", precision_setting="precision=")
+    if results and not command:
+        raise ConfigError("a results row records the command that reproduces it",
+                          hint="pass command='itmatch evaluate ...' (the CLI records its own command line)")
+    if first_stage and not rerank:
+        raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
+    loaded = [load_checkpoint(p, trust_modified=trust_modified) for p in checkpoints]
+    if not loaded:
+        raise ConfigError("no checkpoint to evaluate", hint="name one checkpoint directory, or several (an ensemble)")
+    for c in loaded:
+        c.model.to(placement.device)
+    inputs = {image_inputs(c.config.model) for c in loaded}
+    if len(inputs) > 1:
+        raise ConfigError(f"the ensemble's models read different image inputs ({sorted(inputs)})",
+                          hint="evaluate models that read the same features together")
+    eval_split, root = _open_eval_split(loaded[0], split, data, images)
+    proposer = None
+    if first_stage:
+        fs = load_checkpoint(first_stage, trust_modified=trust_modified)
+        proposer = (fs.model.to(placement.device), fs.vocab)
+    dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
+    with _torch_threads(threads):
+        metrics = evaluate_models([(c.model, c.vocab) for c in loaded], eval_split, protocol, budget_gb * 1024**3,
+                                  progress=progress, rerank=rerank, first_stage=proposer, index=faiss,
+                                  resume_dir=resume_dir, prune=prune, precision=placement.precision)
+    metrics["checkpoints"] = [str(p) for p in checkpoints]
+    if first_stage:
+        metrics["first_stage"] = str(first_stage)
+    truncated = sum(getattr(c.vocab, "truncated", 0) for c in loaded)
+    if truncated:
+        metrics["truncated_captions"] = truncated
+    run = EvaluationRun(metrics)
+    if not dist.is_main():
+        return run
+    if json_path:
+        write_json_atomic(json_path, metrics)
+    if results:
+        row_name = name or "+".join(c.config.name for c in loaded)
+        model = "+".join(c.config.preset or c.config.model.arch for c in loaded)
+        run.row = result_row(row_name, model, dataset or Path(root).name, metrics, command or "")
+        upsert_row(results, run.row, force=force)
+    return run

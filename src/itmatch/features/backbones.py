@@ -18,12 +18,12 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 from torch import nn
 
 from itmatch.errors import CheckpointError, ConfigError
+from itmatch.features.pipeline import preprocess
 
 
 @dataclass(frozen=True)
@@ -51,39 +51,6 @@ BACKBONE_NAMES: tuple[str, ...] = tuple(_SPECS)
 #: Names of the three `stages` maps (strides 8, 16, 32): the ResNet c3/c4/c5 of SAVE section 3.1.1 and
 #: their EfficientNet-Lite analogue (see `EfficientNetLiteBackbone`).
 STAGE_NAMES: tuple[str, str, str] = ("c3", "c4", "c5")
-
-# EfficientNet-Lite weights were trained in TensorFlow, whose Lite input pipeline normalises 0..255 RGB
-# pixels with mean 127 and std 128 for every channel (efficientnet_lite_builder.py: MEAN_RGB = 127,
-# STDDEV_RGB = 128) instead of the usual ImageNet mean/std; the converted PyTorch weights expect the
-# same input. Checked here on 16 Flickr8K photos: the mean top-1 softmax probability is 0.32 with
-# (x - 127) / 128 and 0.21 with torchvision's ImageNet mean/std, so the TF constants are the right ones.
-_LITE_MEAN, _LITE_STD = 127.0, 128.0
-# torchvision ResNets: 0..1 RGB, ImageNet mean/std.
-_IMAGENET_MEAN = (0.485, 0.456, 0.406)
-_IMAGENET_STD = (0.229, 0.224, 0.225)
-
-
-def to_pixels(image: Image.Image, size: int) -> torch.Tensor:
-    """The resize rule of every backbone: EXIF orientation applied, converted to RGB (grayscale, CMYK,
-    palette, alpha all become 3-channel RGB), bilinear resize to size x size (the aspect ratio is not
-    kept: every part of the photo stays in view) -> float32 [3, size, size] on 0..255."""
-    image = ImageOps.exif_transpose(image)
-    if image.mode != "RGB":
-        image = image.convert("RGB")
-    if image.size != (size, size):
-        image = image.resize((size, size), Image.Resampling.BILINEAR)
-    arr = np.asarray(image, dtype=np.float32)  # [H, W, 3]
-    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
-
-
-def normalise_pixels(family: str, pixels: torch.Tensor) -> torch.Tensor:
-    """0..255 RGB [..., 3, H, W] -> the input a backbone family was trained on."""
-    if family == "efficientnet-lite":
-        return (pixels - _LITE_MEAN) / _LITE_STD
-    mean = torch.tensor(_IMAGENET_MEAN).view(3, 1, 1)
-    std = torch.tensor(_IMAGENET_STD).view(3, 1, 1)
-    return (pixels / 255.0 - mean) / std
-
 
 def backbone_spec(name: str) -> BackboneSpec:
     try:
@@ -121,9 +88,9 @@ class Backbone(nn.Module):
 
     # -- preprocessing -------------------------------------------------------------------------------
     def preprocess(self, image: Image.Image) -> torch.Tensor:
-        """One PIL image -> normalised float32 tensor [3, image_size, image_size] (deterministic:
-        `to_pixels` then the family's normalisation)."""
-        return normalise_pixels(self.spec.family, to_pixels(image, self.image_size))
+        """One PIL image -> normalised float32 tensor [3, image_size, image_size] (deterministic: the image
+        pipeline's `preprocess`, features/pipeline.py)."""
+        return preprocess(image, self.spec.family, self.image_size)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if x.ndim != 4 or x.shape[1] != 3 or x.shape[2] != self.image_size or x.shape[3] != self.image_size:

@@ -61,7 +61,6 @@ from typing import Any
 import numpy as np
 import torch
 from numpy.lib.format import open_memmap
-from PIL import Image, ImageFile
 from tqdm import tqdm
 
 from itmatch.data.captions import CaptionTable
@@ -77,10 +76,11 @@ from itmatch.data.precomp import (
     split_manifest,
     write_captions,
 )
-from itmatch.device import module_device, resolve
+from itmatch.device import Placement, module_device, resolve
 from itmatch.engine import distributed as dist
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
+from itmatch.features.pipeline import UnreadableImage, decode_image, grid_features, strict_decoding
 from itmatch.fingerprint import FileRecord, changed_files, file_records, text_sha256
 from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic, write_text_atomic
 
@@ -134,17 +134,6 @@ def _backbone_meta(bb: Backbone) -> dict[str, Any]:
 
 
 @contextmanager
-def _strict_pil():
-    """Make PIL raise on truncated images instead of silently padding them with grey."""
-    previous = ImageFile.LOAD_TRUNCATED_IMAGES
-    ImageFile.LOAD_TRUNCATED_IMAGES = False
-    try:
-        yield
-    finally:
-        ImageFile.LOAD_TRUNCATED_IMAGES = previous
-
-
-@contextmanager
 def _torch_threads(n: int | None):
     previous = torch.get_num_threads()
     if n is not None:
@@ -186,14 +175,9 @@ class _Bad(Exception):
 def _load_one(bb: Backbone, images_dir: Path, image_id: str) -> torch.Tensor:
     path = images_dir / image_id
     try:
-        with Image.open(path) as im:
-            im.load()
-            return bb.preprocess(im)
-    except FileNotFoundError:
-        raise _Bad(image_id, path, "image file not found", missing=True) from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        # OSError covers UnidentifiedImageError and "image file is truncated".
-        raise _Bad(image_id, path, f"cannot read image: {exc}", missing=False) from None
+        return bb.preprocess(decode_image(path))
+    except UnreadableImage as exc:
+        raise _Bad(image_id, path, exc.reason, missing=exc.missing) from None
 
 
 def _load_batch(bb: Backbone, images_dir: Path, ids: list[str], skip_bad: bool
@@ -461,8 +445,8 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                    ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
                    progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
                    known_files: dict[str, FileRecord | None] | None = None,
-                   reuse: dict[int, int] | None = None, reuse_from: dict[str, np.ndarray] | None = None
-                   ) -> dict[str, Any]:
+                   reuse: dict[int, int] | None = None, reuse_from: dict[str, np.ndarray] | None = None,
+                   placement: Placement | None = None) -> dict[str, Any]:
     """Extract (or resume, or finish) one split. `known_files` are earlier fingerprints of the image files
     (the size + mtime fast path); `reuse` maps the index of an image in `ids` to its row in the arrays
     `reuse_from` ({"c5": main, "c3": ...}) of an earlier extraction, copied instead of recomputed."""
@@ -555,17 +539,11 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                 if j + 1 < len(starts):
                     nxt = submit(j + 1)
                 w = int(state["written"])
-                if tensors:
-                    with torch.inference_mode():
-                        x = torch.stack(tensors).to(module_device(bb))  # (decoded on the host)
-                        if extras:  # one pass: c5 (== bb(x), the main array) and the finer maps
-                            maps = bb.stage_maps(x)
-                            for s, a in extra_arrs.items():
-                                a[w:w + len(tensors)] = maps[s].flatten(2).transpose(1, 2).float().cpu().numpy()
-                            feats = maps["c5"].flatten(2).transpose(1, 2).float().cpu().numpy()
-                        else:
-                            feats = bb(x).float().cpu().numpy()
-                    arr[w:w + len(tensors)] = feats
+                if tensors:  # (decoded on the host; one pass gives c5, the main array, and the finer maps)
+                    grids = grid_features(bb, torch.stack(tensors), placement, extras)
+                    for s, a in extra_arrs.items():
+                        a[w:w + len(tensors)] = grids[s].numpy()
+                    arr[w:w + len(tensors)] = grids["c5"].numpy()
                 rows = _batch_rows(range(start, start + len(batch_ids)), reuse,
                                    {start + batch_ids.index(b.image_id) for b in bad})
                 if any(old for old, _ in rows):  # an update: interleave the copied rows with the computed ones
@@ -636,7 +614,8 @@ def shards_root(out_dir: Path, split: str) -> Path:
 def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
                            ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
                            progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
-                           known_files: dict[str, FileRecord | None] | None = None) -> dict[str, Any] | None:
+                           known_files: dict[str, FileRecord | None] | None = None,
+                           placement: Placement | None = None) -> dict[str, Any] | None:
     """_extract_split shared by the ranks of a torchrun group (see the module docstring). Every rank calls
     it; rank 0 returns the split's info, the others None."""
     n, world = len(ids), dist.world_size()
@@ -651,7 +630,8 @@ def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, 
             mine.mkdir(parents=True, exist_ok=True)
             info = _extract_split(bb, images_dir, table, mine, split, ids[start:stop], caps[start * per:stop * per],
                                   batch_size=batch_size, force=force, skip_bad=skip_bad,
-                                  progress=progress and dist.is_main(), on_batch=on_batch, extras=extras)
+                                  progress=progress and dist.is_main(), on_batch=on_batch, extras=extras,
+                                  placement=placement)
             write_json_atomic(mine / META_NAME, {"format": "itmatch-precomp",
                                                  "splits": {split: {**info, "fingerprint": shard_fp}}})
             progress_path(mine, split).unlink(missing_ok=True)
@@ -662,7 +642,7 @@ def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, 
     info = None
     if dist.is_main():  # finishes the merged split: captions and ids without the skipped images, its info
         info = _extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size, force=force,
-                              skip_bad=skip_bad, progress=False, on_batch=None, extras=extras)
+                              skip_bad=skip_bad, progress=False, on_batch=None, extras=extras, placement=placement)
         info["processes"] = world
     dist.barrier()
     return info
@@ -819,7 +799,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                               "grid": int(round(shapes[s][0] ** 0.5)), "stride": 8 * 2 ** i}
                           for i, s in enumerate(STAGE_NAMES) if s in extras or s == "c5"}
 
-    with _strict_pil(), _torch_threads(num_threads), placement.autocast():
+    with strict_decoding(), _torch_threads(num_threads):
         for split in splits:
             ids, caps = rows[split]
             per = len(caps) // len(ids)
@@ -849,7 +829,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                     reuse = _reuse_rows(out_dir, split, ids, ch.images, extras)
             info = run_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
                              force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
-                             extras=extras, known_files=ch.records if ch is not None else None, **reuse)
+                             extras=extras, known_files=ch.records if ch is not None else None,
+                             placement=placement, **reuse)
             if info is None:  # a rank other than 0: rank 0 writes the manifest
                 continue
             skipped = {s["image_id"] for s in info["skipped"]}

@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 from numpy.lib.format import open_memmap
-from PIL import Image
 from tqdm import tqdm
 
 from itmatch.errors import CheckpointError, DataError, OverwriteError
+from itmatch.features.pipeline import UnreadableImage, decode_image, grid_features, strict_decoding
 from itmatch.fingerprint import file_record
 from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
 from itmatch.models.base import ImageEmb
@@ -236,12 +236,6 @@ def load_index(index_dir: Path | str, verify: bool = True) -> ImageIndex:
 
 # -- building ------------------------------------------------------------------------------------------
 
-def _load_image(path: Path, backbone) -> tuple[torch.Tensor, tuple[int, int]]:
-    with Image.open(path) as im:
-        im.load()
-        return backbone.preprocess(im), im.size
-
-
 def _read_parts(parts_dir: Path, identity: dict) -> dict[str, dict[str, Any]]:
     """sha256 -> row of a finished chunk of an interrupted run (same model only)."""
     rows: dict[str, dict[str, Any]] = {}
@@ -300,7 +294,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     """
     from itmatch.api import load
     from itmatch.engine import distributed as dist
-    from itmatch.features.extract import _backbone_meta, _strict_pil, _version
+    from itmatch.features.extract import _backbone_meta, _version
 
     dist.init_from_env("gloo")
     progress = progress and dist.is_main()
@@ -378,7 +372,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     start, stop = dist.shard_bounds(len(todo))  # this rank's share (everything in one process)
     mine = todo[start:stop]
     bar = tqdm(total=len(mine), desc="encode images", unit="img", disable=not progress)
-    with _strict_pil(), torch.inference_mode():
+    with strict_decoding(), torch.inference_mode():
         for c0 in range(0, len(mine), chunk):
             batch_records = mine[c0:c0 + chunk]
             feats, sizes, good = [], [], []
@@ -390,20 +384,19 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                     good.append(r)
                     continue
                 try:
-                    pix, size = _load_image(images_dir / r["id"], matcher.backbone)
-                except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-                    log.warning("skipping %s: cannot read image (%s)", public_id(r["id"]), exc)
-                    skipped.append({"id": r["id"], "reason": f"cannot read image: {exc}"})
+                    image = decode_image(images_dir / r["id"])
+                except UnreadableImage as exc:
+                    log.warning("skipping %s: %s", public_id(r["id"]), exc.reason)
+                    skipped.append({"id": r["id"], "reason": exc.reason})
                     continue
-                feats.append(pix)
-                sizes.append(size)
+                feats.append(matcher.backbone.preprocess(image))
+                sizes.append(image.size)  # as shown: EXIF orientation applied
                 good.append(r)
             # backbone on the images that need it, in batches
             need = [i for i, f in enumerate(feats) if f.dim() == 3]  # pixels [3, S, S], not features [k, D]
             for b0 in range(0, len(need), batch_size):
                 idx = need[b0:b0 + batch_size]
-                with matcher.placement.autocast():
-                    out = matcher.backbone(torch.stack([feats[i] for i in idx]).to(on)).float().cpu()
+                out = grid_features(matcher.backbone, torch.stack([feats[i] for i in idx]), matcher.placement)["c5"]
                 for j, i in enumerate(idx):
                     feats[i] = out[j]
             if good:

@@ -1,0 +1,92 @@
+"""`itmatch evaluate` is a thin verb over `itmatch.engine.evaluate.evaluate_run`: the CLI and the Python call
+give the same metrics JSON and the same results row (timings aside), and the library checks its settings
+before any work."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from itmatch.cli import main
+from itmatch.engine.checkpoint import save_checkpoint
+from itmatch.engine.evaluate import evaluate_run
+from itmatch.errors import ConfigError
+from itmatch.models.registry import resolve_config
+
+TIMINGS = ("eval_seconds",)  # wall-clock seconds differ between any two runs
+
+
+def _checkpoint(preset: str, data: Path, out: Path, seed: int) -> Path:
+    """An untrained tiny checkpoint, written as `itmatch train` writes one (the scores need not be good)."""
+    from itmatch.engine.train import prepare_data
+    from itmatch.models.registry import build_model
+
+    cfg = resolve_config(preset, {"model": {"embed_size": 32, "word_dim": 16}, "data": {"path": str(data)}})
+    cfg.name = f"{preset}-run"
+    _, _, vocab = prepare_data(cfg, None)
+    torch.manual_seed(seed)
+    save_checkpoint(out, build_model(cfg.model), cfg, vocab)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_precomp, tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("ckpts")
+    return [_checkpoint("scan_t2i_avg", tiny_precomp, root / "scan", 0),
+            _checkpoint("vsepp", tiny_precomp, root / "vsepp", 1)]
+
+
+def _without_timings(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k not in TIMINGS}
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as fh:
+        return [{k: v for k, v in r.items() if k not in TIMINGS} for r in csv.DictReader(fh)]
+
+
+@pytest.mark.parametrize("which", [[0], [0, 1]], ids=["one model", "ensemble"])
+def test_cli_and_python_call_give_identical_json_and_row(checkpoints, tmp_path, capsys, which):
+    chosen = [checkpoints[i] for i in which]
+    command = "itmatch evaluate (recorded)"
+    argv = ["evaluate", *map(str, chosen), "--split", "test", "--quiet", "--json", str(tmp_path / "cli.json"),
+            "--results", str(tmp_path / "cli.csv"), "--name", "row", "--command", command, "--device", "cpu"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    run = evaluate_run(chosen, split="test", json_path=tmp_path / "api.json", results=tmp_path / "api.csv",
+                       name="row", command=command, progress=False, device="cpu")
+    from_cli = json.loads((tmp_path / "cli.json").read_text())
+    from_api = json.loads((tmp_path / "api.json").read_text())
+    assert _without_timings(from_cli) == _without_timings(from_api) == _without_timings(run.metrics)
+    assert from_cli["checkpoints"] == [str(p) for p in chosen] and from_cli["n_images"] == 40
+    assert _rows(tmp_path / "cli.csv") == _rows(tmp_path / "api.csv") == [
+        {k: v for k, v in run.row.items() if k not in TIMINGS}]
+    assert run.row["model"] == "+".join(("scan_t2i_avg", "vsepp")[i] for i in which)
+    assert "rsum" in printed and "row 'row' written to" in printed
+
+
+def test_the_default_row_name_joins_the_run_names(checkpoints, tiny_precomp, tmp_path):
+    run = evaluate_run(checkpoints, split="test", results=tmp_path / "r.csv", command="c", progress=False,
+                       device="cpu")
+    assert run.row["name"] == "scan_t2i_avg-run+vsepp-run" and run.row["dataset"] == tiny_precomp.name
+
+
+def test_settings_are_checked_before_any_work(checkpoints, tmp_path):
+    missing = tmp_path / "no-such-checkpoint"  # never read: each error comes first
+    with pytest.raises(ConfigError, match="command that reproduces"):
+        evaluate_run([missing], results=tmp_path / "r.csv")
+    with pytest.raises(ConfigError, match="only with --rerank"):
+        evaluate_run([missing], first_stage=checkpoints[1])
+    with pytest.raises(ConfigError, match="precision"):
+        evaluate_run([missing], device="cpu", precision="fp16")
+    assert not (tmp_path / "r.csv").exists()
+
+
+def test_threads_are_restored_after_the_run(checkpoints):
+    before = torch.get_num_threads()
+    evaluate_run(checkpoints[:1], split="test", threads=1, progress=False, device="cpu")
+    assert torch.get_num_threads() == before
