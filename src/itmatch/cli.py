@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -153,9 +154,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from itmatch.engine.evaluate import evaluate_models, format_table
     from itmatch.engine.inputs import open_split
     from itmatch.engine.results import result_row, upsert_row
+    from itmatch.errors import refuse_overwrite
     from itmatch.io import write_json_atomic
     from itmatch.models.registry import image_inputs
 
+    if args.json:  # refused before the scoring, which may take hours
+        refuse_overwrite(args.json, args.force)
     placement = _placement(args)
     checkpoints = [load_checkpoint(p, trust_modified=args.trust_modified) for p in args.checkpoints]
     for c in checkpoints:
@@ -461,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--name", help="row name in --results")
     s.add_argument("--dataset", help="dataset column in --results (default: data directory name)")
     s.add_argument("--command", help="command recorded in --results (default: this command line)")
-    s.add_argument("--force", action="store_true", help="replace an existing row of the same name")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing --json file and an existing --results row of the same name")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_device_arguments(s, "auto")
     _add_trust_argument(s)
@@ -598,8 +603,40 @@ def main(argv: list[str] | None = None) -> int:
         return _run(argv)
     finally:
         if stdout is not None:
-            sys.stdout.flush()  # a reader that left shows here (output is block-buffered into a pipe)
+            # a reader that left shows here (output is block-buffered into a pipe); an OSError (a full disk)
+            # was already reported by _run's flush, with what was left in the buffer
+            with contextlib.suppress(OSError):
+                sys.stdout.flush()
             sys.stdout = stdout
+
+
+#: what to do about the operating-system errors a user can fix (errno name -> hint)
+OS_ERROR_HINTS = {
+    "ENOSPC": "free space on that device or write elsewhere",
+    "EDQUOT": "free space within your quota or write elsewhere",
+    "EACCES": "check the permissions of the path and of its folders",
+    "EPERM": "check the permissions of the path and of its folders",
+    "EROFS": "the file system is read-only: write elsewhere",
+    "EISDIR": "a directory is where a file was expected: give a file path",
+    "ENOTDIR": "a file is where a directory was expected: check the path",
+    "ENOENT": "check that the path exists and that files can be created there",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an operating-system error: the file(s), the OS reason with its errno name, and what to
+    do about it (`OS_ERROR_HINTS`)."""
+    import errno
+
+    name = errno.errorcode.get(exc.errno or 0, "")
+    reason = exc.strerror or str(exc)
+    files = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+    text = f"{' -> '.join(files)}: {reason}" if files else reason
+    if name:
+        text += f" ({name})"
+    if name in OS_ERROR_HINTS:
+        text += f"; {OS_ERROR_HINTS[name]}"
+    return text
 
 
 def _run(argv: list[str] | None) -> int:
@@ -607,6 +644,8 @@ def _run(argv: list[str] | None) -> int:
     finished = False  # the command returned: every rank reaches the final barrier
     try:
         code = args.func(args)
+        if sys.stdout is not None:  # (None: started with stdout closed)
+            sys.stdout.flush()  # a full disk under redirected output shows here, inside the handlers below
         finished = True
         return code
     except ItmatchError as exc:
@@ -615,6 +654,9 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"itmatch {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # the environment refused (disk full, permissions, a directory for a file): no bug
+        print(f"itmatch {args.verb}: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
     finally:
         # A torchrun run leaves its process group on every path, errors included: a gloo group still alive
         # when the interpreter finalises can abort the process (SIGABRT, "terminate called without an
