@@ -126,6 +126,22 @@ def _resolve_train_config(args: argparse.Namespace):
     return cfg
 
 
+def _resume_overrides(args: argparse.Namespace) -> dict:
+    """What `train --resume` applies to the checkpoint's config: --preset, --name, the keys of --config's file,
+    --data and --set, in the order a new run layers them. They follow the rules of --set on resume
+    (engine/train.py apply_resume_overrides): a value equal to the run's is accepted whatever its key (the
+    starting command re-run with --resume continues the run), a change outside train.* and the data
+    locations, such as another preset, is refused."""
+    from itmatch.config import load_yaml, merge_overrides, parse_overrides
+
+    from_file = load_yaml(args.config) if args.config else {}
+    if args.preset:  # (--preset wins over a preset the file names, as in a new run)
+        from_file.pop("preset", None)
+    named = {key: value for key, value in (("preset", args.preset), ("name", args.name)) if value}
+    return merge_overrides(named, from_file, {"data": {"path": args.data}} if args.data else {},
+                           parse_overrides(args.set or []))
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from itmatch.engine import distributed as dist
     from itmatch.engine.train import train
@@ -135,10 +151,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = None if args.resume else _resolve_train_config(args)
     overrides = None
     if args.resume:
-        from itmatch.config import Config, parse_overrides
+        from itmatch.config import Config
 
-        cfg = Config()  # replaced by the checkpoint's config, with --set / --data applied to it
-        overrides = parse_overrides([*(args.set or []), *([f"data.path={args.data}"] if args.data else [])])
+        cfg = Config()  # replaced by the checkpoint's config, with the command's settings applied to it
+        overrides = _resume_overrides(args)
     result = train(cfg, Path(args.out), resume=args.resume, force=args.force, device=args.device,
                    precision=args.precision, resume_overrides=overrides, trust_modified=args.trust_modified)
     if not dist.is_main():
