@@ -312,6 +312,21 @@ def test_global_vector_model_stores_vectors(tiny_search_setup, tmp_path):
     assert err.value.status == 409
 
 
+def test_model_of_other_features_is_refused_before_reading_photos(tiny_search_setup, tmp_path):
+    """A model trained on region features of another size (e.g. bottom-up 2048) used to fail in a matrix
+    product (RuntimeError, a traceback) when indexing photos."""
+    from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
+    from itmatch.errors import ConfigError
+    from itmatch.models.registry import build_model, resolve_config
+
+    vocab = load_checkpoint(tiny_search_setup["checkpoint"]).vocab
+    cfg = resolve_config("vsepp", {"model": {"embed_size": 8, "word_dim": 8, "img_dim": 16, "vocab_size": len(vocab)}})
+    save_checkpoint(tmp_path / "ckpt", build_model(cfg.model), cfg, vocab)
+    with pytest.raises(ConfigError, match="reads 16-dimensional region features, but the lite0 backbone .* gives 1280"):
+        build_index(tiny_search_setup["photos"], tmp_path / "ckpt", tmp_path / "index", progress=False)
+    assert not (tmp_path / "index").exists()
+
+
 def test_links_to_files_outside_the_folder_are_not_indexed(tmp_path, caplog):
     """The service serves only files inside the photo folder; the index must not list others."""
     photos, elsewhere = tmp_path / "photos", tmp_path / "elsewhere"
