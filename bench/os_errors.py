@@ -4,7 +4,7 @@ Outputs go under /proc (the argument checks pass: it exists and root may write b
 the kernel creates nothing there) and standard output goes to /dev/full (every write: "No space left on
 device"). Each case must end in one `itmatch VERB: error: ...` line, exit code 1 or 2, no traceback (or
 finish, exit 0, where the command had no need to write there)
-(docs/reliability.md row 8d). Linux only; about 30 s on 2 cores (a tiny dataset and model are made first).
+(docs/reliability.md row 20). Linux only; about 8 s on 2 cores (a tiny dataset and model are made first).
 
     python bench/os_errors.py
 """

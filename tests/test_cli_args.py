@@ -161,7 +161,7 @@ def test_models_into_a_closed_pipe_or_closed_stdout_exits_quietly():
     assert (closed.returncode, closed.stderr) == (0, b"")
 
 
-# -- errors of the operating system in the middle of a command (docs/reliability.md row 8d) ------------------
+# -- errors of the operating system in the middle of a command (docs/reliability.md row 20) ------------------
 def _one_line_error(err: str, verb: str) -> str:
     assert err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"itmatch {verb}: error: "), err
