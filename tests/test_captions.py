@@ -315,6 +315,23 @@ def test_csv_missing_images_skipped(tmp_path: Path) -> None:
     assert table.skipped[0].startswith(f"{path}:3: ")
 
 
+
+def test_every_row_skipped_is_an_error_saying_so(tmp_path: Path, capsys) -> None:
+    """It used to end in "the caption table assigns no image to a split", which sent users to the split column."""
+    from itmatch.cli import main
+
+    (tmp_path / "imgs").mkdir()
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption,split\n" + "".join(f"p{i}.jpg,a dog,train\n" for i in range(5)), encoding="utf-8")
+    with pytest.raises(DataError, match=r"all 5 caption row\(s\) were skipped") as err:
+        read_csv(path, images_dir=tmp_path / "imgs")
+    assert f"{path}:2: skipped caption of 'p0.jpg': image not found in {tmp_path / 'imgs'}" in str(err.value)
+    assert "p2.jpg" in str(err.value) and "p3.jpg" not in str(err.value)  # the first three reasons
+    assert main(["extract", str(tmp_path / "imgs"), str(path), "--out", str(tmp_path / "out")]) == 2
+    message = capsys.readouterr().err
+    assert "all 5 caption row(s) were skipped" in message and "assigns no image to a split" not in message
+
+
 # ---------------------------------------------------------------------------------------- dispatching
 
 def test_read_captions_errors(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ one-line usage error naming the argument, exit code 2, no traceback. A reader th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -158,3 +159,55 @@ def test_models_into_a_closed_pipe_or_closed_stdout_exits_quietly():
     assert (piped.returncode, piped.stderr) == (0, b"")
     closed = _run_cli("models", stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(1))
     assert (closed.returncode, closed.stderr) == (0, b"")
+
+
+# -- errors of the operating system in the middle of a command (docs/reliability.md row 23) ------------------
+def _one_line_error(err: str, verb: str) -> str:
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"itmatch {verb}: error: "), err
+    return err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc (where no file may be created)")
+def test_os_error_mid_command_is_one_line_naming_the_file(capsys):
+    """/proc passes the argument checks (it exists and is writable by permission bits for root) but the
+    kernel refuses to create anything in it: the verb's mkdir fails with a real OSError."""
+    target = "/proc/itmatch-cannot-create-this"
+    assert main(["synth", target, "--train", "2", "--dev", "1", "--test", "1"]) == 1
+    err = _one_line_error(capsys.readouterr().err, "synth")
+    assert f"{target}: " in err and "(ENOENT)" in err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (a device that is always full)")
+def test_disk_full_is_one_line(monkeypatch, capsys):
+    full = open("/dev/full", "w", buffering=1)  # noqa: SIM115 (line-buffered: the first print meets the full device)
+    try:
+        monkeypatch.setattr(sys, "stdout", full)
+        assert main(["models"]) == 1
+    finally:
+        monkeypatch.undo()
+        with contextlib.suppress(OSError):  # closing flushes what the failed write left in the buffer
+            full.close()
+    err = _one_line_error(capsys.readouterr().err, "models")
+    assert "No space left on device (ENOSPC)" in err
+
+
+def test_a_bug_is_not_hidden_as_an_os_error(monkeypatch, tmp_path):
+    """Only OSError is turned into a one-line message; any other exception keeps its traceback."""
+    import itmatch.data.synth as synth
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+    monkeypatch.setattr(synth, "render_synthetic", broken)
+    with pytest.raises(ZeroDivisionError):
+        main(["synth", str(tmp_path / "out")])
+
+
+def test_evaluate_refuses_to_replace_its_json_without_force(tmp_path, capsys):
+    """Before any checkpoint is loaded (the scoring may take hours), and the file is kept as it was."""
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text('{"earlier": "results"}')
+    assert main(["evaluate", str(tmp_path), "--json", str(metrics)]) == 2
+    assert "already exists" in capsys.readouterr().err and metrics.read_text() == '{"earlier": "results"}'
+    assert main(["evaluate", str(tmp_path), "--json", str(metrics), "--force"]) == 2  # past the check: no model
+    assert "not a checkpoint" in capsys.readouterr().err

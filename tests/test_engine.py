@@ -104,6 +104,27 @@ def test_init_from_starts_a_new_run_from_a_checkpoint(tiny_precomp, tmp_path):
               progress=False)
 
 
+def test_resume_applies_preset_and_config_file_under_the_set_rules(tiny_precomp, tmp_path, capsys):
+    """--preset / --config given with --resume were silently ignored: now a preset other than the run's, or a
+    file changing a model key, is refused; a file's train.* keys apply (here: two more epochs)."""
+    run = tmp_path / "run"
+    train(quick_config("vsepp", tiny_precomp, epochs=1, max_batches=2), run, progress=False)
+    resume = ["train", "--out", str(run), "--resume"]
+    assert main([*resume, "--preset", "scan_t2i_avg"]) == 2
+    assert "preset='scan_t2i_avg': cannot change when resuming (the checkpoint has preset='vsepp')" in \
+        capsys.readouterr().err
+    bigger = tmp_path / "bigger.yaml"
+    bigger.write_text("model:\n  embed_size: 64\n")
+    assert main([*resume, "--preset", "vsepp", "--config", str(bigger)]) == 2
+    assert "model.embed_size=64: cannot change" in capsys.readouterr().err
+    longer = tmp_path / "longer.yaml"  # the starting settings again, with a longer schedule
+    longer.write_text("preset: vsepp\nmodel: {embed_size: 32, word_dim: 16}\ntrain: {epochs: 3}\n")
+    assert main([*resume, "--config", str(longer), "--set", "train.epochs=2"]) == 0  # --set wins over the file
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["overrides"] for x in lines if "resumed_at_step" in x] == [{"train.epochs": 2}]
+    assert max(x.get("epoch", 0) for x in lines) == 2
+
+
 def test_blocked_scoring_equals_one_block(tiny_precomp, tmp_path):
     cfg = quick_config("scan_i2t_avg", tiny_precomp)
     from itmatch.engine.train import prepare_data

@@ -29,6 +29,23 @@ def test_demo_resumes_and_refuses_foreign_directory(demo_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_demo_with_more_epochs_trains_on(demo_dir, capsys):
+    """`itmatch demo --epochs N` on a finished demo used to end at once, its run still at the first epochs."""
+    import json
+
+    run = demo_dir / "scan_t2i_avg"
+    run_demo(demo_dir, epochs=2, n_train=60, n_eval=12, progress=False)
+    assert json.loads((run / "last" / "state.json").read_text())["epoch"] == 2
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["overrides"] for x in lines if "resumed_at_step" in x] == [{"train.epochs": 2}]
+    assert max(x.get("epoch", 0) for x in lines if "val_rsum" in x) == 2
+    capsys.readouterr()
+    run_demo(demo_dir, epochs=1, n_train=60, n_eval=12, progress=False)  # fewer: said, and nothing trained
+    assert "has trained 2 epochs already, more than --epochs 1" in capsys.readouterr().err
+    assert json.loads((run / "last" / "state.json").read_text())["epoch"] == 2
+
+
+@pytest.mark.slow
 def test_python_api_on_image_files(demo_dir):
     matcher = itmatch.load(demo_dir / "scan_t2i_avg" / "best")
     paths = sorted((demo_dir / "synth" / "images").glob("test_*.png"))[:4]

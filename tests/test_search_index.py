@@ -307,9 +307,40 @@ def test_global_vector_model_stores_vectors(tiny_search_setup, tmp_path):
     expected = searcher.matcher.encode_images([tiny_search_setup["photos"] / searcher.ids[0]]).vector[0]
     assert torch.allclose(torch.from_numpy(np.array(index.vectors[0])), expected, atol=1e-5)
     assert len(searcher.search("a red circle", k=3)) == 3
-    with pytest.raises(QueryError, match="no attention") as err:
+    with pytest.raises(QueryError, match="no per-word attention over regions") as err:
         searcher.explain("a red circle", searcher.ids[0])
     assert err.value.status == 409
+
+
+def test_model_of_other_features_is_refused_before_reading_photos(tiny_search_setup, tmp_path):
+    """A model trained on region features of another size (e.g. bottom-up 2048) used to fail in a matrix
+    product (RuntimeError, a traceback) when indexing photos."""
+    from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
+    from itmatch.errors import ConfigError
+    from itmatch.models.registry import build_model, resolve_config
+
+    vocab = load_checkpoint(tiny_search_setup["checkpoint"]).vocab
+    cfg = resolve_config("vsepp", {"model": {"embed_size": 8, "word_dim": 8, "img_dim": 16, "vocab_size": len(vocab)}})
+    save_checkpoint(tmp_path / "ckpt", build_model(cfg.model), cfg, vocab)
+    with pytest.raises(ConfigError, match="reads 16-dimensional region features, but the lite0 backbone .* gives 1280"):
+        build_index(tiny_search_setup["photos"], tmp_path / "ckpt", tmp_path / "index", progress=False)
+    assert not (tmp_path / "index").exists()
+
+
+def test_sman_is_refused_at_indexing_not_when_searched(tiny_search_setup, tmp_path):
+    """SMAN's image encodings carry v0, v1, which the index does not store: its index used to be written and
+    then fail to load (KeyError 'v0', a traceback in search and serve)."""
+    from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
+    from itmatch.errors import ConfigError
+    from itmatch.models.registry import build_model, resolve_config
+
+    vocab = load_checkpoint(tiny_search_setup["checkpoint"]).vocab
+    cfg = resolve_config("sman", {"model": {"embed_size": 8, "word_dim": 8, "img_dim": 1280, "vocab_size": len(vocab),
+                                            "sman": {"att_hidden": 4}}})
+    save_checkpoint(tmp_path / "ckpt", build_model(cfg.model), cfg, vocab)
+    with pytest.raises(ConfigError, match=r"the sman model cannot be indexed yet: .* \(att1, v0, v1\)"):
+        build_index(tiny_search_setup["photos"], tmp_path / "ckpt", tmp_path / "index", progress=False)
+    assert not (tmp_path / "index").exists()
 
 
 def test_links_to_files_outside_the_folder_are_not_indexed(tmp_path, caplog):

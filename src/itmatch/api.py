@@ -13,7 +13,7 @@ from PIL import Image
 from itmatch.data.precomp import MultiScaleArray
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
-from itmatch.errors import DataError, UnknownWordsWarning
+from itmatch.errors import ConfigError, DataError, UnknownWordsWarning
 from itmatch.features.pipeline import decode_image, grid_features
 from itmatch.inference import encode_captions, encode_images, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
@@ -48,8 +48,21 @@ class ImageTextMatcher:
         if self._backbone is None:
             from itmatch.features.backbones import load_backbone
 
-            self._backbone = load_backbone(self.backbone_name).to(self.device)
+            backbone = load_backbone(self.backbone_name)
+            self._check_feature_size(backbone.out_dim)
+            self._backbone = backbone.to(self.device)
         return self._backbone
+
+    def _check_feature_size(self, out_dim: int) -> None:
+        """A model trained on cached region features of another size (other features, e.g. bottom-up regions of
+        2048) cannot read this backbone's: say so, instead of failing in a matrix product."""
+        mc = self.checkpoint.config.model
+        if not image_inputs(mc) and mc.img_dim and mc.img_dim != out_dim:
+            raise ConfigError(f"the model reads {mc.img_dim}-dimensional region features, but the "
+                              f"{self.backbone_name} backbone that reads photos gives {out_dim}",
+                              path=self.checkpoint.path,
+                              hint="this model was trained on features of another extractor; to read photos, "
+                                   "train on features from `itmatch extract`")
 
     @torch.inference_mode()
     def image_features(self, images: Sequence[ImageInput], batch_size: int = 8

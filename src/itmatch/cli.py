@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -125,6 +126,22 @@ def _resolve_train_config(args: argparse.Namespace):
     return cfg
 
 
+def _resume_overrides(args: argparse.Namespace) -> dict:
+    """What `train --resume` applies to the checkpoint's config: --preset, --name, the keys of --config's file,
+    --data and --set, in the order a new run layers them. They follow the rules of --set on resume
+    (engine/train.py apply_resume_overrides): a value equal to the run's is accepted whatever its key (the
+    starting command re-run with --resume continues the run), a change outside train.* and the data
+    locations, such as another preset, is refused."""
+    from itmatch.config import load_yaml, merge_overrides, parse_overrides
+
+    from_file = load_yaml(args.config) if args.config else {}
+    if args.preset:  # (--preset wins over a preset the file names, as in a new run)
+        from_file.pop("preset", None)
+    named = {key: value for key, value in (("preset", args.preset), ("name", args.name)) if value}
+    return merge_overrides(named, from_file, {"data": {"path": args.data}} if args.data else {},
+                           parse_overrides(args.set or []))
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from itmatch.engine import distributed as dist
     from itmatch.engine.train import train
@@ -134,10 +151,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = None if args.resume else _resolve_train_config(args)
     overrides = None
     if args.resume:
-        from itmatch.config import Config, parse_overrides
+        from itmatch.config import Config
 
-        cfg = Config()  # replaced by the checkpoint's config, with --set / --data applied to it
-        overrides = parse_overrides([*(args.set or []), *([f"data.path={args.data}"] if args.data else [])])
+        cfg = Config()  # replaced by the checkpoint's config, with the command's settings applied to it
+        overrides = _resume_overrides(args)
     result = train(cfg, Path(args.out), resume=args.resume, force=args.force, device=args.device,
                    precision=args.precision, resume_overrides=overrides, trust_modified=args.trust_modified)
     if not dist.is_main():
@@ -428,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--name", help="row name in --results")
     s.add_argument("--dataset", help="dataset column in --results (default: data directory name)")
     s.add_argument("--command", help="command recorded in --results (default: this command line)")
-    s.add_argument("--force", action="store_true", help="replace an existing row of the same name")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing --json file and an existing --results row of the same name")
     s.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_device_arguments(s, "auto")
     _add_trust_argument(s)
@@ -565,8 +583,40 @@ def main(argv: list[str] | None = None) -> int:
         return _run(argv)
     finally:
         if stdout is not None:
-            sys.stdout.flush()  # a reader that left shows here (output is block-buffered into a pipe)
+            # a reader that left shows here (output is block-buffered into a pipe); an OSError (a full disk)
+            # was already reported by _run's flush, with what was left in the buffer
+            with contextlib.suppress(OSError):
+                sys.stdout.flush()
             sys.stdout = stdout
+
+
+#: what to do about the operating-system errors a user can fix (errno name -> hint)
+OS_ERROR_HINTS = {
+    "ENOSPC": "free space on that device or write elsewhere",
+    "EDQUOT": "free space within your quota or write elsewhere",
+    "EACCES": "check the permissions of the path and of its folders",
+    "EPERM": "check the permissions of the path and of its folders",
+    "EROFS": "the file system is read-only: write elsewhere",
+    "EISDIR": "a directory is where a file was expected: give a file path",
+    "ENOTDIR": "a file is where a directory was expected: check the path",
+    "ENOENT": "check that the path exists and that files can be created there",
+}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """One line for an operating-system error: the file(s), the OS reason with its errno name, and what to
+    do about it (`OS_ERROR_HINTS`)."""
+    import errno
+
+    name = errno.errorcode.get(exc.errno or 0, "")
+    reason = exc.strerror or str(exc)
+    files = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+    text = f"{' -> '.join(files)}: {reason}" if files else reason
+    if name:
+        text += f" ({name})"
+    if name in OS_ERROR_HINTS:
+        text += f"; {OS_ERROR_HINTS[name]}"
+    return text
 
 
 def _run(argv: list[str] | None) -> int:
@@ -574,6 +624,8 @@ def _run(argv: list[str] | None) -> int:
     finished = False  # the command returned: every rank reaches the final barrier
     try:
         code = args.func(args)
+        if sys.stdout is not None:  # (None: started with stdout closed)
+            sys.stdout.flush()  # a full disk under redirected output shows here, inside the handlers below
         finished = True
         return code
     except ItmatchError as exc:
@@ -582,6 +634,9 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"itmatch {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:  # the environment refused (disk full, permissions, a directory for a file): no bug
+        print(f"itmatch {args.verb}: error: {describe_os_error(exc)}", file=sys.stderr)
+        return 1
     finally:
         # A torchrun run leaves its process group on every path, errors included: a gloo group still alive
         # when the interpreter finalises can abort the process (SIGABRT, "terminate called without an

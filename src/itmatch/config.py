@@ -4,6 +4,7 @@ the resolved config is saved with every run and checkpoint."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import typing
@@ -324,6 +325,19 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             raise ConfigError(f"override {pair!r}: {key} has fields set by another override")
         node[parts[-1]] = value
     return nested
+
+
+def merge_overrides(*layers: dict[str, Any]) -> dict[str, Any]:
+    """Nested override dicts merged in order (a later layer's value wins, mappings merge key by key), e.g. a
+    YAML config file's keys, then --set's."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if isinstance(value, dict) and isinstance(merged.get(key), dict):
+                merged[key] = merge_overrides(merged[key], value)
+            else:
+                merged[key] = copy.deepcopy(value)
+    return merged
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

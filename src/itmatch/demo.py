@@ -7,6 +7,7 @@ output is already complete, so an interrupted demo resumes where it stopped."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -62,11 +63,16 @@ def run_demo(out: Path, *, force: bool = False, epochs: int = 6, n_train: int = 
                 "data": {"path": str(precomp)}}
     cfg = resolve_config("scan_t2i_avg", settings)
     state_file = run / "last" / "state.json"
-    finished = state_file.is_file() and json.loads(state_file.read_text(encoding="utf-8")).get("epoch", 0) >= epochs
-    if force or not finished:
-        # a killed demo continues its training from its last (mid-epoch) checkpoint; --force starts over
-        train(cfg, run, resume=not force and (run / "config.json").exists(), force=True, progress=progress,
-              device=str(placement.device), precision=precision)
+    trained = json.loads(state_file.read_text(encoding="utf-8")).get("epoch", 0) if state_file.is_file() else 0
+    if not force and trained > epochs:
+        print(f"note: the demo's model in {run} has trained {trained} epochs already, more than --epochs {epochs}; "
+              f"it is evaluated as it is (--force starts over)", file=sys.stderr)
+    if force or trained < epochs:
+        # a killed demo continues its training from its last (mid-epoch) checkpoint, and a finished one trains
+        # on up to --epochs (a resume override of train.epochs); --force starts over
+        resume = not force and (run / "config.json").exists()
+        train(cfg, run, resume=resume, force=True, progress=progress, device=str(placement.device),
+              precision=precision, resume_overrides={"train": {"epochs": epochs}} if resume else None)
     timings["train"] = time.perf_counter() - t
 
     ckpt = load_checkpoint(run / "best")

@@ -272,6 +272,11 @@ class _Builder:
         self.skipped.append(f"{where}: {message}")
 
     def table(self) -> CaptionTable:
+        if self.skipped and not self.groups:  # nothing left to use: an error, not a warning and an empty table
+            shown = "; ".join(self.skipped[:3]) + ("; ..." if len(self.skipped) > 3 else "")
+            raise DataError(f"all {len(self.skipped)} caption row(s) were skipped, none is left: {shown}",
+                            path=self.source, hint="check that the images folder is the one the file's image "
+                                                   "names refer to, and that the images are there")
         table = CaptionTable(source=str(self.source), skipped=list(self.skipped))
         for image_id, rows in self.groups.items():
             for caption, split in rows:

@@ -21,7 +21,7 @@ from itmatch.engine.inputs import open_split
 from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.engine.results import result_row, upsert_row
 from itmatch.engine.score_cache import ScoreCache
-from itmatch.errors import ConfigError, DataError
+from itmatch.errors import ConfigError, DataError, refuse_overwrite
 from itmatch.inference import (  # noqa: F401 (the inference core, also importable from here as before)
     CAPTIONS_PER_BLOCK,
     DEFAULT_BUDGET,
@@ -310,9 +310,9 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test", data
     (default: the first checkpoint's data directory; `images` for models that read pixels), scores it
     exhaustively (or two-stage with `rerank` K and `first_stage`'s global embedding, or with safe `prune`-ing;
     `resume_dir` keeps finished score blocks so that a killed run continues) under `protocol`, and returns the
-    metrics. With `json_path` they are also written there; with `results`, a row named `name` (default: the
-    checkpoints' run names joined by '+') is added to that results CSV (an existing row is replaced only with
-    `force`), recording `command`, which is then required: the command line that reproduces the row.
+    metrics. With `json_path` they are also written there (an existing file is replaced only with `force`);
+    with `results`, a row named `name` (default: the checkpoints' run names joined by '+') is added to that
+    results CSV (an existing row is replaced only with `force`), recording `command`, which is then required: the command line that reproduces the row.
     Under torchrun every rank calls this; rank 0 writes the outputs and every rank returns its metrics.
     """
     placement = resolve(device, precision, device_setting="device=", precision_setting="precision=")
@@ -321,6 +321,8 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test", data
                           hint="pass command='itmatch evaluate ...' (the CLI records its own command line)")
     if first_stage and not rerank:
         raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
+    if json_path:  # refused before the scoring, which may take hours
+        refuse_overwrite(json_path, force)
     loaded = [load_checkpoint(p, trust_modified=trust_modified) for p in checkpoints]
     if not loaded:
         raise ConfigError("no checkpoint to evaluate", hint="name one checkpoint directory, or several (an ensemble)")

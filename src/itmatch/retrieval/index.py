@@ -46,7 +46,7 @@ import torch
 from numpy.lib.format import open_memmap
 from tqdm import tqdm
 
-from itmatch.errors import CheckpointError, DataError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
 from itmatch.features.pipeline import UnreadableImage, decode_image, grid_features, strict_decoding
 from itmatch.fingerprint import file_record
 from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
@@ -307,7 +307,16 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     identity = model_identity(checkpoint, backbone_name)
     k, dim = matcher.backbone.grid ** 2, matcher.backbone.out_dim
     with torch.inference_mode():
-        probe = model.encode_images(torch.zeros(1, k, dim, device=on))
+        zeros = torch.zeros(1, k, dim, device=on)
+        probe = model.encode_images(zeros)
+        # per-image parts of the image encoder beyond the regions and the vector (SMAN: v0, v1) are not stored,
+        # and the head needs them at search time: refused here rather than failing when the index is loaded
+        unstored = sorted(model.image_encoder(zeros, torch.ones(1, k, dtype=torch.bool, device=on)).extras)
+    if unstored:
+        raise ConfigError(f"the {identity['preset'] or identity['arch']} model cannot be indexed yet: its image "
+                          f"encodings carry per-image parts ({', '.join(unstored)}) that the index does not store",
+                          path=checkpoint,
+                          hint="photo search works with SCAN, SAVE, OAN, MMCA, VSE++ and Sum-Max models")
     row_shapes = {"features": (k, dim), "regions": tuple(probe.regions.shape[1:])}
     if probe.vector is not None:
         row_shapes["vectors"] = tuple(probe.vector.shape[1:])

@@ -1,0 +1,98 @@
+"""Per-word attention maps (`Searcher.explain`, GET /api/explain) for every preset family: a map where the
+model has one, a clean 409 where it has none, never a 500 (docs/search.md, "Explain")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from itmatch.config import parse_overrides
+from itmatch.models.heads.mmca import MMCAHead
+from itmatch.models.registry import build_model, resolve_config
+from itmatch.retrieval.search import has_word_attention, word_attention
+
+K, IMG_DIM, VOCAB = 9, 12, 20
+
+# preset (+ --set overrides) -> the axis its map is normalised over, or None: no per-word map over regions
+FAMILIES = [
+    ("scan_t2i_avg", (), "regions"),
+    ("scan_i2t_lse", (), "words"),
+    ("scan_t2i_avg", ("model.direction=both",), "regions"),  # a two-way head: its t-i half
+    ("vsepp", (), None),
+    ("summax_t2i", (), None),
+    ("oan", (), "regions"),
+    ("oan_no_inter_attn", (), None),  # intra-modal attention only: nothing word-to-region
+    ("save_dsa", (), "words"),
+    ("save_asa", ("model.direction=both",), "regions"),
+    ("sman", (), None),
+]
+
+
+def _tiny_model(preset: str, sets: tuple[str, ...]):
+    mc = resolve_config(preset, parse_overrides(list(sets))).model
+    mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = VOCAB, IMG_DIM, 16, 8
+    mc.sman.att_hidden, mc.sman.regions = 8, K
+    torch.manual_seed(0)
+    return build_model(mc).eval()
+
+
+@pytest.mark.parametrize(("preset", "sets", "axis"), FAMILIES, ids=lambda v: "-".join(v) if isinstance(v, tuple)
+                         else str(v))
+def test_each_family_has_a_word_map_or_says_it_has_none(preset, sets, axis):
+    model = _tiny_model(preset, sets)
+    assert has_word_attention(model.head) is (axis is not None)
+    if axis is None:
+        return
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, K, IMG_DIM, generator=g)
+    length = 5
+    tokens = torch.randint(4, VOCAB, (2, 7), generator=g)
+    with torch.inference_mode():
+        img = model.encode_images(feats)
+        txt = model.encode_texts(tokens, torch.tensor([length, 7]))
+        alpha, normalised_over = word_attention(model.head, img, txt)
+    assert normalised_over == axis and alpha.shape == (K, 7)
+    sums = alpha[:, :length].sum(0 if axis == "regions" else 1)
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
+
+
+def test_mmca_has_no_word_map():
+    """MMCA's cross Transformer mixes words and regions in one sequence: no map of a word over regions."""
+    assert not has_word_attention(MMCAHead(16, heads=4, filters=8))
+    with pytest.raises(ValueError, match="no per-word attention"):
+        word_attention(MMCAHead(16, heads=4, filters=8), None, None)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def oan_searcher(tiny_search_setup, tmp_path_factory):
+    """An untrained OAN checkpoint and its index of the 12 test photos."""
+    from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
+    from itmatch.retrieval.index import build_index
+    from itmatch.retrieval.search import Searcher
+
+    vocab = load_checkpoint(tiny_search_setup["checkpoint"]).vocab
+    cfg = resolve_config("oan")
+    cfg.model.vocab_size, cfg.model.img_dim, cfg.model.embed_size, cfg.model.word_dim = len(vocab), 1280, 16, 8
+    root = tmp_path_factory.mktemp("oan")
+    torch.manual_seed(0)
+    save_checkpoint(root / "ckpt", build_model(cfg.model), cfg, vocab)
+    build_index(tiny_search_setup["photos"], root / "ckpt", root / "index", progress=False)
+    return Searcher(root / "index")
+
+
+def test_oan_explain_over_http_is_a_map_not_a_500(oan_searcher):
+    """OAN's `attention` returns (T-V, V-T); explain used to index the tuple like a tensor (a 500)."""
+    pytest.importorskip("fastapi", reason="the `serve` extra (fastapi) is not installed")
+    pytest.importorskip("httpx", reason="fastapi's TestClient needs httpx (dev extra)")
+    from fastapi.testclient import TestClient
+
+    from itmatch.retrieval.service import create_app
+
+    client = TestClient(create_app(oan_searcher), raise_server_exceptions=False)
+    resp = client.get("/api/explain", params={"q": "a red circle", "id": oan_searcher.ids[0]})
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["normalised_over"] == "regions" and [w["word"] for w in data["words"]] == [
+        "<start>", "a", "red", "circle", "<end>"]
+    for w in data["words"]:
+        assert abs(sum(x for row in w["weights"] for x in row) - 1.0) <= 1e-5
