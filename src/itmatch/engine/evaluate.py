@@ -312,7 +312,8 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test", data
     `resume_dir` keeps finished score blocks so that a killed run continues) under `protocol`, and returns the
     metrics. With `json_path` they are also written there (an existing file is replaced only with `force`);
     with `results`, a row named `name` (default: the checkpoints' run names joined by '+') is added to that
-    results CSV (an existing row is replaced only with `force`), recording `command`, which is then required: the command line that reproduces the row.
+    results CSV (an existing row is replaced only with `force`), recording `command`, which is then required:
+    the command line that reproduces the row.
     Under torchrun every rank calls this; rank 0 writes the outputs and every rank returns its metrics.
     """
     placement = resolve(device, precision, device_setting="device=", precision_setting="precision=")
