@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from itmatch import distributed as dist
 from itmatch.config import Config
-from itmatch.engine import distributed as dist
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.models.registry import resolve_config
 
@@ -112,7 +112,7 @@ def test_single_process_helpers_are_no_ops():
 WORKER = """
 import json, sys, torch
 from itmatch.config import config_from_dict, Config
-from itmatch.engine import distributed
+from itmatch import distributed
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.evaluate import evaluate_models, split_scores
 from itmatch.engine.inputs import open_split

@@ -85,7 +85,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
                            extra_captions=args.extra_captions, rehash=args.rehash,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
                            scales=args.scales, device=placement.device, precision=placement.precision)
-    from itmatch.engine.distributed import is_main
+    from itmatch.distributed import is_main
 
     if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)
         print(json.dumps(_without_file_records(meta), indent=2))
@@ -143,7 +143,7 @@ def _resume_overrides(args: argparse.Namespace) -> dict:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from itmatch.engine import distributed as dist
+    from itmatch import distributed as dist
     from itmatch.engine.train import train
 
     if args.device or args.precision:
@@ -165,7 +165,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from itmatch.engine import distributed as dist
+    from itmatch import distributed as dist
     from itmatch.engine.evaluate import evaluate_run
 
     placement = _placement(args)  # (an error naming --device / --precision, before any work)
@@ -254,7 +254,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
     summary = build_index(Path(args.images), resolve_checkpoint(args.model), Path(args.out), force=args.force,
                           batch_size=args.batch_size, progress=not args.quiet, device=placement.device,
                           precision=placement.precision, trust_modified=args.trust_modified, rehash=args.rehash)
-    from itmatch.engine.distributed import is_main
+    from itmatch.distributed import is_main
 
     if not is_main():  # (under torchrun: rank 0 reports)
         return 0
@@ -642,8 +642,8 @@ def _run(argv: list[str] | None) -> int:
         # when the interpreter finalises can abort the process (SIGABRT, "terminate called without an
         # active exception") after the command itself ended cleanly. After an error the other ranks may be
         # inside another collective, so this rank leaves without waiting for them.
-        if "itmatch.engine.distributed" in sys.modules:
-            from itmatch.engine.distributed import shutdown
+        if "itmatch.distributed" in sys.modules:
+            from itmatch.distributed import shutdown
 
             shutdown(wait=finished)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from itmatch import distributed as dist
 from itmatch.data.datasets import pad_tokens
 from itmatch.data.precomp import ImageSource, batch_tensor
 from itmatch.data.vocab import AnyVocab
@@ -29,7 +30,6 @@ from itmatch.device import (
     release_cached_memory,
     to_device,
 )
-from itmatch.engine import distributed as dist
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
+from itmatch import distributed as dist
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import AnyVocab, unknown_word_report
 from itmatch.device import Placement, check_precision, module_device, resolve
-from itmatch.engine import distributed as dist
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.engine.inputs import open_split
 from itmatch.engine.metrics import average_folds, retrieval_metrics

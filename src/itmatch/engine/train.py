@@ -18,19 +18,19 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from itmatch import distributed as dist
 from itmatch.config import Config, config_from_dict, update
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairBatch, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
 from itmatch.device import Placement, resolve
-from itmatch.engine import distributed as dist
 from itmatch.engine.checkpoint import (
     init_weights_from,
     load_checkpoint,
@@ -43,7 +43,7 @@ from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.inputs import fill_image_dims, open_split
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
-from itmatch.models.base import Matcher, SimilarityHead
+from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
 from itmatch.models.losses import triplet_loss
 from itmatch.models.registry import build_model, finetune_backbone, read_pixels_for_finetuning
 
@@ -176,6 +176,20 @@ def check_world(cfg: Config) -> None:
                           "train.batch_size to a multiple of the process count")
 
 
+E = TypeVar("E", bound=Embeddings)
+
+
+def gather_embeddings(emb: E) -> E:
+    """Every rank's embeddings (same item count on every rank) concatenated in rank order, extras
+    included; captions are first padded to the longest padded length of any rank. Autograd-aware
+    (see distributed.gather_rows)."""
+    if not dist.is_distributed():
+        return emb
+    if isinstance(emb, TextEmb):
+        emb = emb.padded_to(dist.max_over_ranks(int(emb.words.shape[1])))
+    return emb.map_tensors(dist.gather_rows)
+
+
 def batch_loss(model: Matcher, batch: PairBatch, cfg: Config, hardest: bool) -> torch.Tensor:
     """The loss of a (rank's share of a) batch. Distributed with train.gather_negatives, the captions (and
     images) of every rank are all-gathered and every rank computes the loss of the whole global batch,
@@ -188,7 +202,7 @@ def batch_loss(model: Matcher, batch: PairBatch, cfg: Config, hardest: bool) -> 
     index = batch.image_index
     gather = cfg.train.gather_negatives and dist.is_distributed()
     if gather:
-        txt, index = dist.gather_embeddings(txt), dist.gather_rows(index)
+        txt, index = gather_embeddings(txt), dist.gather_rows(index)
     positives = index[:, None] == index[None, :] if cfg.loss.mask_same_image else None
     if not gather:
         return model.training_loss(img, txt, cfg.loss, hardest, positives)
@@ -199,7 +213,7 @@ def batch_loss(model: Matcher, batch: PairBatch, cfg: Config, hardest: bool) -> 
         scores = dist.gather_rows(model.score(img, txt))
         return triplet_loss(scores, cfg.loss.margin, hardest, positives)
     # A head with its own loss (OAN, SMAN, MMCA) may use more than the score matrix: give it everything.
-    return model.training_loss(dist.gather_embeddings(img), txt, cfg.loss, hardest, positives)
+    return model.training_loss(gather_embeddings(img), txt, cfg.loss, hardest, positives)
 
 
 class _LossStep(torch.nn.Module):

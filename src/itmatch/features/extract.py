@@ -63,6 +63,7 @@ import torch
 from numpy.lib.format import open_memmap
 from tqdm import tqdm
 
+from itmatch import distributed as dist
 from itmatch.data.captions import CaptionTable
 from itmatch.data.precomp import (
     captions_path,
@@ -77,7 +78,6 @@ from itmatch.data.precomp import (
     write_captions,
 )
 from itmatch.device import Placement, module_device, resolve
-from itmatch.engine import distributed as dist
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
 from itmatch.features.pipeline import UnreadableImage, decode_image, grid_features, strict_decoding

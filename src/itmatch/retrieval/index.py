@@ -292,8 +292,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     A photo whose size and mtime equal its record in the existing manifest is not read again, unless
     `rehash` (then every photo is hashed).
     """
+    from itmatch import distributed as dist
     from itmatch.api import load
-    from itmatch.engine import distributed as dist
     from itmatch.features.extract import _backbone_meta, _version
 
     dist.init_from_env("gloo")

@@ -4,19 +4,22 @@ global-batch loss, object gathers for the evaluator, the trainer's RNG states an
 
 Everything here is a no-op in a single process (no RANK / WORLD_SIZE in the environment): rank 0 of 1,
 `is_main()` True, barriers and gathers return at once, so train/evaluate/extract call these helpers
-unconditionally."""
+unconditionally.
+
+It sits at the foundation (docs/architecture.md), below features (sharded extraction) and the inference core
+(sharded scoring): it knows tensors, not models; the gather of a model's embeddings is training's
+(engine/train.py `gather_embeddings`)."""
 
 from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from itmatch.errors import ConfigError
-from itmatch.models.base import Embeddings, TextEmb
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -141,20 +144,6 @@ def _all_gather(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return torch.cat(parts)
-
-
-E = TypeVar("E", bound=Embeddings)
-
-
-def gather_embeddings(emb: E) -> E:
-    """Every rank's embeddings (same item count on every rank) concatenated in rank order, extras
-    included; captions are first padded to the longest padded length of any rank. Autograd-aware
-    (see gather_rows)."""
-    if not is_distributed():
-        return emb
-    if isinstance(emb, TextEmb):
-        emb = emb.padded_to(max_over_ranks(int(emb.words.shape[1])))
-    return emb.map_tensors(gather_rows)
 
 
 def max_over_ranks(value: int) -> int:
