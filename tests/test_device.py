@@ -197,7 +197,7 @@ def test_the_evaluator_creates_its_tensors_on_the_models_device_and_scores_on_th
 #: where "every tensor is created on its inputs' device" is checked statically: model code, losses, metrics,
 #: the inference core and two-stage scoring. Construction-time tensors (in __init__, a frozen encoder's
 #: fingerprint) become parameters or buffers and move with the module.
-STATIC_SCOPE = ["models", "engine/metrics.py", "inference.py", "retrieval/two_stage.py", "engine/evaluate.py"]
+STATIC_SCOPE = ["models", "engine/metrics.py", "inference", "retrieval/two_stage.py", "engine/evaluate.py"]
 FACTORIES = {"arange", "zeros", "ones", "empty", "full", "eye", "tensor", "as_tensor", "rand", "randn",
              "randint", "randperm", "linspace"}
 CONSTRUCTION = {"__init__", "_fingerprint"}

@@ -206,7 +206,7 @@ def interrupted_scoring(ckpt_dir: Path, blocks: int) -> None:
     --resume-dir stopped after them would; the two ranks' evaluation then continues from them."""
     from itmatch.engine.evaluate import split_scores
     from itmatch.engine.inputs import open_split
-    from itmatch.engine.score_cache import ScoreCache
+    from itmatch.inference.score_cache import ScoreCache
 
     ckpt = load_checkpoint(ckpt_dir)
     model, calls = ckpt.model.eval(), []

@@ -225,7 +225,7 @@ def _evaluate_code(ckpt: Path, data: Path, blocks: Path, out: Path) -> str:
     argv = ["evaluate", str(ckpt), "--data", str(data), "--split", "test", "--budget-gb", str(4e4 / 2**30),
             "--threads", "1", "--resume-dir", str(blocks), "--json", str(out), "--quiet"]
     # Finished blocks are written every FLUSH_SECONDS (60) of scoring; here after every block.
-    return ("import sys; import itmatch.engine.score_cache as c; c.FLUSH_SECONDS = 0.0; "
+    return ("import sys; import itmatch.inference.score_cache as c; c.FLUSH_SECONDS = 0.0; "
             f"from itmatch.cli import main; sys.exit(main({argv!r}))")
 
 

@@ -1,4 +1,4 @@
-"""Resumable exhaustive scoring (engine.score_cache): an evaluation interrupted after some blocks continues
+"""Resumable exhaustive scoring (inference.score_cache): an evaluation interrupted after some blocks continues
 from them and ends with exactly the matrix of an uninterrupted run; other inputs never reuse them.
 (The same through `itmatch evaluate --resume-dir` killed with SIGKILL: tests/test_faults.py.)"""
 
@@ -15,7 +15,7 @@ from safetensors import safe_open
 from itmatch.data.precomp import read_precomp
 from itmatch.data.vocab import Vocab
 from itmatch.engine.evaluate import encode_caption_buckets, encode_images, evaluate_models, score_matrix
-from itmatch.engine.score_cache import ScoreCache
+from itmatch.inference.score_cache import ScoreCache
 from itmatch.models.registry import build_model, preset_config
 
 BUDGET = 2e5  # bytes: a few images per block, so the 40 x 200 test matrix has 80 blocks
@@ -119,7 +119,7 @@ def test_evaluate_reports_resumed_blocks_and_their_time(split, tmp_path):
 
 def test_blocks_are_written_in_parts_every_flush_seconds(inputs, tmp_path, monkeypatch):
     """One file per part, not per block (an MMCA test matrix has ~100k blocks); a kill loses one part."""
-    import itmatch.engine.score_cache as score_cache
+    import itmatch.inference.score_cache as score_cache
 
     model, img, buckets = inputs
     reference = score_matrix(model, img, buckets, budget_bytes=BUDGET)
@@ -155,7 +155,7 @@ def test_a_long_scoring_without_cache_suggests_resume_dir(inputs, monkeypatch):
 def test_resumed_seconds_are_the_earlier_runs_wall_time_whatever_their_ranks(tmp_path):
     """A block scored while two ranks scored side by side took half its seconds of the run's wall time; so
     blocks of a two-rank run and of a single-process run add up to the wall time of both runs."""
-    from itmatch.engine.score_cache import MatrixBlocks
+    from itmatch.inference.score_cache import MatrixBlocks
 
     cache = ScoreCache(tmp_path)
     for ranks, first in ((2, 0), (1, 4)):

@@ -20,7 +20,6 @@ from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.engine.inputs import open_split
 from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.engine.results import result_row, upsert_row
-from itmatch.engine.score_cache import ScoreCache
 from itmatch.errors import ConfigError, DataError, refuse_overwrite
 from itmatch.inference import (  # noqa: F401 (the inference core, also importable from here as before)
     CAPTIONS_PER_BLOCK,
@@ -39,6 +38,7 @@ from itmatch.inference import (  # noqa: F401 (the inference core, also importab
 )
 from itmatch.inference import score_matrix as _score_matrix
 from itmatch.inference import sharded_score_matrix as _sharded_score_matrix
+from itmatch.inference.score_cache import ScoreCache
 from itmatch.io import write_json_atomic
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 from itmatch.models.registry import image_inputs
@@ -169,7 +169,7 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     With `prune`: safe pruning (exhaustive metrics, only the pairs the head's score bound leaves open).
 
     With `resume_dir`, exhaustive scoring keeps its finished blocks there and continues from those an
-    interrupted run over the same inputs left (engine.score_cache); `eval_seconds` then adds the scoring
+    interrupted run over the same inputs left (inference.score_cache); `eval_seconds` then adds the scoring
     seconds the earlier runs spent on them, and `resumed` says how many blocks came from disk.
 
     Under torchrun every rank calls this: exhaustive scoring is sharded across the ranks (see

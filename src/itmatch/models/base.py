@@ -149,6 +149,11 @@ class TextEmb(Embeddings):
         return self.narrowed(int(self.lengths[index].max())).take(index)
 
 
+#: one block of a score matrix: image rows, caption columns, their embeddings (the inference core plans them,
+#: the score cache keys finished ones by them; defined here, below both, so that neither imports the other)
+Block = tuple[slice, torch.Tensor | slice, TextEmb]
+
+
 class SimilarityHead(nn.Module):
     """score(img, txt) -> [n_img, n_txt]. `prepare_*` add per-item parts once per item."""
 

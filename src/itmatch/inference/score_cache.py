@@ -2,7 +2,7 @@
 
 A pair head such as MMCA's cross-attention module needs hours of CPU for a 1000 x 5000 test split
 (docs/mmca.md); this is what lets such an evaluation survive a kill or the end of a session. Every block
-of the evaluator's plan (`evaluate.score_blocks`) is kept once scored, with the seconds it took, and
+of the evaluator's plan (`inference.score_blocks`) is kept once scored, with the seconds it took, and
 written atomically with the others of the last minute; a later run over the same inputs loads the
 finished blocks and scores only the others.
 
@@ -24,9 +24,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from itmatch.inference import Block
 from itmatch.io import write_with
-from itmatch.models.base import ImageEmb, Matcher
+from itmatch.models.base import Block, ImageEmb, Matcher
 
 KEY_CHARS = 20  # of the SHA-256 hex digest: a directory name, collisions out of reach
 FLUSH_SECONDS = 60.0  # of scoring between two writes of finished blocks (what a kill can lose at most)

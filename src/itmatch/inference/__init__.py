@@ -4,6 +4,8 @@
 It stands below both `engine` (the evaluator, training's validation) and `retrieval` (two-stage scoring,
 search, the service) and `api`, which all use it; it imports neither, so none of them imports another
 through it (the former circles evaluate -> two_stage -> evaluate and score_cache -> evaluate are gone).
+The finished blocks a killed run resumes from are kept by its submodule `score_cache`, which imports nothing
+of this one (the block type both use is models.base.Block).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import functools
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,10 +32,8 @@ from itmatch.device import (
     to_device,
 )
 from itmatch.errors import ConfigError, DataError
-from itmatch.models.base import ImageEmb, Matcher, TextEmb
-
-if TYPE_CHECKING:  # (score_cache imports this module's Block)
-    from itmatch.engine.score_cache import ScoreCache
+from itmatch.inference.score_cache import ScoreCache
+from itmatch.models.base import Block, ImageEmb, Matcher, TextEmb
 
 DEFAULT_BUDGET = 4 * 1024**3
 #: where finished scores go: the score matrix lives on the host whatever the model's device, and only
@@ -202,9 +201,6 @@ def split_buckets(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_by
     return out
 
 
-Block = tuple[slice, torch.Tensor | slice, TextEmb]  # image rows, caption columns, their embeddings
-
-
 def score_blocks(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float = DEFAULT_BUDGET,
                  max_cells: int = MAX_BLOCK_CELLS, world: int = 1) -> list[Block]:
     """The blocks score_matrix fills, in order: per caption bucket (cut by split_buckets if one image x the
@@ -233,7 +229,7 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
     block is one batched call of the model's head; images per block follow from the memory budget
     (see images_per_block). Uses torch's intra-op threads (all cores unless set otherwise); the
     progress bar shows pairs/s. With a `cache`, finished blocks of a pair head are kept on disk and an
-    interrupted run over the same inputs continues from them (engine.score_cache). `on_block(pairs)` is
+    interrupted run over the same inputs continues from them (inference.score_cache). `on_block(pairs)` is
     called after every block (the evaluator's advice on long runs)."""
     out = _score_blocks(model, img, txt, budget_bytes, progress, captions_per_block, max_cells, world=1,
                         cache=cache, on_block=on_block)
