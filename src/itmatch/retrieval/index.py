@@ -293,8 +293,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     `rehash` (then every photo is hashed).
     """
     from itmatch import distributed as dist
-    from itmatch.api import load
     from itmatch.features.extract import _backbone_meta, _version
+    from itmatch.retrieval.matcher import load
 
     dist.init_from_env("gloo")
     progress = progress and dist.is_main()

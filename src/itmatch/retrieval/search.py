@@ -125,8 +125,8 @@ class Searcher:
         once), run in `precision`; scores come back to the host. `trust_modified` loads a checkpoint whose
         files differ from its manifest (the index must still have been built with the same weights, config
         and vocabulary)."""
-        from itmatch.api import load
         from itmatch.retrieval.index import load_index, model_identity
+        from itmatch.retrieval.matcher import load
 
         self.index = load_index(index_dir, verify=verify)
         from itmatch.pretrained import resolve_checkpoint  # (a path, or a pretrained model's name)
