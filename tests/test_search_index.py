@@ -395,6 +395,25 @@ def test_sman_index_search_and_serve_from_the_cli(tiny_search_setup, tmp_path, c
     assert client.get("/api/explain", params={"q": "a red circle", "id": served[0]["id"]}).status_code == 409
 
 
+def test_an_encoder_part_the_index_cannot_store_as_float_is_refused_before_reading_photos(tiny_search_setup, tmp_path,
+                                                                                          monkeypatch):
+    """Stored float32, an integer or bool part (e.g. a mask) would come back as another dtype at search."""
+    from itmatch.models.image import SMANImageEncoder
+
+    forward = SMANImageEncoder.forward
+
+    def with_a_mask(self, feats, mask):
+        emb = forward(self, feats, mask)
+        emb.extras["cells"] = mask
+        return emb
+
+    monkeypatch.setattr(SMANImageEncoder, "forward", with_a_mask)
+    ckpt = _untrained_sman(tiny_search_setup, tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=r"non-float parts \(cells\)"):
+        build_index(tiny_search_setup["photos"], ckpt, tmp_path / "index", progress=False)
+    assert not (tmp_path / "index").exists()
+
+
 def test_index_without_image_extras_in_its_manifest_still_loads(tiny_search_setup, photos, tmp_path):
     """Indexes written before the encoder's extras were stored have no `image_extras`: they load as before."""
     out = tmp_path / "index"
