@@ -128,3 +128,59 @@ def test_analyze_perturb_end_to_end(tiny_precomp, tmp_path, capsys):
     assert main(["analyze", "perturb", "--preset", "vsepp", "--data", str(tiny_precomp), "--out", str(out),
                  "--perturbations", "articles"]) == 2
     assert "unknown perturbation" in capsys.readouterr().err
+
+
+def _finished_run(run_dir, cfg, state="best"):
+    """A run directory as the trainer leaves it, as far as the study's check reads it (its saved config)."""
+    (run_dir / state).mkdir(parents=True)
+    (run_dir / state / "config.json").write_text(json.dumps(cfg.to_dict()))
+
+
+def _trained_as(cfg, **changes):
+    """cfg as the trainer saves it: the keys it fills from the data set, and another name and thread count
+    (which do not change the model) beside `changes` (dotted key -> value)."""
+    import copy
+
+    trained = copy.deepcopy(cfg)
+    trained.name, trained.train.threads, trained.model.vocab_size, trained.model.img_dim = "x-shuffle", 2, 120, 1280
+    for key, value in changes.items():
+        section, name = key.split(".")
+        setattr(getattr(trained, section), name, value)
+    return trained
+
+
+def test_a_finished_run_with_other_settings_is_refused_before_any_work(tmp_path, capsys):
+    """`analyze perturb` used to reuse OUT/<p>/best whatever settings it was trained with."""
+    from itmatch.models.registry import resolve_config
+
+    out, data = tmp_path / "study", tmp_path / "precomp"  # (empty: the check comes before reading the data)
+    data.mkdir()
+    wanted = resolve_config("vsepp", {"data": {"path": str(data)}, "model": {"embed_size": 32}})
+    _finished_run(out / "shuffle", _trained_as(wanted, **{"model.embed_size": 64, "train.lr": 0.002}))
+    assert main(["analyze", "perturb", "--preset", "vsepp", "--data", str(data), "--out", str(out),
+                 "--perturbations", "shuffle", "--set", "model.embed_size=32", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "model.embed_size (run: 64, now: 32)" in err and "train.lr (run: 0.002, now: 0.0002)" in err
+    assert "vocab_size" not in err and "threads" not in err and "name (" not in err
+    assert "--force" in err and "--out" in err
+    assert not (out / "cache").exists()  # refused before tagging the captions
+
+
+def test_only_settings_that_change_the_model_or_the_perturbation_are_compared(tmp_path):
+    from itmatch.analysis.perturb import STUDY_FILE, check_existing_run
+    from itmatch.errors import OverwriteError
+    from itmatch.models.registry import resolve_config
+
+    wanted = resolve_config("vsepp", {"data": {"path": str(tmp_path / "precomp")}})
+    run = tmp_path / "shuffle"
+    check_existing_run(run, wanted, {"perturbation": "shuffle", "seed": 0})  # no run yet: nothing to compare
+    _finished_run(run, _trained_as(wanted, **{"data.path": str(tmp_path / "." / "precomp"), "train.device": "cpu"}))
+    check_existing_run(run, wanted, {"perturbation": "shuffle", "seed": 0})  # the same experiment: reused
+    (run / STUDY_FILE).write_text(json.dumps({"perturbation": "shuffle", "seed": 1}))
+    with pytest.raises(OverwriteError, match=r"study\.seed \(run: 1, now: 0\)"):
+        check_existing_run(run, wanted, {"perturbation": "shuffle", "seed": 0})
+    # an interrupted run (last/ only) would be resumed with its own settings: the same check
+    interrupted = tmp_path / "nouns"
+    _finished_run(interrupted, _trained_as(wanted, **{"train.epochs": 3}), state="last")
+    with pytest.raises(OverwriteError, match=r"the last run .* train\.epochs \(run: 3, now: 30\)"):
+        check_existing_run(interrupted, wanted, {"perturbation": "nouns", "seed": 0})

@@ -327,20 +327,103 @@ def test_model_of_other_features_is_refused_before_reading_photos(tiny_search_se
     assert not (tmp_path / "index").exists()
 
 
-def test_sman_is_refused_at_indexing_not_when_searched(tiny_search_setup, tmp_path):
-    """SMAN's image encodings carry v0, v1, which the index does not store: its index used to be written and
-    then fail to load (KeyError 'v0', a traceback in search and serve)."""
-    from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
-    from itmatch.errors import ConfigError
-    from itmatch.models.registry import build_model, resolve_config
+def _untrained_sman(setup, folder, **sman):
+    from itmatch.models.registry import resolve_config
 
-    vocab = load_checkpoint(tiny_search_setup["checkpoint"]).vocab
+    vocab = load_checkpoint(setup["checkpoint"]).vocab
     cfg = resolve_config("sman", {"model": {"embed_size": 8, "word_dim": 8, "img_dim": 1280, "vocab_size": len(vocab),
-                                            "sman": {"att_hidden": 4}}})
-    save_checkpoint(tmp_path / "ckpt", build_model(cfg.model), cfg, vocab)
-    with pytest.raises(ConfigError, match=r"the sman model cannot be indexed yet: .* \(att1, v0, v1\)"):
-        build_index(tiny_search_setup["photos"], tmp_path / "ckpt", tmp_path / "index", progress=False)
+                                            "sman": {"att_hidden": 4, **sman}}})
+    torch.manual_seed(0)
+    save_checkpoint(folder, build_model(cfg.model), cfg, vocab)
+    return folder
+
+
+@pytest.mark.parametrize("alpha", [0.9, 1.0], ids=["sman", "sman_sim"])
+def test_sman_index_ranks_exactly_as_the_model_scores(tiny_search_setup, tmp_path, alpha):
+    """SMAN's image encodings carry v0, v1, att1 beside the regions and the vector: the index stores every
+    field the encoder returns (it used to refuse SMAN), and the head's parts are added when it is loaded, so
+    search equals `itmatch.load(...).score` (alpha = 1: the head appends v(2) to the vector when preparing;
+    storing the prepared vector would append it twice)."""
+    ckpt = _untrained_sman(tiny_search_setup, tmp_path / "ckpt", alpha=alpha)
+    out = tmp_path / "index"
+    build_index(tiny_search_setup["photos"], ckpt, out, progress=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["image_extras"] == ["att1", "v0", "v1"]
+    assert manifest["arrays"]["extra_v0"]["shape"] == [12, 8]
+    index = load_index(out)
+    searcher = Searcher(out)
+    query = "a red circle above two stars"
+    hits = searcher.search(query, k=12)
+    matcher = itmatch.load(ckpt)
+    # the same backbone features through the model's own encode + score: bit-identical
+    reference = matcher.score(torch.from_numpy(np.array(index.features())), [query])[:, 0]
+    got = torch.tensor([h.score for h in sorted(hits, key=lambda h: searcher.ids.index(h.id))])
+    assert torch.allclose(got, reference, atol=1e-6, rtol=0)  # (Hit rounds to 6 decimals only in as_dict)
+    assert torch.equal(score_of(searcher, query), reference)
+    # and the photos themselves, decoded and encoded afresh
+    fresh = matcher.score([tiny_search_setup["photos"] / i for i in searcher.ids], [query])[:, 0]
+    assert torch.allclose(reference, fresh, atol=1e-5)
+    with pytest.raises(QueryError, match="no per-word attention over regions") as err:
+        searcher.explain(query, searcher.ids[0])  # one query-guided map per pair, not one per word
+    assert err.value.status == 409
+
+
+def score_of(searcher: Searcher, query: str) -> torch.Tensor:
+    """Every image's score for `query` as the searcher ranks them, in index order."""
+    from itmatch.inference import score_matrix
+
+    with torch.inference_mode():
+        return score_matrix(searcher.model, searcher.images, searcher.encode_query(query))[:, 0]
+
+
+def test_sman_index_search_and_serve_from_the_cli(tiny_search_setup, tmp_path, capsys):
+    ckpt = _untrained_sman(tiny_search_setup, tmp_path / "ckpt")
+    out = tmp_path / "index"
+    assert main(["index", str(tiny_search_setup["photos"]), "--model", str(ckpt), "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["search", str(out), "a red circle", "-k", "3", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert len(results) == 3 and results[0]["score"] >= results[2]["score"]
+    pytest.importorskip("httpx", reason="fastapi's TestClient needs httpx (dev extra)")
+    from fastapi.testclient import TestClient
+
+    from itmatch.retrieval.service import create_app
+
+    client = TestClient(create_app(Searcher(out)))
+    served = client.get("/api/search", params={"q": "a red circle", "k": 3}).json()["results"]
+    assert [r["id"] for r in served] == [r["id"] for r in results]
+    assert client.get("/api/explain", params={"q": "a red circle", "id": served[0]["id"]}).status_code == 409
+
+
+def test_an_encoder_part_the_index_cannot_store_as_float_is_refused_before_reading_photos(tiny_search_setup, tmp_path,
+                                                                                          monkeypatch):
+    """Stored float32, an integer or bool part (e.g. a mask) would come back as another dtype at search."""
+    from itmatch.models.image import SMANImageEncoder
+
+    forward = SMANImageEncoder.forward
+
+    def with_a_mask(self, feats, mask):
+        emb = forward(self, feats, mask)
+        emb.extras["cells"] = mask
+        return emb
+
+    monkeypatch.setattr(SMANImageEncoder, "forward", with_a_mask)
+    ckpt = _untrained_sman(tiny_search_setup, tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match=r"non-float parts \(cells\)"):
+        build_index(tiny_search_setup["photos"], ckpt, tmp_path / "index", progress=False)
     assert not (tmp_path / "index").exists()
+
+
+def test_index_without_image_extras_in_its_manifest_still_loads(tiny_search_setup, photos, tmp_path):
+    """Indexes written before the encoder's extras were stored have no `image_extras`: they load as before."""
+    out = tmp_path / "index"
+    _build(tiny_search_setup, photos, out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    before = Searcher(out).search("a red circle", k=5)
+    del manifest["image_extras"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    assert load_index(out).extras == {}
+    assert Searcher(out).search("a red circle", k=5) == before
 
 
 def test_links_to_files_outside_the_folder_are_not_indexed(tmp_path, caplog):

@@ -4,7 +4,9 @@ against the unperturbed run, the prior of each part-of-speech class, a table and
 
 Runs live in OUT/<perturbation>/ (the usual run directories): a finished run (OUT/<p>/best) is reused,
 an interrupted one (OUT/<p>/last) is resumed, so the study can be stopped and continued. The tables and
-the chart are recomputed from the runs every time.
+the chart are recomputed from the runs every time. A run is reused or resumed only when it was trained with
+the settings the command would train (`run_differences`; keys that do not change the model, such as
+train.threads, are not compared): otherwise the study is refused, before any work, naming the keys.
 """
 
 from __future__ import annotations
@@ -24,14 +26,23 @@ from itmatch.device import resolve
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.train import train
-from itmatch.errors import ConfigError
+from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic, write_text_atomic, write_with
+from itmatch.models.registry import read_pixels_for_finetuning
 
 LABELS = {"original": "Original model", "shuffle": "Random shuffling", "numbers": "Drop numbers",
           "prepositions": "Drop prepositions", "verbs": "Drop verbs", "adjectives": "Drop adjectives/adverbs",
           "nouns": "Drop nouns"}
 DIRECTIONS = ("text_to_image", "image_to_text")
 KS = ("r1", "r5", "r10")
+#: config keys that do not change what a run learns: its label, where and how fast it ran, how often it
+#: logged or saved (a run trained on another device or with other threads is the same experiment)
+UNCOMPARED = frozenset({"name", "train.threads", "train.log_every", "train.checkpoint_every", "train.device",
+                        "train.backend"})
+#: keys the trainer fills from the data when the command leaves them unset (0 or ""): compared only when set
+FILLED_FROM_DATA = frozenset({"model.vocab_size", "model.img_dim", "model.save.c3_dim", "model.save.c4_dim",
+                              "data.backbone"})
+STUDY_FILE = "study.json"  # in each run directory: the perturbation and its seed (not part of the config)
 
 
 def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence[str] = PERTURBATIONS, *,
@@ -49,6 +60,9 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
     out = Path(out)
+    if not force:  # before the tagging and the trainings: a mismatch is found in seconds, not hours
+        for kind in kinds:
+            check_existing_run(out / kind, cfg, {"perturbation": kind, "seed": seed})
     train_split = read_precomp(cfg.data.path, cfg.data.train_split)
     test_split = read_precomp(cfg.data.path, split)
     tagged = tag_captions(train_split.training_captions, cache_dir=tag_cache or out / "cache", progress=progress)
@@ -64,6 +78,7 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
             if progress:
                 print(f"[perturb] {kind}: training into {run_dir}" + (" (resuming)" if resume else ""), flush=True)
             train(run_cfg, run_dir, resume=resume, force=force, transform=transform, progress=progress)
+            write_json_atomic(run_dir / STUDY_FILE, {"perturbation": kind, "seed": seed})
         result, best_epoch = _evaluate(run_dir, test_split, protocol, progress)
         rows.append({"perturbation": kind, "label": LABELS[kind], "empty_captions": len(transform.empty),
                      "prior": priors.get(kind), "best_epoch": best_epoch,
@@ -82,6 +97,71 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     write_text_atomic(out / "perturb.md", to_markdown(report))
     write_with(out / "perturb.png", lambda tmp: plot(report, tmp))
     return report
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _same_value(key: str, stored: Any, wanted: Any) -> bool:
+    if key in ("data.path", "data.images") and stored and wanted:  # the same folder, however it is written
+        return Path(stored).resolve() == Path(wanted).resolve()
+    return stored == wanted
+
+
+def run_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """The dotted config keys whose values differ between a run's saved config and the one a command would
+    train (both as `Config.to_dict()`), leaving out UNCOMPARED keys and FILLED_FROM_DATA keys the command
+    leaves unset."""
+    old, new = _flatten(stored), _flatten(wanted)
+    return sorted(key for key in old.keys() | new.keys()
+                  if key not in UNCOMPARED and not (key in FILLED_FROM_DATA and not new.get(key))
+                  and not _same_value(key, old.get(key), new.get(key)))
+
+
+def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> None:
+    """Refuse to reuse (best/) or resume (last/) a run of `run_dir` trained with other settings than `cfg`
+    or another perturbation seed (OverwriteError naming the keys); nothing to check when there is no run."""
+    for state in ("best", "last"):  # what the study would reuse, else what it would resume
+        saved = run_dir / state / "config.json"
+        if saved.is_file():
+            break
+    else:
+        return
+    try:
+        stored = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read the run's config ({exc})", path=saved,
+                          hint="retrain it with --force, or write the study to another --out") from None
+    wanted = copy.deepcopy(cfg)
+    read_pixels_for_finetuning(wanted)  # what the trainer sets before it saves the config
+    flat_old, flat_new = _flatten(stored), _flatten(wanted.to_dict())
+    differ = {key: (flat_old.get(key), flat_new.get(key)) for key in run_differences(stored, wanted.to_dict())}
+    recorded = _read_study(run_dir / STUDY_FILE)
+    if recorded is not None:
+        differ |= {f"study.{key}": (recorded[key], value) for key, value in study.items()
+                   if key in recorded and recorded[key] != value}
+    if differ:
+        shown = ", ".join(f"{key} (run: {old!r}, now: {new!r})" for key, (old, new) in differ.items())
+        raise OverwriteError(f"the {state} run in {run_dir} was trained with other settings: {shown}",
+                             path=saved, hint="pass --force to retrain it with these settings, or write the "
+                                              "study to another --out")
+
+
+def _read_study(path: Path) -> dict[str, Any] | None:
+    """A run's recorded perturbation and seed; None when it has none (runs of earlier versions) or it is
+    unreadable (then only the config is compared)."""
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return recorded if isinstance(recorded, dict) else None
 
 
 def _evaluate(run_dir: Path, split: PrecompSplit, protocol: str, progress: bool) -> tuple[dict[str, Any], Any]:

@@ -206,11 +206,17 @@ class Matcher(nn.Module):
         """feats: region features [N, k, D] (every model), or what a grid model reads instead: a dict of
         cached stage maps {scale: [N, k_s, C_s]} or pixels [N, 3, S, S] (SAVE, models/grid.py); the
         mask defaults to all regions real."""
+        return self.head.prepare_images(self.encode_image_fields(feats, mask))
+
+    def encode_image_fields(self, feats: ImageInput, mask: torch.Tensor | None = None) -> ImageEmb:
+        """What the image encoder gives per image, before the head adds its per-item parts
+        (`encode_images` = `head.prepare_images` of this): what a photo index stores, so that loading it
+        and preparing it gives exactly `encode_images` (a head may rewrite fields, e.g. SMAN-SIM's vector)."""
         if mask is None and isinstance(feats, torch.Tensor) and feats.ndim == 3:
             mask = torch.ones(feats.shape[:2], dtype=torch.bool, device=feats.device)
         img = self.image_encoder(feats, mask)
         img.regions = zero_padding(img.regions, img.mask)
-        return self.head.prepare_images(img)
+        return img
 
     def encode_texts(self, tokens: torch.Tensor, lengths: torch.Tensor) -> TextEmb:
         txt = self.text_encoder(tokens, lengths)

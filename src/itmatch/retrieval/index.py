@@ -8,6 +8,9 @@ Layout of INDEX_DIR (everything but `parts/` is replaced atomically; `manifest.j
     features-<gen>.npy          float32 [N, k, D] backbone grid features (what `itmatch extract` computes)
     regions-<gen>.npy           float32 [N, k, d] the model's per-region encodings (ImageEmb.regions)
     vectors-<gen>.npy           float32 [N, d] the global vector, for models that have one (VSE++)
+    extra_<name>-<gen>.npy      float32 [N, ...] every other per-image tensor the image encoder returns
+                                (ImageEmb.extras, e.g. SMAN's v0, v1, att1); the manifest lists them
+                                under `image_extras` (absent in indexes built before: none)
     parts/part-*.npz            encodings of a run that has not finished yet (deleted when it does)
 
 Incremental by content: an image's encodings are looked up by the sha256 of its file, so re-running
@@ -19,6 +22,11 @@ stat per photo. Resumable: new images are encoded in chunks,
 each chunk saved to `parts/` atomically, so an interrupted run continues where it stopped; the arrays
 of a finished run get a new generation name and the manifest that names them is written last, so a
 crash at any point leaves either the old index or the new one, never a mix.
+
+What is stored is the image encoder's output (`Matcher.encode_image_fields`), not the head's per-item
+parts: loading adds those with `head.prepare_images`, so the loaded encodings equal `Matcher.encode_images`
+of the same photos (the parts a head computes from the stored fields, e.g. SCAN's Gram matrices or
+SMAN's gate inputs and level-2 keys, cost one pass at load and no disk).
 
 The model's identity is the sha256 of the checkpoint's model config (plus the backbone), of its
 weights file and of its vocabulary; an index is only ever used with the model that built it
@@ -37,7 +45,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +69,16 @@ FORMAT = "itmatch-index"
 FORMAT_VERSION = 1
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 ARRAYS = ("features", "regions", "vectors")
+EXTRA_PREFIX = "extra_"  # array name of an ImageEmb.extras entry: extra_<key>
+
+
+def extra_array(key: str) -> str:
+    return f"{EXTRA_PREFIX}{key}"
+
+
+def is_encoding_array(name: str) -> bool:
+    """Whether an array name holds the model's encodings (not the backbone features)."""
+    return name in ("regions", "vectors") or name.startswith(EXTRA_PREFIX)
 
 
 def rebuild_hint(index_dir: Path | str, manifest: dict | None = None) -> str:
@@ -168,6 +186,7 @@ class ImageIndex:
     manifest: dict[str, Any]
     regions: np.ndarray  # [N, k, d]
     vectors: np.ndarray | None  # [N, d]
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # ImageEmb.extras key -> [N, ...]
 
     @property
     def images(self) -> list[dict[str, Any]]:
@@ -188,9 +207,13 @@ class ImageIndex:
     def image_emb(self) -> ImageEmb:
         """The stored encodings as an ImageEmb (grid backbones: every region is real); the head's
         per-item parts (e.g. SCAN's region Gram matrices) are added by the caller's `prepare_images`."""
-        regions = torch.from_numpy(np.array(self.regions, dtype=np.float32))
-        vector = torch.from_numpy(np.array(self.vectors, dtype=np.float32)) if self.vectors is not None else None
-        return ImageEmb(regions=regions, mask=torch.ones(regions.shape[:2], dtype=torch.bool), vector=vector)
+        def tensor(arr: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.array(arr, dtype=np.float32))
+
+        regions = tensor(self.regions)
+        vector = tensor(self.vectors) if self.vectors is not None else None
+        return ImageEmb(regions=regions, mask=torch.ones(regions.shape[:2], dtype=torch.bool), vector=vector,
+                        extras={key: tensor(arr) for key, arr in self.extras.items()})
 
     def features(self, verify: bool = True) -> np.ndarray:
         return _open_array(self.root, self.manifest, "features", verify)
@@ -224,14 +247,18 @@ def load_index(index_dir: Path | str, verify: bool = True) -> ImageIndex:
     try:
         regions = _open_array(index_dir, manifest, "regions", verify)
         vectors = _open_array(index_dir, manifest, "vectors", verify) if "vectors" in manifest["arrays"] else None
+        # (indexes built before the extras were stored have no `image_extras`: their models had none)
+        extras = {key: _open_array(index_dir, manifest, extra_array(key), verify)
+                  for key in manifest.get("image_extras", [])}
         n = len(manifest["images"])
     except (KeyError, TypeError) as exc:
         raise DataError(f"index manifest lacks {exc}", path=index_dir / MANIFEST,
                         hint=rebuild_hint(index_dir, manifest)) from None
-    if regions.shape[0] != n or (vectors is not None and vectors.shape[0] != n):
-        raise DataError(f"index arrays hold {regions.shape[0]} rows for {n} images", path=index_dir,
-                        hint=rebuild_hint(index_dir, manifest))
-    return ImageIndex(index_dir, manifest, regions, vectors)
+    for arr in (regions, vectors, *extras.values()):
+        if arr is not None and arr.shape[0] != n:
+            raise DataError(f"index arrays hold {arr.shape[0]} rows for {n} images", path=index_dir,
+                            hint=rebuild_hint(index_dir, manifest))
+    return ImageIndex(index_dir, manifest, regions, vectors, extras)
 
 
 # -- building ------------------------------------------------------------------------------------------
@@ -256,10 +283,18 @@ def _read_parts(parts_dir: Path, identity: dict) -> dict[str, dict[str, Any]]:
 
 
 def _part_rows(data: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
-    return {str(sha): {"features": data["features"][i], "regions": data["regions"][i],
-                       "vectors": data["vectors"][i] if data["vectors"].size else None,
+    # (chunks of older versions hold an empty `vectors` for a model without one)
+    stored = [name for name in data if (name == "features" or is_encoding_array(name)) and data[name].size]
+    return {str(sha): {**{name: data[name][i] for name in stored},
                        "width": int(data["sizes"][i][0]), "height": int(data["sizes"][i][1])}
             for i, sha in enumerate(data["sha256"])}
+
+
+def _stored_fields(emb: ImageEmb) -> dict[str, np.ndarray]:
+    """Array name -> float32 host array of every per-image tensor the image encoder returned."""
+    arrays = {"regions": emb.regions, **({"vectors": emb.vector} if emb.vector is not None else {}),
+              **{extra_array(key): value for key, value in emb.extras.items()}}
+    return {name: value.float().cpu().numpy() for name, value in arrays.items()}
 
 
 def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
@@ -307,19 +342,15 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     identity = model_identity(checkpoint, backbone_name)
     k, dim = matcher.backbone.grid ** 2, matcher.backbone.out_dim
     with torch.inference_mode():
-        zeros = torch.zeros(1, k, dim, device=on)
-        probe = model.encode_images(zeros)
-        # per-image parts of the image encoder beyond the regions and the vector (SMAN: v0, v1) are not stored,
-        # and the head needs them at search time: refused here rather than failing when the index is loaded
-        unstored = sorted(model.image_encoder(zeros, torch.ones(1, k, dtype=torch.bool, device=on)).extras)
-    if unstored:
-        raise ConfigError(f"the {identity['preset'] or identity['arch']} model cannot be indexed yet: its image "
-                          f"encodings carry per-image parts ({', '.join(unstored)}) that the index does not store",
-                          path=checkpoint,
-                          hint="photo search works with SCAN, SAVE, OAN, MMCA, VSE++ and Sum-Max models")
-    row_shapes = {"features": (k, dim), "regions": tuple(probe.regions.shape[1:])}
-    if probe.vector is not None:
-        row_shapes["vectors"] = tuple(probe.vector.shape[1:])
+        # every field the image encoder returns is stored (SMAN: its v0, v1, att1 too), and only those: the
+        # head's per-item parts are recomputed from them when the index is loaded (Searcher)
+        probe = model.encode_image_fields(torch.zeros(1, k, dim, device=on))
+    not_float = sorted(key for key, value in probe.extras.items() if not value.is_floating_point())
+    if not_float:
+        raise ConfigError(f"the {identity['preset'] or identity['arch']} model cannot be indexed: its image "
+                          f"encodings carry non-float parts ({', '.join(not_float)}) that the index cannot store",
+                          path=checkpoint, hint="store them as float tensors in the image encoder's extras")
+    row_shapes = {"features": (k, dim), **{name: arr.shape[1:] for name, arr in _stored_fields(probe).items()}}
 
     old: dict[str, Any] | None = None
     if (out_dir / MANIFEST).exists():
@@ -345,7 +376,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     if old is not None:
         same_backbone = old["model"].get("backbone") == backbone_name
         # (a model that differs only in its vocabulary encodes images alike: its encodings are kept)
-        keep = ARRAYS if same_image_encoder(old["model"], identity) else (("features",) if same_backbone else ())
+        keep = (list(old["arrays"]) if same_image_encoder(old["model"], identity)
+                else (["features"] if same_backbone else []))
         try:
             for name in keep:
                 if name in old["arrays"]:
@@ -363,7 +395,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     paths = scan_images(images_dir, exclude=out_dir)
     records, unreadable = _hash_files(images_dir, paths, progress, None if rehash else old)
 
-    has_regions = "regions" in old_arrays
+    # the old rows serve only when they hold every field this model's encoder returns
+    has_regions = all(name in old_arrays for name in row_shapes if name != "features")
     todo = []  # unique contents with no encodings yet
     seen = set()
     for r in records:
@@ -411,11 +444,9 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
             if good:
                 f = torch.stack(feats).float()
                 with matcher.placement.autocast():
-                    emb = model.encode_images(f.to(on)).map_tensors(lambda x: x.float().cpu())
-                vec = emb.vector.numpy() if emb.vector is not None else np.zeros((0,), np.float32)
+                    fields = _stored_fields(model.encode_image_fields(f.to(on)))
                 chunk_data = {"sha256": np.array([r["sha256"] for r in good]), "features": f.numpy(),
-                              "regions": emb.regions.numpy(), "vectors": vec,
-                              "sizes": np.array(sizes, dtype=np.int64),
+                              **fields, "sizes": np.array(sizes, dtype=np.int64),
                               "weights_hash": np.array(identity["weights_hash"]),
                               "config_hash": np.array(identity["config_hash"])}
                 name = parts_dir / f"part-{identity['weights_hash'][:12]}-{secrets.token_hex(6)}.npz"
@@ -459,6 +490,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
         return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
     manifest = _consolidate(out_dir, old, old_arrays if has_regions else {}, old_rows, parts, records,
                             identity, row_shapes, images_dir)
+    manifest["image_extras"] = sorted(name.removeprefix(EXTRA_PREFIX) for name in row_shapes
+                                      if name.startswith(EXTRA_PREFIX))
     manifest["skipped"] = skipped
     manifest["itmatch_version"] = _version()
     manifest["backbone"] = _backbone_meta(matcher.backbone)
@@ -524,10 +557,10 @@ def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarr
 def _cleanup(out_dir: Path, manifest: dict) -> None:
     """Delete the arrays of older generations and the chunks the new manifest has absorbed."""
     current = {spec["file"] for spec in manifest["arrays"].values()}
-    for name in ARRAYS:
-        for f in out_dir.glob(f"{name}-*.npy"):
-            if f.name not in current:
-                f.unlink(missing_ok=True)
+    for f in out_dir.glob("*-*.npy"):
+        name = f.name.split("-", 1)[0]
+        if (name in ARRAYS or name.startswith(EXTRA_PREFIX)) and f.name not in current:
+            f.unlink(missing_ok=True)
     parts_dir = out_dir / PARTS
     if parts_dir.is_dir():
         for f in parts_dir.glob("part-*.npz"):
