@@ -361,6 +361,8 @@ def check_run_matches(out: str, preset: str, schedule: str, sets: list[str]) -> 
     """Stop if an existing run (which the bench would resume, or evaluate as it is) was trained with other
     settings than its row has now, e.g. a run started before a preset changed. Settings the run's config
     does not record (it predates them) cannot be compared and are skipped."""
+    from itmatch.config import flatten
+
     saved = ROOT / out / "config.json"
     if not saved.is_file():
         return
@@ -393,17 +395,6 @@ def check_rows_resolve(profile: Profile) -> None:
                                                                          [trained_row(row, profile)])}
     for member in sorted(trained):
         row_config(base_preset(member, profile), schedule_of(member, profile), profile.overrides.get(member, []))
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """{"a": {"b": 1}} -> {"a.b": 1}"""
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def record_history(run: str, profile: Profile = CPU) -> None:

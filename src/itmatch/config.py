@@ -327,6 +327,17 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return nested
 
 
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config or override dict by dotted key path: {"a": {"b": 1}} -> {"a.b": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def merge_overrides(*layers: dict[str, Any]) -> dict[str, Any]:
     """Nested override dicts merged in order (a later layer's value wins, mappings merge key by key), e.g. a
     YAML config file's keys, then --set's."""

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from itmatch.config import Config
+from itmatch.config import Config, flatten
 from itmatch.data.perturb import PERTURBATIONS, POS_CLASSES, CaptionPerturbation, prior_probabilities, tag_captions
 from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
@@ -99,16 +99,6 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     return report
 
 
-def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in values.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
-
-
 def _same_value(key: str, stored: Any, wanted: Any) -> bool:
     if key in ("data.path", "data.images") and stored and wanted:  # the same folder, however it is written
         return Path(stored).resolve() == Path(wanted).resolve()
@@ -119,7 +109,7 @@ def run_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]
     """The dotted config keys whose values differ between a run's saved config and the one a command would
     train (both as `Config.to_dict()`), leaving out UNCOMPARED keys and FILLED_FROM_DATA keys the command
     leaves unset."""
-    old, new = _flatten(stored), _flatten(wanted)
+    old, new = flatten(stored), flatten(wanted)
     return sorted(key for key in old.keys() | new.keys()
                   if key not in UNCOMPARED and not (key in FILLED_FROM_DATA and not new.get(key))
                   and not _same_value(key, old.get(key), new.get(key)))
@@ -141,7 +131,7 @@ def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> Non
                           hint="retrain it with --force, or write the study to another --out") from None
     wanted = copy.deepcopy(cfg)
     read_pixels_for_finetuning(wanted)  # what the trainer sets before it saves the config
-    flat_old, flat_new = _flatten(stored), _flatten(wanted.to_dict())
+    flat_old, flat_new = flatten(stored), flatten(wanted.to_dict())
     differ = {key: (flat_old.get(key), flat_new.get(key)) for key in run_differences(stored, wanted.to_dict())}
     recorded = _read_study(run_dir / STUDY_FILE)
     if recorded is not None:

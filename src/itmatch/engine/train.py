@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from itmatch import distributed as dist
-from itmatch.config import Config, config_from_dict, update
+from itmatch.config import Config, config_from_dict, flatten, update
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairBatch, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
@@ -274,15 +274,6 @@ def _get(cfg: Config, key: str) -> Any:
     return node
 
 
-def _key_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
-    """The dotted key paths of a nested override dict."""
-    out = []
-    for key, value in values.items():
-        path = f"{prefix}{key}"
-        out.extend(_key_paths(value, f"{path}.") if isinstance(value, dict) else [path])
-    return out
-
-
 def _same_setting(key: str, a: Any, b: Any) -> bool:
     if key.startswith("data.") and a and b:  # the same directory, however it is written
         return Path(a).resolve() == Path(b).resolve()
@@ -295,7 +286,7 @@ def apply_resume_overrides(cfg: Config, overrides: dict[str, Any]) -> list[str]:
     checkpoint's value is accepted whatever its key, so the command that started a run, re-run with --resume
     (as a job scheduler does), continues it."""
     wanted = update(copy.deepcopy(cfg), overrides)
-    changed = [k for k in _key_paths(overrides) if not _same_setting(k, _get(cfg, k), _get(wanted, k))]
+    changed = [k for k in flatten(overrides) if not _same_setting(k, _get(cfg, k), _get(wanted, k))]
     refused = [k for k in changed if not k.startswith(RESUME_KEYS)]
     if refused:
         raise ConfigError(f"{', '.join(f'{k}={_get(wanted, k)!r}' for k in refused)}: cannot change when resuming "
