@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from itmatch.data.vocab import WordCoverage
 from itmatch.errors import ConfigError, DataError, ItmatchError
 from itmatch.inference import score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
@@ -168,6 +169,10 @@ class Searcher:
     # -- queries -------------------------------------------------------------------------------------
     def tokens(self, query: str) -> list[str]:
         """The query's words after validation (QueryError for empty, over-long or all-unknown)."""
+        return self._checked(query)[0]
+
+    def _checked(self, query: str) -> tuple[list[str], WordCoverage]:
+        """The query's words and its vocabulary coverage, both computed once, after validation."""
         from itmatch.data.vocab import tokenize
 
         if not isinstance(query, str) or not query.strip():
@@ -183,13 +188,12 @@ class Searcher:
             raise QueryError("none of the query's words is in the model's vocabulary"
                              + (f" (unknown: {', '.join(unknown)})" if unknown else ""),
                              hint="use words of the captions the model was trained on")
-        return words
+        return words, coverage
 
     def unknown_words(self, query: str) -> list[str]:
         """The query's words the model does not know (each read as <unk>, its meaning lost), each once, in
         order; QueryError as `tokens` for a query that cannot be searched."""
-        self.tokens(query)
-        return _distinct(self.vocab.coverage(query).unknown)
+        return _distinct(self._checked(query)[1].unknown)
 
     def encode_query(self, query: str) -> TextEmb:
         self.tokens(query)
