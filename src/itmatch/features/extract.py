@@ -363,9 +363,10 @@ def _sync_extra_captions(out_dir: Path, split: str, table: CaptionTable, kept_id
         return {"extra_captions": {"left_out": total, "images": counts}}
     lines = extra_captions_text(kept_ids, extra)
     digest = text_sha256(lines)
-    if path.exists() and file_sha256(path) != digest:
+    current = file_sha256(path) if path.exists() else None  # (read once: compared for the log and the write)
+    if current is not None and current != digest:
         log.warning("split %s: the extra captions changed since the extraction: rewrote %s", split, path.name)
-    if not path.exists() or file_sha256(path) != digest:
+    if current != digest:
         write_text_atomic(path, "\n".join(lines) + "\n")
     log.info("split %s: %d extra caption(s) of %d image(s) kept in %s", split, total, len(extra), path.name)
     return {"extra_captions": {"kept": total, "images": counts, "file": path.name, "sha256": digest}}
