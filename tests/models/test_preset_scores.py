@@ -1,11 +1,14 @@
-"""Every preset scores as it did before the per-model packages (issue 25): each preset's model is built from
-its config, its trainable weights are set from its parameter names (so the same names give the same numbers,
-whatever order the modules are built in; pretrained parts keep their packaged weights), and the scores and
-training loss of fixed inputs must match `preset_scores.json`, written by this file at the commit it names
+"""Every preset scores as it did before the per-model packages (issue 25).
+
+Each preset's model is built from its config and its trainable weights are set from their parameter names
+(the same names give the same numbers, whatever order the modules are built in; pretrained parts keep their
+packaged weights). The scores and training loss of fixed inputs, and the names and shapes of the state dict
+(old checkpoints must load), must match `preset_scores.json`, written by this file at the commit it names,
 before the move (`python tests/models/test_preset_scores.py --write`)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import subprocess
@@ -78,7 +81,9 @@ def case_scores(case: str) -> dict[str, list]:
         img, txt = model.encode_images(images), model.encode_texts(tokens, lengths)
         scores = model.score(img, txt)
         loss = model.training_loss(img.take(slice(0, 3)), txt.take(slice(0, 3)).trimmed(), cfg.loss, True)
-    return {"scores": scores.tolist(), "loss": float(loss)}
+    # the state-dict layout a saved checkpoint is loaded into: the same names and shapes as before
+    layout = "\n".join(f"{k}:{tuple(v.shape)}" for k, v in sorted(model.state_dict().items()))
+    return {"scores": scores.tolist(), "loss": float(loss), "state_dict": hashlib.sha256(layout.encode()).hexdigest()}
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +102,7 @@ def test_preset_scores_as_before_the_move(saved, case):
     want, got = saved["cases"][case], case_scores(case)
     torch.testing.assert_close(torch.tensor(got["scores"]), torch.tensor(want["scores"]), rtol=1e-5, atol=1e-5)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-5)
+    assert got["state_dict"] == want["state_dict"], "parameter names or shapes changed: old checkpoints would not load"
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
