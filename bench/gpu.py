@@ -133,7 +133,7 @@ def section_eval(args, placement: Placement) -> dict:
 def training_step(model, cfg, feats: torch.Tensor, batch, optimizer, scaler, placement: Placement) -> None:
     with placement.autocast():
         loss = model.training_loss(model.encode_images(feats), model.encode_texts(batch.tokens, batch.lengths),
-                                   cfg.loss, hardest=True)
+                                   cfg.loss.margin, hardest=True)
     optimizer.zero_grad(set_to_none=True)
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)

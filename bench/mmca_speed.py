@@ -159,7 +159,7 @@ def main() -> int:
 
         def step() -> None:
             img, txt = model.encode_images(feats), model.encode_texts(caps.tokens, caps.lengths)
-            model.training_loss(img, txt, cfg.loss, True).backward()
+            model.training_loss(img, txt, cfg.loss.margin, True).backward()
 
         _, t_step = timed(step)
         out[f"train_step_negatives_{h}"] = {"batch": args.batch, "seconds": round(t_step, 2),

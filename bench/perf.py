@@ -41,8 +41,8 @@ from itmatch.engine.evaluate import (  # noqa: E402
 )
 from itmatch.engine.train import make_vocab  # noqa: E402
 from itmatch.models.base import ImageEmb, TextEmb, l2norm  # noqa: E402
-from itmatch.models.heads import ScanHead  # noqa: E402
 from itmatch.models.registry import PRESETS, build_model, image_inputs, preset_config  # noqa: E402
+from itmatch.models.scan.head import ScanHead  # noqa: E402
 
 SHARED = ROOT.parents[1] / "shared" / "data" / "precomp-captions"
 if not SHARED.is_dir():  # a worktree of /work/wt/<name>
@@ -366,7 +366,7 @@ def section_training(args) -> list[dict]:
         for step in range(1 + args.train_steps):  # train_steps = 0: the first step only (--quick)
             t0 = time.perf_counter()
             loss = model.training_loss(model.encode_images(feats), model.encode_texts(batch.tokens, batch.lengths),
-                                       cfg.loss, hardest=True)
+                                       cfg.loss.margin, hardest=True)
             opt.zero_grad()
             loss.backward()
             opt.step()

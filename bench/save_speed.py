@@ -19,7 +19,6 @@ import time
 
 import torch
 
-from itmatch.config import LossConfig
 from itmatch.data.datasets import PairDataset, collate_pairs
 from itmatch.data.images import read_image_split
 from itmatch.data.vocab import build_vocab
@@ -35,7 +34,7 @@ def _step(model, optimizer, images, text) -> tuple[float, float]:
     started, cpu = time.perf_counter(), time.process_time()
     img = model.encode_images(images)
     txt = model.encode_texts(text.tokens, text.lengths)
-    loss = model.training_loss(img, txt, LossConfig(), hardest=True)
+    loss = model.training_loss(img, txt, 0.2, hardest=True)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 2.0)

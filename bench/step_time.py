@@ -51,7 +51,7 @@ def main() -> int:
             start = time.perf_counter()
             img = model.encode_images(batch.images)
             txt = model.encode_texts(batch.text.tokens, batch.text.lengths)
-            loss = model.training_loss(img, txt, cfg.loss, hardest=b >= 2)
+            loss = model.training_loss(img, txt, cfg.loss.margin, hardest=b >= 2)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)

@@ -56,7 +56,7 @@ def test_gpu_rows_keep_their_papers_schedules(bench):
     assert scan.loss.warmup_epochs == oan.loss.warmup_epochs == 1  # the models that stall without it
     assert mmca.loss.warmup_epochs == sman.loss.warmup_epochs == config("vsepp").loss.warmup_epochs == 0
     both = config("save_asa_ms3_both").model
-    assert both.direction == "both" and (both.lambda_softmax, both.save.i2t_lambda_softmax) == (9.0, 4.0)
+    assert both.direction == "both" and (both.lambda_softmax, both.scan.i2t_lambda_softmax) == (9.0, 4.0)
     ft = config("scan_i2t_lse_ft").train
     assert ft.finetune_backbone and ft.lr == 2e-5 and ft.init_from.endswith("flickr8k_gpu/scan_i2t_lse/best")
     assert config("scan_i2t_lse_ft").model.pixels  # as the trainer records it: a resumed row's run matches

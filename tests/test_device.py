@@ -161,7 +161,7 @@ def test_every_preset_creates_its_tensors_on_its_inputs_device(preset):
     with default_device("meta"):
         img, txt = model.encode_images(feats), model.encode_texts(tokens, lengths)
         scores = model.score(img, txt)
-        loss = model.training_loss(img, txt, cfg.loss, True, positives)
+        loss = model.training_loss(img, txt, cfg.loss.margin, True, positives)
         loss.backward()
     created = [*img.tensors(), *txt.tensors(), scores, loss]
     assert all(t.device.type == "cpu" for t in created)

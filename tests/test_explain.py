@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from itmatch.config import parse_overrides
-from itmatch.models.heads.mmca import MMCAHead
+from itmatch.models.mmca.head import MMCAHead
 from itmatch.models.registry import build_model, resolve_config
-from itmatch.retrieval.search import has_word_attention, word_attention
 
 K, IMG_DIM, VOCAB = 9, 12, 20
 
@@ -40,7 +39,7 @@ def _tiny_model(preset: str, sets: tuple[str, ...]):
                          else str(v))
 def test_each_family_has_a_word_map_or_says_it_has_none(preset, sets, axis):
     model = _tiny_model(preset, sets)
-    assert has_word_attention(model.head) is (axis is not None)
+    assert model.head.has_word_attention is (axis is not None)
     if axis is None:
         return
     g = torch.Generator().manual_seed(1)
@@ -50,7 +49,7 @@ def test_each_family_has_a_word_map_or_says_it_has_none(preset, sets, axis):
     with torch.inference_mode():
         img = model.encode_images(feats)
         txt = model.encode_texts(tokens, torch.tensor([length, 7]))
-        alpha, normalised_over = word_attention(model.head, img, txt)
+        alpha, normalised_over = model.head.word_attention(img, txt)
     assert normalised_over == axis and alpha.shape == (K, 7)
     sums = alpha[:, :length].sum(0 if axis == "regions" else 1)
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
@@ -58,9 +57,9 @@ def test_each_family_has_a_word_map_or_says_it_has_none(preset, sets, axis):
 
 def test_mmca_has_no_word_map():
     """MMCA's cross Transformer mixes words and regions in one sequence: no map of a word over regions."""
-    assert not has_word_attention(MMCAHead(16, heads=4, filters=8))
+    assert not MMCAHead(16, heads=4, filters=8).has_word_attention
     with pytest.raises(ValueError, match="no per-word attention"):
-        word_attention(MMCAHead(16, heads=4, filters=8), None, None)  # type: ignore[arg-type]
+        MMCAHead(16, heads=4, filters=8).word_attention(None, None)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")

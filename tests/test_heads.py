@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from itmatch.models.base import ImageEmb, TextEmb, l2norm
-from itmatch.models.heads import ScanHead, SumMaxHead
+from itmatch.models.scan.head import ScanHead
+from itmatch.models.scan.summax import SumMaxHead
 
 pytestmark = pytest.mark.usefixtures("float64")  # conftest.py
 

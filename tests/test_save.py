@@ -8,8 +8,10 @@ import math
 import pytest
 import torch
 
-from itmatch.config import ModelConfig, SaveConfig
-from itmatch.models.grid import (
+from itmatch.config import ModelConfig
+from itmatch.models.registry import build_model, preset_config
+from itmatch.models.save.config import SaveConfig
+from itmatch.models.save.encoder import (
     AdaptiveSelfAttention,
     DeterministicSelfAttention,
     MultiScaleSelfAttention,
@@ -17,8 +19,7 @@ from itmatch.models.grid import (
     to_map,
     to_tokens,
 )
-from itmatch.models.heads import ScanHead, TwoWayScanHead
-from itmatch.models.registry import build_model, preset_config
+from itmatch.models.scan.head import ScanHead, TwoWayScanHead
 
 # ------------------------------------------------------------------------------- references (slow)
 
@@ -332,7 +333,6 @@ def test_missing_scale_file_names_the_fix(tiny_multiscale, tmp_path):
 
 @pytest.mark.parametrize("preset", ["save_asa_ms3", "save_dsa"])
 def test_training_on_multiscale_data_reduces_loss(tiny_multiscale, preset):
-    from itmatch.config import LossConfig
     from itmatch.data.datasets import PairDataset, collate_pairs
     from itmatch.data.vocab import build_vocab
     from itmatch.engine.inputs import fill_image_dims, open_split
@@ -357,7 +357,7 @@ def test_training_on_multiscale_data_reduces_loss(tiny_multiscale, preset):
         for batch in loader:
             img = model.encode_images(batch.images)
             txt = model.encode_texts(batch.text.tokens, batch.text.lengths)
-            loss = model.training_loss(img, txt, LossConfig(), hardest=False)
+            loss = model.training_loss(img, txt, 0.2, hardest=False)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -461,7 +461,6 @@ def _pixel_model(finetune: bool):
 
 @pytest.mark.parametrize("finetune", [False, True])
 def test_gradient_reaches_backbone_only_when_finetuning(finetune):
-    from itmatch.config import LossConfig
     from itmatch.engine.train import make_optimizer
 
     torch.manual_seed(0)
@@ -472,7 +471,7 @@ def test_gradient_reaches_backbone_only_when_finetuning(finetune):
     img = model.encode_images(torch.randn(2, 3, 224, 224))
     assert img.regions.shape == (2, 49, 16)
     txt = model.encode_texts(torch.randint(1, 20, (2, 5)), torch.tensor([5, 3]))
-    model.training_loss(img, txt, LossConfig(), hardest=False).backward()
+    model.training_loss(img, txt, 0.2, hardest=False).backward()
     grads = [p.grad for p in backbone.parameters()]
     if finetune:
         assert any(g is not None and g.abs().sum() > 0 for g in grads)

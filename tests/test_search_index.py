@@ -269,7 +269,7 @@ def test_scan_attention_matches_per_pair_reference():
     """ScanHead.attention (t2i) against Sec. 3.2 written out for one image and one caption at a time:
     s_kl = v_k . e_l, clipped l2 norm over words, alpha'_kl = softmax_k(lambda_1 * s_bar_kl)."""
     from itmatch.models.base import ImageEmb, TextEmb, l2norm, length_mask
-    from itmatch.models.heads.scan import ScanHead
+    from itmatch.models.scan.head import ScanHead
 
     g = torch.Generator().manual_seed(0)
     img = ImageEmb(regions=l2norm(torch.randn(3, 5, 8, generator=g)), mask=torch.ones(3, 5, dtype=torch.bool))
@@ -398,7 +398,7 @@ def test_sman_index_search_and_serve_from_the_cli(tiny_search_setup, tmp_path, c
 def test_an_encoder_part_the_index_cannot_store_as_float_is_refused_before_reading_photos(tiny_search_setup, tmp_path,
                                                                                           monkeypatch):
     """Stored float32, an integer or bool part (e.g. a mask) would come back as another dtype at search."""
-    from itmatch.models.image import SMANImageEncoder
+    from itmatch.models.sman.encoders import SMANImageEncoder
 
     forward = SMANImageEncoder.forward
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import make_precomp
 
-from itmatch.config import LossConfig, parse_overrides
+from itmatch.config import parse_overrides
 from itmatch.data.precomp import read_precomp
 from itmatch.data.vocab import Vocab
 from itmatch.data.word_vectors import load_word_vectors, murmurhash64a, spacy_key
@@ -27,9 +27,10 @@ from itmatch.engine.evaluate import (
 )
 from itmatch.engine.train import apply_word_vectors, train
 from itmatch.errors import ConfigError, DataError
-from itmatch.models.heads.sman import fusion_gate
-from itmatch.models.losses import intra_pair_loss, triplet_loss
+from itmatch.models.losses import triplet_loss
 from itmatch.models.registry import build_model, list_models, resolve_config
+from itmatch.models.sman.head import fusion_gate
+from itmatch.models.sman.loss import intra_pair_loss
 
 M, IMG_DIM, DIM, HID, VOCAB = 49, 12, 10, 8, 30
 
@@ -263,11 +264,10 @@ def test_training_loss_is_ranking_plus_lambda_intra_pair():
     feats, tokens, lengths = random_inputs(n_img=4, n_txt=4)
     img, txt = model.encode_images(feats), model.encode_texts(tokens, lengths)
     scores = model.score(img, txt)
-    cfg = LossConfig(margin=0.2)
     expected = triplet_loss(scores, 0.2, True) + 3.0 * 2 * (2.5 - scores.diagonal()).clamp(min=0).sum()
-    assert model.training_loss(img, txt, cfg, True).item() == pytest.approx(expected.item(), rel=1e-6)
+    assert model.training_loss(img, txt, 0.2, True).item() == pytest.approx(expected.item(), rel=1e-6)
     inter, _ = small_model("sman_inter")
-    assert inter.training_loss(img, txt, cfg, False).item() == pytest.approx(
+    assert inter.training_loss(img, txt, 0.2, False).item() == pytest.approx(
         triplet_loss(inter.score(img, txt), 0.2, False).item(), rel=1e-6)
 
 

@@ -38,16 +38,15 @@ def _placement(args: argparse.Namespace):
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from itmatch.models.registry import PRESETS, list_models
+    from itmatch.models.registry import PRESETS, list_models, preset_config
 
     if args.pretrained:
         return _list_pretrained()
 
     for name in list_models():
-        m = PRESETS[name]["model"]
-        t = PRESETS[name]["train"]
+        m, t = PRESETS[name]["model"], preset_config(name).train
         detail = " ".join(f"{k}={v}" for k, v in m.items() if k != "arch")
-        print(f"{name:<22} {m['arch']:<7} {detail}  (epochs {t['epochs']}, lr {t['lr']:g})")
+        print(f"{name:<22} {m['arch']:<8} {detail}  (epochs {t.epochs}, lr {t.lr:g})")
     return 0
 
 

@@ -30,6 +30,11 @@ N_IMAGES, REGIONS, LENGTHS = 3, 49, (5, 3, 7, 2)
 
 
 def cases() -> list[str]:
+    """Every preset the fixture was written for: the presets that existed before the move."""
+    return sorted(json.loads(FIXTURE.read_text(encoding="utf-8"))["cases"])
+
+
+def current_cases() -> list[str]:
     from itmatch.models.registry import list_models
 
     return sorted([*list_models(), *VARIANTS])
@@ -80,7 +85,7 @@ def case_scores(case: str) -> dict[str, list]:
     with torch.no_grad():
         img, txt = model.encode_images(images), model.encode_texts(tokens, lengths)
         scores = model.score(img, txt)
-        loss = model.training_loss(img.take(slice(0, 3)), txt.take(slice(0, 3)).trimmed(), cfg.loss, True)
+        loss = model.training_loss(img.take(slice(0, 3)), txt.take(slice(0, 3)).trimmed(), cfg.loss.margin, True)
     # the state-dict layout a saved checkpoint is loaded into: the same names and shapes as before
     layout = "\n".join(f"{k}:{tuple(v.shape)}" for k, v in sorted(model.state_dict().items()))
     return {"scores": scores.tolist(), "loss": float(loss), "state_dict": hashlib.sha256(layout.encode()).hexdigest()}
@@ -91,14 +96,12 @@ def saved() -> dict:
     return json.loads(FIXTURE.read_text(encoding="utf-8"))
 
 
-def test_the_fixture_covers_every_preset(saved):
-    assert sorted(saved["cases"]) == cases(), "a preset was added or removed: write the fixture again"
+def test_no_preset_was_lost():
+    assert not set(cases()) - set(current_cases()), "a preset of the fixture is gone"
 
 
 @pytest.mark.parametrize("case", cases())
 def test_preset_scores_as_before_the_move(saved, case):
-    if case not in saved["cases"]:
-        pytest.fail(f"{case} is not in {FIXTURE.name}")
     want, got = saved["cases"][case], case_scores(case)
     torch.testing.assert_close(torch.tensor(got["scores"]), torch.tensor(want["scores"]), rtol=1e-5, atol=1e-5)
     assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-5)
@@ -107,6 +110,6 @@ def test_preset_scores_as_before_the_move(saved, case):
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    table = {"commit": commit, "cases": {case: case_scores(case) for case in cases()}}
+    table = {"commit": commit, "cases": {case: case_scores(case) for case in current_cases()}}
     FIXTURE.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {len(table['cases'])} cases to {FIXTURE}")

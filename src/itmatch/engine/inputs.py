@@ -6,7 +6,7 @@ from __future__ import annotations
 from itmatch.config import Config
 from itmatch.data.precomp import MultiScaleArray, PrecompSplit, read_precomp
 from itmatch.errors import ConfigError
-from itmatch.models.registry import image_inputs, pixel_backbone
+from itmatch.models.registry import arch, image_inputs, pixel_backbone
 
 
 def open_split(cfg: Config, split: str, *, train: bool = False, data_path: str | None = None) -> PrecompSplit:
@@ -26,7 +26,8 @@ def open_split(cfg: Config, split: str, *, train: bool = False, data_path: str |
 
 
 def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
-    """Set model.img_dim (and SAVE's c3/c4 channels) from the data; a conflicting override is an error."""
+    """Set the channel counts the model's config takes from the data (model.img_dim, and the config keys of
+    `Arch.feature_dims`, e.g. SAVE's c3/c4 channels); a conflicting override is an error."""
     images = split.images
     if isinstance(images, MultiScaleArray):
         dims = images.dims
@@ -36,12 +37,15 @@ def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
         dims = {"c5": backbone_spec(pixel_backbone(cfg.model)).out_dim}
     else:
         dims = {"c5": int(images.shape[2])}
-    wanted = {"c5": ("img_dim", cfg.model), "c3": ("c3_dim", cfg.model.save), "c4": ("c4_dim", cfg.model.save)}
+    wanted = arch(cfg.model).feature_dims(cfg.model)
     for scale, dim in dims.items():
-        name, holder = wanted[scale]
+        key = wanted[scale]
+        *path, name = key.split(".")
+        holder = cfg
+        for part in path:
+            holder = getattr(holder, part)
         current = getattr(holder, name)
         if current and current != dim:
-            key = "model.img_dim" if scale == "c5" else f"model.save.{name}"
             raise ConfigError(f"{key}={current} but the {scale} features are {dim}-d",
                               hint=f"drop the override; {key} is taken from the data")
         setattr(holder, name, dim)

@@ -29,7 +29,7 @@ from itmatch import distributed as dist
 from itmatch.config import Config, config_from_dict, flatten, update
 from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairBatch, PairDataset, collate_pairs
 from itmatch.data.precomp import PrecompSplit
-from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, WordPieceVocab, build_vocab, load_vocab
+from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, build_vocab, load_vocab
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import (
     init_weights_from,
@@ -45,7 +45,7 @@ from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
 from itmatch.models.losses import triplet_loss
-from itmatch.models.registry import build_model, finetune_backbone, read_pixels_for_finetuning
+from itmatch.models.registry import arch, build_model, finetune_backbone, read_pixels_for_finetuning
 
 log = logging.getLogger("itmatch.train")
 
@@ -114,14 +114,18 @@ def seed_everything(seed: int) -> None:
 
 def make_vocab(cfg: Config, train_captions: list[str]) -> AnyVocab:
     """The tokenizer data.tokenizer names: a word vocabulary (data.vocab, or built from the training
-    captions) or the WordPiece tokenizer of the pretrained text encoder (model.mmca.text_model)."""
+    captions) or the WordPiece tokenizer the model brings (`Arch.tokenizer`: MMCA's frozen text encoder's)."""
     if cfg.data.tokenizer not in TOKENIZERS:
         raise ConfigError(f"unknown data.tokenizer {cfg.data.tokenizer!r}",
                           hint=f"choose one of {', '.join(TOKENIZERS)}")
     if cfg.data.vocab:
         return load_vocab(cfg.data.vocab, cfg.data.tokenizer)
     if cfg.data.tokenizer == "wordpiece":
-        return WordPieceVocab.from_pretrained(cfg.model.mmca.text_model, cfg.model.mmca.max_tokens)
+        own = arch(cfg.model).tokenizer(cfg.model)
+        if own is None:
+            raise ConfigError(f"data.tokenizer=wordpiece: the {cfg.model.arch} model brings no WordPiece tokenizer",
+                              hint="set data.tokenizer=word (a vocabulary built from the training captions)")
+        return own
     return build_vocab(train_captions)
 
 
@@ -205,7 +209,7 @@ def batch_loss(model: Matcher, batch: PairBatch, cfg: Config, hardest: bool) -> 
         txt, index = gather_embeddings(txt), dist.gather_rows(index)
     positives = index[:, None] == index[None, :] if cfg.loss.mask_same_image else None
     if not gather:
-        return model.training_loss(img, txt, cfg.loss, hardest, positives)
+        return model.training_loss(img, txt, cfg.loss.margin, hardest, positives)
     if type(model.head).training_loss is SimilarityHead.training_loss:
         # The default loss is the triplet loss over the score matrix: score only this rank's images
         # against every caption ([local B, global B]) and gather the rows, W times less pair scoring
@@ -213,7 +217,7 @@ def batch_loss(model: Matcher, batch: PairBatch, cfg: Config, hardest: bool) -> 
         scores = dist.gather_rows(model.score(img, txt))
         return triplet_loss(scores, cfg.loss.margin, hardest, positives)
     # A head with its own loss (OAN, SMAN, MMCA) may use more than the score matrix: give it everything.
-    return model.training_loss(gather_embeddings(img), txt, cfg.loss, hardest, positives)
+    return model.training_loss(gather_embeddings(img), txt, cfg.loss.margin, hardest, positives)
 
 
 class _LossStep(torch.nn.Module):

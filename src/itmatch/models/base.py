@@ -9,7 +9,6 @@ from typing import Any, Self
 import torch
 from torch import nn
 
-from itmatch.config import LossConfig
 from itmatch.models.losses import triplet_loss
 
 EPS = 1e-8
@@ -157,10 +156,13 @@ Block = tuple[slice, torch.Tensor | slice, TextEmb]
 class SimilarityHead(nn.Module):
     """score(img, txt) -> [n_img, n_txt]. `prepare_*` add per-item parts once per item."""
 
-    #: bytes of temporaries per (image, caption, region, word) cell and per (image, caption) pair; the
-    #: evaluator sizes blocks from them. Both 0: a pair-independent head (one matrix product).
-    bytes_per_cell: float = 0.0
-    bytes_per_pair: float = 0.0
+    #: The memory contract, which every head must declare (a class attribute, or set in __init__; `Matcher`
+    #: refuses a head without it): bytes of temporaries per (image, caption, region, word) cell and per
+    #: (image, caption) pair, from which the evaluator sizes its blocks. Both 0: a pair-independent head (the
+    #: whole score matrix is one matrix product). No default: a pair head that forgot it would look
+    #: pair-independent and be scored in one block of unbounded size.
+    bytes_per_cell: float
+    bytes_per_pair: float
     #: largest block (region x word cells) the head computes fastest, 0: the evaluator's default. A head
     #: with large per-pair activations (MMCA's transformer unit) caps its blocks so they stay in the cache.
     max_block_cells: int = 0
@@ -174,6 +176,14 @@ class SimilarityHead(nn.Module):
         """True when a block costs no per-pair temporaries: the whole score matrix is one product."""
         return self.bytes_per_cell <= 0 and self.bytes_per_pair <= 0
 
+    #: whether the score is built from per-word attention weights over the image's regions (word_attention)
+    has_word_attention: bool = False
+
+    def word_attention(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, str]:
+        """The first pair's per-word attention over regions that the score uses, [k, L], and the axis its
+        weights sum to 1 over ("regions" or "words"): what search explains (docs/search.md)."""
+        raise ValueError(f"{type(self).__name__} has no per-word attention over regions")
+
     def prepare_images(self, img: ImageEmb) -> ImageEmb:
         return img
 
@@ -183,12 +193,12 @@ class SimilarityHead(nn.Module):
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
+    def training_loss(self, img: ImageEmb, txt: TextEmb, margin: float, hardest: bool,
                       positives: torch.Tensor | None = None) -> torch.Tensor:
         """The batch loss; img[i] and txt[i] are the matched pairs. The default is the triplet ranking
         loss over the batch's score matrix (SCAN Eq. 11/12); a head whose paper adds terms (MMCA's
         three-term loss, OAN's intra-modal negatives, SMAN's intra-pair constraint) overrides this."""
-        return triplet_loss(self(img, txt), loss.margin, hardest, positives)
+        return triplet_loss(self(img, txt), margin, hardest, positives)
 
 
 class Matcher(nn.Module):
@@ -199,6 +209,10 @@ class Matcher(nn.Module):
 
     def __init__(self, image_encoder: nn.Module, text_encoder: nn.Module, head: SimilarityHead) -> None:
         super().__init__()
+        undeclared = [name for name in ("bytes_per_cell", "bytes_per_pair") if getattr(head, name, None) is None]
+        if undeclared:
+            raise TypeError(f"{type(head).__name__} does not declare its memory contract ({', '.join(undeclared)}): "
+                            "set both (0.0 and 0.0 for a pair-independent head; see SimilarityHead)")
         self.image_encoder, self.text_encoder, self.head = image_encoder, text_encoder, head
         self.lr_scales: dict[str, float] = {}
 
@@ -226,9 +240,9 @@ class Matcher(nn.Module):
     def score(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         return self.head(img, txt)
 
-    def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
+    def training_loss(self, img: ImageEmb, txt: TextEmb, margin: float, hardest: bool,
                       positives: torch.Tensor | None = None) -> torch.Tensor:
-        return self.head.training_loss(img, txt, loss, hardest, positives)
+        return self.head.training_loss(img, txt, margin, hardest, positives)
 
     @property
     def has_global_embedding(self) -> bool:

@@ -22,7 +22,7 @@ from itmatch.errors import ConfigError, DataError, UnknownWordsWarning
 from itmatch.features.pipeline import decode_image, grid_features
 from itmatch.inference import encode_captions, encode_images, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
-from itmatch.models.registry import image_inputs, pixel_backbone
+from itmatch.models.registry import arch, image_inputs, pixel_backbone
 from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two_stage_scores
 
 #: an image file's path, its bytes, or a decoded PIL image
@@ -40,7 +40,7 @@ class ImageTextMatcher:
         self.model, self.vocab = checkpoint.model.eval().to(self.device), checkpoint.vocab
         mc = checkpoint.config.model
         # a pixel model preprocesses for its own CNN; a cached-feature model for the CNN its data came from
-        cached = checkpoint.config.data.backbone or (mc.save.backbone if image_inputs(mc) else "")
+        cached = checkpoint.config.data.backbone or (arch(mc).backbone(mc) if image_inputs(mc) else "")
         self.backbone_name = backbone or pixel_backbone(mc) or cached or "lite0"
         self._backbone = None
 

@@ -280,7 +280,7 @@ class Searcher:
         words = self.tokens(query)
         row = self.row_of(image_id)
         head = self.model.head
-        if not has_word_attention(head):
+        if not head.has_word_attention:
             raise QueryError(f"the {self.index.manifest['model']['arch']} model has no per-word attention over "
                              "regions to explain", status=409,
                              hint="explanations need a SCAN, SAVE or OAN (with inter-modal attention) model; "
@@ -288,7 +288,7 @@ class Searcher:
         img = self.images.take(slice(row, row + 1))
         with self._lock, torch.inference_mode(), self.matcher.placement.autocast():
             txt = self.encode_query(query)
-            alpha, normalised_over = word_attention(head, img, txt)
+            alpha, normalised_over = head.word_attention(img, txt)
             alpha = alpha.float().cpu()  # [k, L]
             score = float(self.model.score(img, txt)[0, 0])
         grid = self.index.grid
@@ -302,33 +302,6 @@ class Searcher:
                 "unknown_words": _distinct(coverage.unknown),
                 "words": [{"word": w, "known": kn, "weights": m.tolist()}
                           for w, kn, m in zip(tokens, known, maps, strict=True)]}
-
-
-def has_word_attention(head: torch.nn.Module) -> bool:
-    """Whether the head's score is built from per-word attention weights over the image's regions."""
-    from itmatch.models.heads.oan import OANHead
-    from itmatch.models.heads.scan import ScanHead, TwoWayScanHead
-
-    return isinstance(head, ScanHead | TwoWayScanHead) or (isinstance(head, OANHead) and head.inter)
-
-
-def word_attention(head: torch.nn.Module, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, str]:
-    """The first pair's per-word attention over regions that the head's score uses, [k, L], and the axis
-    its weights sum to 1 over ("regions" or "words"). Which map each head has (docs/search.md):
-    SCAN t-i: alpha' (each word over the regions); SCAN i-t: alpha (each region over the words); a two-way
-    head (SAVE "both"): its t-i half's alpha'; OAN: the T-V weights of Eq. 4 (each textual object over the
-    visual objects). Call `has_word_attention` first; other heads raise ValueError."""
-    from itmatch.models.heads.oan import OANHead
-    from itmatch.models.heads.scan import ScanHead, TwoWayScanHead
-
-    if isinstance(head, TwoWayScanHead):
-        head = head.t2i
-    if isinstance(head, ScanHead):
-        return head.attention(img, txt)[0, :, 0, :], "regions" if head.direction == "t2i" else "words"
-    if isinstance(head, OANHead) and head.inter:
-        alpha_tv, _ = head.attention(img, txt)  # [n, k, m, l], a softmax over regions k
-        return alpha_tv[0, :, 0, :], "regions"
-    raise ValueError(f"{type(head).__name__} has no per-word attention over regions")
 
 
 def _distinct(words: Sequence[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Pieces every region-word head shares."""
+"""Region-word pieces the heads over regions and words share (SCAN, Sum-Max, OAN)."""
 
 from __future__ import annotations
 

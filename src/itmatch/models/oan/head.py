@@ -25,14 +25,11 @@ import math
 import torch
 from torch import nn
 
-from itmatch.config import LossConfig
 from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, l2norm, masked_pool
-from itmatch.models.heads.common import add_region_gram, add_word_gram, region_word_dots
-from itmatch.models.heads.scan import attended_relevance, context_attention
-from itmatch.models.losses import oan_triplet_loss
-
-INTRA = ("attention", "mean", "none")
-NEGATIVES = ("eq12", "eq11", "none")
+from itmatch.models.oan.config import INTRA, NEGATIVES
+from itmatch.models.oan.loss import oan_triplet_loss
+from itmatch.models.region_word import add_region_gram, add_word_gram, region_word_dots
+from itmatch.models.scan.head import attended_relevance, context_attention
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -85,6 +82,7 @@ class OANHead(SimilarityHead):
     # per direction: dots, cosines, logits -> alpha, G.alpha; 8-12 measured on a 64 x 128 block (one
     # process per measurement, peak RSS), SCAN's calibrated bound kept
     bytes_per_cell = 26.0
+    bytes_per_pair = 0.0
 
     def __init__(self, *, k_heads: int = 6, embed_size: int = 512, lambda_tt: float = 1.0, lambda_vv: float = 1.0,
                  lambda_tv: float = 0.9, lambda_vt: float = 0.5, gamma: float = 0.3, inter: bool = True,
@@ -150,6 +148,17 @@ class OANHead(SimilarityHead):
         return attended_relevance(dots, img.mask, txt.mask, txt.extras["gram"], img.regions, "clipped_l2norm",
                                   0.0, self.lambda_vt, sim=self._cosines(dots, img, txt, "text"))
 
+    @property
+    def has_word_attention(self) -> bool:  # type: ignore[override]
+        return self.inter
+
+    def word_attention(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, str]:
+        """The T-V weights of Eq. 4 (each textual object over the visual objects)."""
+        if not self.inter:
+            return super().word_attention(img, txt)
+        alpha_tv, _ = self.attention(img, txt)  # [n, k, m, l], a softmax over regions k
+        return alpha_tv[0, :, 0, :], "regions"
+
     def attention(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, torch.Tensor]:
         """The inter-modal attention weights of a block, each [n, k, m, l]: T-V weights sum to 1 over
         regions k (Eq. 4 with s-bar), V-T weights over words l (Eq. 4 with s-hat)."""
@@ -185,10 +194,10 @@ class OANHead(SimilarityHead):
         parts = self.components(img, txt)
         return sum(w * parts[name] for name, w in self.weights().items())
 
-    def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
+    def training_loss(self, img: ImageEmb, txt: TextEmb, margin: float, hardest: bool,
                       positives: torch.Tensor | None = None) -> torch.Tensor:
         """Eq. 13: each similarity's Eq. 10 loss (its own inter-modal hard negatives, alpha_inter =
-        loss.margin), weighted as in Eq. 14. The intra-modal similarities S(v, v') and S(t, t') are the
+        margin), weighted as in Eq. 14. The intra-modal similarities S(v, v') and S(t, t') are the
         set-wise cosines of the intra-modal sets (the only per-item sets whose elements correspond across
         items), shared by the three terms."""
         parts = self.components(img, txt)
@@ -196,6 +205,6 @@ class OANHead(SimilarityHead):
         strategy, beta = self.negatives, self.beta
         total = img.regions.new_zeros(())
         for name, w in self.weights().items():
-            total = total + w * oan_triplet_loss(parts[name], img_sim, txt_sim, loss.margin, self.alpha_intra,
+            total = total + w * oan_triplet_loss(parts[name], img_sim, txt_sim, margin, self.alpha_intra,
                                                  beta, strategy, hardest, positives)
         return total

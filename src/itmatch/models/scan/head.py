@@ -12,11 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from itmatch.config import NORMS, POOLS
 from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, masked_pool
-from itmatch.models.heads.common import add_region_gram, add_word_gram, region_word_dots
-
-NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
-POOLS = ("avg", "lse", "max", "sum")
+from itmatch.models.region_word import add_region_gram, add_word_gram, region_word_dots
 
 
 def attention_logits(s: torch.Tensor, query_mask: torch.Tensor, context_mask: torch.Tensor, how: str,
@@ -91,6 +89,7 @@ class ScanHead(SimilarityHead):
 
     # s, logits -> alpha, G.alpha (3 float32 buffers) + allocator slack: 14-25 measured (docs/performance.md)
     bytes_per_cell = 26.0
+    bytes_per_pair = 0.0
 
     def __init__(self, direction: str = "t2i", pool: str = "avg", lambda_softmax: float = 9.0,
                  lambda_lse: float = 6.0, norm: str = "clipped_l2norm", clip_slope: float = 0.1) -> None:
@@ -113,6 +112,12 @@ class ScanHead(SimilarityHead):
         if self.direction == "i2t":
             add_word_gram(txt)
         return txt
+
+    has_word_attention = True
+
+    def word_attention(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, str]:
+        """t-i: alpha' (each word over the regions); i-t: alpha (each region over the words)."""
+        return self.attention(img, txt)[0, :, 0, :], "regions" if self.direction == "t2i" else "words"
 
     def attention(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
         """The attention weights the score uses, [n_img, k, n_txt, L] (region axis 1, word axis 3).
@@ -158,6 +163,13 @@ class TwoWayScanHead(SimilarityHead):
         self.t2i, self.i2t = t2i, i2t
         # the two directions run one after the other: the peak is the larger of the two
         self.bytes_per_cell = max(t2i.bytes_per_cell, i2t.bytes_per_cell)
+        self.bytes_per_pair = max(t2i.bytes_per_pair, i2t.bytes_per_pair)
+
+    has_word_attention = True
+
+    def word_attention(self, img: ImageEmb, txt: TextEmb) -> tuple[torch.Tensor, str]:
+        """Its t-i half's alpha' (each word over the regions)."""
+        return self.t2i.word_attention(img, txt)
 
     def prepare_images(self, img: ImageEmb) -> ImageEmb:
         return self.i2t.prepare_images(self.t2i.prepare_images(img))

@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 
 from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb, masked_pool
-from itmatch.models.heads.common import region_word_dots
+from itmatch.models.region_word import region_word_dots
 
 
 class SumMaxHead(SimilarityHead):
     bytes_per_cell = 10.0  # s (+ a masked copy with padding): 5-10 measured (docs/performance.md)
+    bytes_per_pair = 0.0
 
     def __init__(self, direction: str = "t2i") -> None:
         super().__init__()

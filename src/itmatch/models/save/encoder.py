@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from itmatch.models.base import ImageEmb, l2norm
-from itmatch.models.image import RegionEncoder
+from itmatch.models.encoders import RegionEncoder
 
 ATTENTIONS = ("none", "dsa", "asa")
 FUSIONS = ("concat", "nl")

@@ -19,15 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from itmatch.config import LossConfig
 from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb, l2norm, masked_pool
-from itmatch.models.image import transformer_unit
-from itmatch.models.losses import mmca_loss, triplet_loss
-from itmatch.models.text import PhraseCNN
+from itmatch.models.losses import triplet_loss
+from itmatch.models.mmca.encoders import PhraseCNN, transformer_unit
+from itmatch.models.mmca.loss import mmca_loss
 
 
 class MMCAHead(SimilarityHead):
     """The cross-attention module and the score of Eq. 15's S. alpha = 0 skips the cross module."""
+
+    bytes_per_pair = 0.0  # counted per cell (bytes_per_cell, set from the sizes in __init__)
 
     def __init__(self, embed_size: int, heads: int = 16, ffn_dim: int = 0, filters: int = 256,
                  dropout: float = 0.1, alpha: float = 0.2, layernorm: bool = False, three_term: bool = True,
@@ -140,7 +141,7 @@ class MMCAHead(SimilarityHead):
             return scores
         return scores + self.alpha * self.cross_scores(img, txt)
 
-    def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
+    def training_loss(self, img: ImageEmb, txt: TextEmb, margin: float, hardest: bool,
                       positives: torch.Tensor | None = None) -> torch.Tensor:
         """Eq. 15 (three hardest-negative hinge terms) when training on hardest negatives; during a warm-up
         on the sum over negatives the usual two-term sum (Eq. 15's joint term has no sum form).
@@ -153,8 +154,8 @@ class MMCAHead(SimilarityHead):
         if self.alpha == 0 or h <= 0 or h >= b - 1:
             scores = self(img, txt)
             if hardest and self.three_term:
-                return mmca_loss(scores, loss.margin, positives)
-            return triplet_loss(scores, loss.margin, hardest, positives)
+                return mmca_loss(scores, margin, positives)
+            return triplet_loss(scores, margin, hardest, positives)
         first = img.vector @ txt.vector.T
         positives = torch.eye(b, dtype=torch.bool, device=first.device) if positives is None else positives
         with torch.no_grad():
@@ -166,9 +167,9 @@ class MMCAHead(SimilarityHead):
         cross = torch.zeros_like(first).index_put(pairs, self.cross_scores(img, txt, pairs))
         scores = torch.where(chosen, first + self.alpha * cross, torch.full_like(first, float("-inf")))
         if not (hardest and self.three_term):
-            return triplet_loss(scores, loss.margin, hardest, positives)
+            return triplet_loss(scores, margin, hardest, positives)
 
         def joint(i_hat: torch.Tensor, t_hat: torch.Tensor) -> torch.Tensor:  # S(I_hat, T_hat), B more pairs
             return first[i_hat, t_hat] + self.alpha * self.cross_scores(img, txt, (i_hat, t_hat))
 
-        return mmca_loss(scores, loss.margin, positives, joint)
+        return mmca_loss(scores, margin, positives, joint)

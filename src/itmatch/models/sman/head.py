@@ -22,12 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from itmatch.config import LossConfig
-from itmatch.models.attention import GuidedAttention, masked_softmax
 from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb, l2norm
-from itmatch.models.losses import intra_pair_loss, triplet_loss
-
-FORMS = ("similarity", "distance")
+from itmatch.models.losses import triplet_loss
+from itmatch.models.sman.attention import GuidedAttention, masked_softmax
+from itmatch.models.sman.config import FORMS
+from itmatch.models.sman.loss import intra_pair_loss
 
 
 def fusion_gate(v_hat: torch.Tensor, t_hat: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +38,9 @@ def fusion_gate(v_hat: torch.Tensor, t_hat: torch.Tensor, alpha: float) -> tuple
 class SMANHead(SimilarityHead):
     """steps=2: d(0) + d(1) + d(2) (SMAN); steps=1: d(0) + d(1), intra-modal attention only (SMAN-IM,
     SMAN-IM-LOC). The training loss is Eq. 21 + lambda * Eq. 22 (see `training_loss`)."""
+
+    # pair-independent when every level is per item (steps 1, alpha 1); otherwise set in __init__
+    bytes_per_cell = bytes_per_pair = 0.0
 
     def __init__(self, img_dim: int, embed_size: int, att_hidden: int, *, regions: int = 49, steps: int = 2,
                  alpha: float = 0.9, divide_by_m: bool = False, intra_pair_weight: float = 1.0,
@@ -128,12 +130,12 @@ class SMANHead(SimilarityHead):
         return scores
 
     # ----- objective ---------------------------------------------------------------------------------
-    def training_loss(self, img: ImageEmb, txt: TextEmb, loss: LossConfig, hardest: bool,
+    def training_loss(self, img: ImageEmb, txt: TextEmb, margin: float, hardest: bool,
                       positives: torch.Tensor | None = None) -> torch.Tensor:
-        """L = L_inter-pair (Eq. 21: bidirectional triplet ranking, margin m1 = loss.margin, hardest
+        """L = L_inter-pair (Eq. 21: bidirectional triplet ranking, margin m1 = `margin`, hardest
         negatives as the paper) + lambda * L_intra-pair (Eq. 22, margin m2; sign: docs/sman.md)."""
         scores = self(img, txt)
-        total = triplet_loss(scores, loss.margin, hardest, positives)
+        total = triplet_loss(scores, margin, hardest, positives)
         if self.intra_pair_weight > 0:
             total = total + self.intra_pair_weight * intra_pair_loss(
                 scores.diagonal(), self.intra_pair_margin, self.intra_pair_form, self.levels)

@@ -8,6 +8,7 @@ from itmatch.models.base import ImageEmb, SimilarityHead, TextEmb
 
 
 class GlobalCosineHead(SimilarityHead):
+    bytes_per_cell = bytes_per_pair = 0.0  # pair-independent: one matrix product
     score_bound = 0.0  # the score is the global cosine itself
 
     def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""SAVE (multi-scale visual semantics aggregation with self-attention): the grid cells of CNN stage maps are the
+instance candidates, self-attention (DSA or ASA) aggregates them, finer scales are fused into c5, and SCAN's
+i-t head scores the result. Reads cached stage maps, or pixels through its own CNN. docs/save.md."""
+
+from __future__ import annotations
+
+from itmatch.config import ModelConfig
+from itmatch.models.base import Matcher
+from itmatch.models.encoders import RNNTextEncoder
+from itmatch.models.registry import Arch, Preset, register_arch, register_presets
+from itmatch.models.save.config import SaveConfig
+from itmatch.models.save.encoder import Borrowed, MultiScaleSelfAttention, SaveImageEncoder, parse_scales
+from itmatch.models.scan import F30K_SCHEDULE, SCAN_LAMBDAS, scan_head, two_way_lambdas
+
+__all__ = ["MultiScaleSelfAttention", "SaveConfig", "SaveImageEncoder", "parse_scales"]
+
+
+@register_arch
+class Save(Arch):
+    name = "save"
+    owns_backbone = True  # SaveImageEncoder reads its backbone's stage maps itself
+
+    def backbone(self, mc: ModelConfig) -> str:
+        return mc.save.backbone
+
+    def pixel_backbone(self, mc: ModelConfig) -> str:
+        """model.save.backbone when the model reads pixels (model.pixels or model.save.pixels)."""
+        return mc.save.backbone if mc.pixels or mc.save.pixels else ""
+
+    def image_inputs(self, mc: ModelConfig) -> tuple[str, ...]:
+        if self.pixel_backbone(mc):
+            return ("pixels",)
+        scales = parse_scales(mc.save.scales)
+        return scales if scales != ("c5",) else ()
+
+    def feature_dims(self, mc: ModelConfig) -> dict[str, str]:
+        return {"c5": "model.img_dim", "c3": "model.save.c3_dim", "c4": "model.save.c4_dim"}
+
+    def build(self, mc: ModelConfig) -> Matcher:
+        sc = mc.save
+        scales = parse_scales(sc.scales)
+        pixels = bool(self.pixel_backbone(mc))
+        if sc.finetune and not pixels:
+            raise ValueError("model.save.finetune needs model.save.pixels=true (the backbone runs inside the model)")
+        backbone = tail = None
+        if pixels or sc.fusion == "nl":
+            from itmatch.features.backbones import STAGE_NAMES, load_backbone
+
+            net = load_backbone(sc.backbone)
+            if sc.finetune:  # SAVE's own switch, as its Flickr8K rows were trained: BatchNorm statistics move
+                net.set_trainable(freeze_batchnorm=False)
+            dims = dict(zip(STAGE_NAMES, net.stage_dims, strict=True))
+            backbone = net if pixels else None
+            if sc.fusion == "nl":  # with a backbone in the model, its tail's parameters are already there
+                tail = net.tail() if backbone is None else Borrowed(net.tail())
+        else:
+            dims = {"c3": sc.c3_dim, "c4": sc.c4_dim, "c5": mc.img_dim}
+            unset = [s for s in scales if dims[s] <= 0]
+            if unset:
+                raise ValueError(f"channels of cached scale(s) {unset} unknown: set model.save.c3_dim/c4_dim "
+                                 "(the trainer takes them from the data)")
+        fusion = MultiScaleSelfAttention(scales, dims, sc.attention, sc.fusion, sc.dsa_lambda, tail, sc.scale_norm)
+        image = SaveImageEncoder(fusion, mc.embed_size, norm=mc.img_norm, backbone=backbone)
+        text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
+                              bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm)
+        model = Matcher(image, text, scan_head(mc, two_way_lambdas(mc)))
+        if sc.finetune:
+            model.lr_scales["image_encoder.backbone."] = sc.backbone_lr_scale
+        return model
+
+
+@register_presets
+def save_presets() -> dict[str, Preset]:
+    """SAVE Tables 4-5 (the ablations, all in the i-t AVG setting): self-attention variants on c5, fusion of
+    c4+c5 / c3+c4+c5, NL-ms2; the paper gives no schedule beyond SCAN's "same settings": F30K's.
+    model.direction=both gives Table 1's averaged i-t/t-i scores (footnote 1). Both directions' lambdas are
+    set (SCAN Table 1): t-i in model.lambda_*, i-t in model.scan.i2t_lambda_*, so `--set model.direction=t2i`
+    or `=both` scores t-i with 9 / 6, not with the i-t 4 / 5."""
+    model = {"arch": "save", "direction": "i2t", "pool": "avg", **SCAN_LAMBDAS[("f30k", "t2i")],
+             "scan": {f"i2t_{k}": v for k, v in SCAN_LAMBDAS[("f30k", "i2t")].items()}}
+    variants = {
+        "save_nosa": {"attention": "none", "scales": "c5"},
+        "save_dsa": {"attention": "dsa", "scales": "c5"},
+        "save_asa": {"attention": "asa", "scales": "c5"},
+        # fused scales are standardised per cell first (model.save.scale_norm; docs/save.md): EfficientNet's raw
+        # c3/c4 outweigh c5 ~3:1 in norm, and a 2-epoch run fusing them raw fell to half the single-scale rsum
+        "save_asa_ms2": {"attention": "asa", "scales": "c4,c5", "scale_norm": "layernorm"},
+        "save_asa_ms3": {"attention": "asa", "scales": "c3,c4,c5", "scale_norm": "layernorm"},
+        "save_nl_ms2": {"attention": "asa", "scales": "c4,c5", "fusion": "nl"},
+        # the best of Table 1 (ASA-ms3) trained end to end from pixels, backbone fine-tuned at lr / 10
+        "save_asa_ms3_ft": {"attention": "asa", "scales": "c3,c4,c5", "scale_norm": "layernorm", "pixels": True,
+                            "finetune": True},
+        # DSA (the best frozen row on Flickr8K dev, docs/save.md) end to end; the Flickr8K row continues the
+        # frozen save_dsa run with train.init_from
+        "save_dsa_ft": {"attention": "dsa", "scales": "c5", "pixels": True, "finetune": True},
+    }
+    return {name: {"model": {**model, "save": save}, "train": F30K_SCHEDULE} for name, save in variants.items()}

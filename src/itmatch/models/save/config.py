@@ -1,0 +1,32 @@
+"""SAVE's options, `model.save.*` (docs/save.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from itmatch.config import option, register_options
+from itmatch.models.save.encoder import ATTENTIONS, FUSIONS, SCALE_NORMS
+
+
+@register_options("save")
+@dataclass
+class SaveConfig:
+    """SAVE: CNN grid candidates, self-attention, multi-scale fusion. Its i-t head's lambdas are SCAN's
+    (`model.scan.i2t_lambda_*`)."""
+
+    attention: str = option("asa", choices=ATTENTIONS)  # none | dsa (Eq. 1-4) | asa (Eq. 5-8)
+    scales: str = "c5"  # comma list, finest first: c5 | c4,c5 (ms2) | c3,c4,c5 (ms3)
+    # concat (Fig. 3: max-pool + concat) | nl (NL-ms2: self-attention inside the backbone)
+    fusion: str = option("concat", choices=FUSIONS)
+    dsa_lambda: float = option(1.0, above=0)  # inverse temperature of the DSA softmax (Eq. 3 has none: 1)
+    # none (the paper: raw maps) | layernorm: when fusing 2+ scales, each stage map is standardised per cell over
+    # its channels (no affine) before its self-attention, so that no scale outweighs the others by magnitude
+    # alone (EfficientNet's c3/c4 are linear-bottleneck outputs, ~3x c5's cell norm; docs/save.md)
+    scale_norm: str = option("none", choices=SCALE_NORMS)
+    # the CNN of pixel input and of the NL tail (cached maps name theirs in meta.json)
+    backbone: str = option("lite0", choices=("lite0", "lite2", "resnet50", "resnet152"))
+    pixels: bool = False  # the model reads images (data.images), through its own backbone
+    finetune: bool = False  # train the backbone too (needs pixels); its lr is train.lr * backbone_lr_scale
+    backbone_lr_scale: float = option(0.1, min=0)
+    c3_dim: int = option(0, min=0)  # channels of cached c3 / c4 maps (0: taken from the data)
+    c4_dim: int = option(0, min=0)

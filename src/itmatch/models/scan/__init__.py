@@ -1,0 +1,115 @@
+"""SCAN (Lee et al. 2018) and the baselines it compares against: VSE++ (a global embedding, cosine) and Sum-Max
+(every word takes its best region, no attention). All three read region features through an FC layer and
+captions through a (Bi)GRU (`models/encoders.py`); they differ in the head. docs/scan.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from itmatch.config import ModelConfig, option, register_options
+from itmatch.models.base import Matcher, SimilarityHead
+from itmatch.models.encoders import RegionEncoder, RNNTextEncoder
+from itmatch.models.registry import Arch, Preset, register_arch, register_presets
+from itmatch.models.scan.global_cosine import GlobalCosineHead
+from itmatch.models.scan.head import ScanHead, TwoWayScanHead
+from itmatch.models.scan.summax import SumMaxHead
+
+# SCAN supplementary: Flickr30K lr 2e-4 for 15 epochs then 2e-5 for 15; COCO 5e-4 for 10 then 5e-5 for 10.
+F30K_SCHEDULE = {"epochs": 30, "lr": 2e-4, "lr_update": 15}
+COCO_SCHEDULE = {"epochs": 20, "lr": 5e-4, "lr_update": 10}
+# lambda_1 / lambda_2 of SCAN Table 1 (Flickr30K) and Table 2 (COCO).
+SCAN_LAMBDAS = {
+    ("f30k", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
+    ("f30k", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 5.0},
+    ("coco", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
+    ("coco", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 20.0},
+}
+
+
+@register_options("scan", moved_from={"model.save.i2t_lambda_softmax": "i2t_lambda_softmax",
+                                      "model.save.i2t_lambda_lse": "i2t_lambda_lse"})
+@dataclass
+class ScanConfig:
+    """The i-t head's lambdas of a model scoring both directions (model.direction=both, and SAVE in any
+    direction), model.lambda_* being then the t-i ones (SCAN Table 1, Flickr30K: i-t 4 / 5). A one-way SCAN
+    model reads only model.lambda_* (the scan_i2t_* presets set 4 / 5 there)."""
+
+    i2t_lambda_softmax: float = option(4.0, above=0)
+    i2t_lambda_lse: float = option(5.0, above=0)
+
+
+def scan_head(mc: ModelConfig, i2t_lambdas: tuple[float, float]) -> SimilarityHead:
+    """SCAN's head in mc.direction (t-i with model.lambda_*, i-t with `i2t_lambdas`); "both" averages the
+    two."""
+    def head(direction: str, lambdas: tuple[float, float]) -> ScanHead:
+        return ScanHead(direction, mc.pool, *lambdas, mc.raw_feature_norm, mc.clip_slope)
+
+    t2i = (mc.lambda_softmax, mc.lambda_lse)
+    if mc.direction == "both":
+        return TwoWayScanHead(head("t2i", t2i), head("i2t", i2t_lambdas))
+    return head(mc.direction, t2i if mc.direction == "t2i" else i2t_lambdas)
+
+
+def two_way_lambdas(mc: ModelConfig) -> tuple[float, float]:
+    """model.scan.i2t_lambda_*: the i-t lambdas of a model that holds both directions'."""
+    return mc.scan.i2t_lambda_softmax, mc.scan.i2t_lambda_lse
+
+
+def region_rnn_matcher(mc: ModelConfig, head: SimilarityHead, is_global: bool = False) -> Matcher:
+    """Region FC image side + (Bi)GRU text side, the encoders SCAN and its baselines share."""
+    image = RegionEncoder(mc.img_dim, mc.embed_size, norm=mc.img_norm, pool=is_global)
+    text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
+                          bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm,
+                          pool="last" if is_global else "none")
+    return Matcher(image, text, head)
+
+
+@register_arch
+class VSEpp(Arch):
+    """VSE++ (Faghri et al.): mean-pooled regions and the GRU's last state, cosine."""
+
+    name = "vsepp"
+
+    def build(self, mc: ModelConfig) -> Matcher:
+        return region_rnn_matcher(mc, GlobalCosineHead(), is_global=True)
+
+
+@register_arch
+class SumMax(Arch):
+    """Sum-Max alignment (SCAN Eq. 9-10)."""
+
+    name = "summax"
+
+    def build(self, mc: ModelConfig) -> Matcher:
+        return region_rnn_matcher(mc, SumMaxHead(mc.direction))
+
+
+@register_arch
+class Scan(Arch):
+    """Stacked Cross Attention, t-i, i-t or both (model.direction)."""
+
+    name = "scan"
+
+    def build(self, mc: ModelConfig) -> Matcher:
+        i2t = two_way_lambdas(mc) if mc.direction == "both" else (mc.lambda_softmax, mc.lambda_lse)
+        return region_rnn_matcher(mc, scan_head(mc, i2t))
+
+
+@register_presets
+def scan_presets() -> dict[str, Preset]:
+    """vsepp, summax_{t2i,i2t}, scan_{t2i,i2t}_{avg,lse,max,sum} (MAX / SUM: SCAN Table 4), each with the
+    Flickr30K schedule and a `_coco` twin with COCO's schedule and lambdas."""
+    presets: dict[str, dict[str, Any]] = {}
+    for dataset, schedule in (("f30k", F30K_SCHEDULE), ("coco", COCO_SCHEDULE)):
+        suffix = "" if dataset == "f30k" else "_coco"
+        presets[f"vsepp{suffix}"] = {"model": {"arch": "vsepp", "bidirectional": False}, "train": schedule}
+        for direction in ("t2i", "i2t"):
+            presets[f"summax_{direction}{suffix}"] = {
+                "model": {"arch": "summax", "direction": direction}, "train": schedule}
+            for pool in ("avg", "lse", "max", "sum"):
+                presets[f"scan_{direction}_{pool}{suffix}"] = {
+                    "model": {"arch": "scan", "direction": direction, "pool": pool,
+                              **SCAN_LAMBDAS[(dataset, direction)]},
+                    "train": schedule}
+    return presets

@@ -1,0 +1,55 @@
+"""SMAN (Ji et al.): a spatial GRU over the grid, stacked intra-modal then multi-modal attention with a fusion
+gate, and an intra-pair constraint in the loss. docs/sman.md."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from itmatch.config import ModelConfig
+from itmatch.models.base import Matcher
+from itmatch.models.registry import Arch, Preset, register_arch, register_presets
+from itmatch.models.sman.config import SMANConfig
+from itmatch.models.sman.encoders import SMANImageEncoder, SMANTextEncoder
+from itmatch.models.sman.head import SMANHead
+
+__all__ = ["SMANConfig", "SMANHead", "SMANImageEncoder", "SMANTextEncoder", "SMAN_VARIANTS"]
+
+# SMAN section IV-A3: Adadelta lr 0.05 -> 0.005 after 50 of 60 epochs, weight decay 5e-4, clipping 0.1,
+# batch 128, m1 = 0.2; every hidden size (word embedding, GRU, BiLSTM, attention, common space) 512.
+SMAN_SCHEDULE = {"epochs": 60, "optimizer": "adadelta", "lr": 0.05, "lr_update": 50, "weight_decay": 5e-4,
+                 "grad_clip": 0.1, "batch_size": 128}
+SMAN_MODEL = {"arch": "sman", "embed_size": 512, "word_dim": 512, "text_rnn": "lstm"}
+# name -> (model.sman switches, other model fields): SMAN (random words), the pretrained-vector variant
+# (spaCy en_core_web_md 300-d in place of GloVe) and the ablations of section IV-A4 / Table III-V.
+SMAN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "sman": ({}, {}),
+    "sman_w2v_spacy": ({}, {"word_vectors": "spacy_md", "word_dim": 300}),
+    "sman_im": ({"steps": 1, "spatial": False}, {}),  # intra-modal attention, no v(loc)
+    "sman_im_loc": ({"steps": 1}, {}),  # intra-modal attention with v(loc)
+    "sman_sim": ({"alpha": 1.0}, {}),  # stacked intra-modal attention (gate at alpha = 1)
+    "sman_inter": ({"intra_pair_weight": 0.0}, {}),  # ranking loss only (no Eq. 22 term)
+}
+
+
+@register_arch
+class SMAN(Arch):
+    name = "sman"
+
+    def build(self, mc: ModelConfig) -> Matcher:
+        s = mc.sman
+        image = SMANImageEncoder(mc.img_dim, mc.embed_size, s.att_hidden, regions=s.regions, spatial=s.spatial,
+                                 divide_by_m=s.divide_by_m, dropout=s.dropout)
+        text = SMANTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, s.att_hidden, rnn=mc.text_rnn,
+                               dropout=s.dropout)
+        head = SMANHead(mc.img_dim, mc.embed_size, s.att_hidden, regions=s.regions, steps=s.steps, alpha=s.alpha,
+                        divide_by_m=s.divide_by_m, intra_pair_weight=s.intra_pair_weight,
+                        intra_pair_margin=s.intra_pair_margin, intra_pair_form=s.intra_pair_form)
+        return Matcher(image, text, head)
+
+
+@register_presets
+def sman_presets() -> dict[str, Preset]:
+    """sman, sman_w2v_spacy and the ablations of section IV-A4, section IV-A3's schedule."""
+    return {name: {"model": {**SMAN_MODEL, **fields, "sman": switches}, "loss": {"margin": 0.2},
+                   "train": SMAN_SCHEDULE}
+            for name, (switches, fields) in SMAN_VARIANTS.items()}
