@@ -46,8 +46,8 @@ SMAN_ROWS = ["sman", "sman_w2v_spacy", "sman_im", "sman_im_loc", "sman_sim", "sm
 MMCA_ROWS = ["mmca", "mmca_alpha0", "mmca_h512"]
 # SAVE (docs/save.md): Table 4/5 analogue with the backbone frozen, then the best fine-tuned end to end
 SAVE_ROWS = ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_dsa_ft"]
-SINGLE = ["vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse", *OAN_ROWS, *SMAN_ROWS, *MMCA_ROWS,
-          *SAVE_ROWS]
+SINGLE = ["meanpool", "vsepp", "summax_t2i", "scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse", *OAN_ROWS, *SMAN_ROWS,
+          *MMCA_ROWS, *SAVE_ROWS]
 # preset -> schedule override (SMAN: Adam 5e-4 without L2, docs/sman.md; SAVE: lr 5e-4, docs/save.md)
 SCHEDULES = {**{row: "configs/flickr8k/sman_cpu.yaml" for row in SMAN_ROWS},
              **{row: "configs/flickr8k/save_cpu.yaml" for row in SAVE_ROWS}}
@@ -138,7 +138,7 @@ CPU = Profile("cpu", SCHEDULE, SCHEDULES, OVERRIDES, CONTROLS, ENSEMBLES,
 
 # ---------------------------------------------------------------------------------------- the GPU schedule
 # Every preset trains with its own paper's schedule (optimizer, lr, decay step, epochs, D), which the presets
-# carry (models/registry.py; docs/training.md lists them); the two files add only what is not the papers':
+# carry (`itmatch models`; docs/training.md lists them); the two files add only what is not the papers':
 # one warm-up epoch on the sum over negatives where a model stalls without it (gpu.yaml: SCAN, Sum-Max, SAVE,
 # OAN, all region-word attention heads), none elsewhere (gpu_no_warmup.yaml: VSE++, MMCA, SMAN), bucketed
 # batches, model selection on dev rsum.
@@ -147,8 +147,9 @@ GPU_NO_WARMUP = "configs/flickr8k/gpu_no_warmup.yaml"
 GPU_RUNS = "runs/flickr8k_gpu"
 SCAN_ROWS = ["scan_t2i_avg", "scan_t2i_lse", "scan_i2t_avg", "scan_i2t_lse"]
 SAVE_GPU_ROWS = ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_nl_ms2"]
-GPU_SINGLE = ["vsepp", "summax_t2i", "summax_i2t", *SCAN_ROWS, *OAN_ROWS, *MMCA_ROWS, *SAVE_GPU_ROWS, *SMAN_ROWS]
-GPU_SCHEDULES = {row: GPU_NO_WARMUP for row in ["vsepp", *MMCA_ROWS, *SMAN_ROWS]}
+GPU_SINGLE = ["meanpool", "vsepp", "summax_t2i", "summax_i2t", *SCAN_ROWS, *OAN_ROWS, *MMCA_ROWS, *SAVE_GPU_ROWS,
+              *SMAN_ROWS]
+GPU_SCHEDULES = {row: GPU_NO_WARMUP for row in ["meanpool", "vsepp", *MMCA_ROWS, *SMAN_ROWS]}
 GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"],
                  "scan_ensemble_t2i_avg+i2t_lse_seed1": ["scan_t2i_avg_seed1", "scan_i2t_lse_seed1"]}
 # two seeds for the headline rows (the spread is stated beside them)
@@ -350,7 +351,7 @@ _RUN_ONLY = {"model.vocab_size", "model.img_dim", "model.save.c3_dim", "model.sa
 
 def unread_settings(config: dict) -> set[str]:
     """Keys of a flattened config that its model does not read. An i-t SAVE model reads its lambdas from
-    model.save.i2t_lambda_* (model.lambda_* are its t-i ones): SAVE runs trained before both directions' lambdas
+    model.scan.i2t_lambda_* (model.lambda_* are its t-i ones): SAVE runs trained before both directions' lambdas
     were kept hold the i-t values in model.lambda_* as well, without any difference in the model."""
     if config.get("model.arch") == "save" and config.get("model.direction") == "i2t":
         return {"model.lambda_softmax", "model.lambda_lse"}
