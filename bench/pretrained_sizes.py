@@ -30,14 +30,13 @@ def fp16_megabytes(preset: str, vocab_size: int, pixels: bool) -> tuple[int, flo
     """(D, MB of the model's state dict in fp16: what scripts/ship_pretrained.py writes, less a few KB of JSON).
     MMCA's frozen MiniLM is not in it (it comes from PyPI)."""
     from itmatch.config import parse_overrides
-    from itmatch.models.registry import build_model, resolve_config
+    from itmatch.models.registry import arch, build_model, resolve_config
 
     mc = resolve_config(preset, parse_overrides([f"model.pixels={str(pixels).lower()}"])).model
     mc.img_dim, mc.save.c3_dim, mc.save.c4_dim, mc.vocab_size = 1280, 40, 112, vocab_size
-    if mc.arch == "mmca":  # WordPiece ids of its text encoder
-        from itmatch.features.text_backbone import load_pretrained_encoder
-
-        mc.vocab_size = int(load_pretrained_encoder(mc.mmca.text_model).config.vocab_size)
+    tokenizer = arch(mc).tokenizer(mc)  # a model that brings its tokenizer (MMCA's WordPiece) has its vocabulary
+    if tokenizer is not None:
+        mc.vocab_size = len(tokenizer)
     state = build_model(mc).state_dict()
     return mc.embed_size, sum(t.numel() * (2 if t.is_floating_point() else t.element_size())
                               for t in state.values()) / 1e6

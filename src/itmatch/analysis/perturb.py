@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from itmatch.config import Config, flatten
+from itmatch.config import Config, config_from_dict, flatten
 from itmatch.data.perturb import PERTURBATIONS, POS_CLASSES, CaptionPerturbation, prior_probabilities, tag_captions
 from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
@@ -28,7 +28,7 @@ from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.train import train
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic, write_text_atomic, write_with
-from itmatch.models.registry import read_pixels_for_finetuning
+from itmatch.models.registry import arch, read_pixels_for_finetuning
 
 LABELS = {"original": "Original model", "shuffle": "Random shuffling", "numbers": "Drop numbers",
           "prepositions": "Drop prepositions", "verbs": "Drop verbs", "adjectives": "Drop adjectives/adverbs",
@@ -39,9 +39,9 @@ KS = ("r1", "r5", "r10")
 #: logged or saved (a run trained on another device or with other threads is the same experiment)
 UNCOMPARED = frozenset({"name", "train.threads", "train.log_every", "train.checkpoint_every", "train.device",
                         "train.backend"})
-#: keys the trainer fills from the data when the command leaves them unset (0 or ""): compared only when set
-FILLED_FROM_DATA = frozenset({"model.vocab_size", "model.img_dim", "model.save.c3_dim", "model.save.c4_dim",
-                              "data.backbone"})
+#: keys the trainer fills from the data when the command leaves them unset (0 or ""), beside the feature channel
+#: counts each arch names (`Arch.feature_dims`): compared only when set
+FILLED_FROM_DATA = frozenset({"model.vocab_size", "data.backbone"})
 STUDY_FILE = "study.json"  # in each run directory: the perturbation and its seed (not part of the config)
 
 
@@ -107,11 +107,13 @@ def _same_value(key: str, stored: Any, wanted: Any) -> bool:
 
 def run_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
     """The dotted config keys whose values differ between a run's saved config and the one a command would
-    train (both as `Config.to_dict()`), leaving out UNCOMPARED keys and FILLED_FROM_DATA keys the command
-    leaves unset."""
+    train (both as `Config.to_dict()`), leaving out UNCOMPARED keys and the keys filled from the data
+    (FILLED_FROM_DATA, the arch's feature dims) that the command leaves unset."""
     old, new = flatten(stored), flatten(wanted)
+    wanted_model = config_from_dict(wanted).model
+    filled = FILLED_FROM_DATA | set(arch(wanted_model).feature_dims(wanted_model).values())
     return sorted(key for key in old.keys() | new.keys()
-                  if key not in UNCOMPARED and not (key in FILLED_FROM_DATA and not new.get(key))
+                  if key not in UNCOMPARED and not (key in filled and not new.get(key))
                   and not _same_value(key, old.get(key), new.get(key)))
 
 

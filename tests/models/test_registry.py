@@ -1,0 +1,103 @@
+"""The registry and the config sections: a model registers itself from its package, its options are checked
+by the rules declared beside them, keys that moved still load, a head must declare its memory contract, and
+no module outside the model packages names an arch or reads a model family's options."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from itmatch.config import config_from_dict, new_model_config
+from itmatch.errors import ConfigError
+from itmatch.models.base import ImageEmb, Matcher, SimilarityHead, TextEmb
+from itmatch.models.registry import ARCHS, PRESETS, Arch, build_model, register_arch, resolve_config
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "itmatch"
+PACKAGES = {p.name for p in (SRC / "models").iterdir() if (p / "__init__.py").is_file()}
+
+
+def test_every_arch_and_preset_comes_from_a_model_package():
+    for name, family in ARCHS.items():
+        assert type(family).__module__.split(".")[2] in PACKAGES, name
+    assert {p["model"]["arch"] for p in PRESETS.values()} <= set(ARCHS)
+    sections = {f.name for f in dataclasses.fields(new_model_config()) if dataclasses.is_dataclass(f.type)}
+    assert {"scan", "oan", "mmca", "save", "sman", "meanpool"} <= sections
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("oan.k_heads", 0, "model.oan.k_heads: 0 is out of range"),
+    ("oan.intra", "max", "model.oan.intra: 'max' is not one of attention, mean, none"),
+    ("sman.steps", 3, "model.sman.steps: 3 is out of range"),
+    ("save.attention", "nl", "model.save.attention: 'nl' is not one of none, dsa, asa"),
+    ("mmca.heads", 0, "model.mmca.heads: 0 is out of range"),
+    ("scan.i2t_lambda_lse", 0.0, "model.scan.i2t_lambda_lse: 0.0 is out of range"),
+])
+def test_a_package_option_is_checked_by_the_rule_beside_it(key, value, message):
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        resolve_config(None, {"model": {section: {name: value}}})
+
+
+def test_a_moved_key_loads_at_its_new_place():
+    """SCAN's i-t lambdas lived in model.save before the packages (configs of older checkpoints, commands)."""
+    cfg = config_from_dict({"model": {"arch": "save", "save": {"i2t_lambda_softmax": 3.0, "attention": "dsa"}}})
+    assert cfg.model.scan.i2t_lambda_softmax == 3.0 and cfg.model.save.attention == "dsa"
+    assert not hasattr(cfg.model.save, "i2t_lambda_softmax")
+    with pytest.raises(ConfigError, match="both set"):
+        config_from_dict({"model": {"save": {"i2t_lambda_lse": 3.0}, "scan": {"i2t_lambda_lse": 4.0}}})
+
+
+def test_a_head_without_its_memory_contract_is_refused():
+    class Forgetful(SimilarityHead):
+        def forward(self, img: ImageEmb, txt: TextEmb) -> torch.Tensor:
+            return img.vector @ txt.vector.T
+
+    with pytest.raises(TypeError, match="Forgetful does not declare its memory contract"):
+        Matcher(nn.Identity(), nn.Identity(), Forgetful())
+
+    class PairIndependent(Forgetful):
+        bytes_per_cell = bytes_per_pair = 0.0
+
+    assert Matcher(nn.Identity(), nn.Identity(), PairIndependent()).head.pair_independent
+
+
+def test_an_arch_name_is_registered_once_and_an_unknown_one_is_named():
+    class Again(Arch):
+        name = "scan"
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_arch(Again)
+    mc = new_model_config()
+    mc.arch, mc.img_dim, mc.vocab_size = "nope", 8, 8
+    with pytest.raises(ConfigError, match="unknown model.arch 'nope'"):
+        build_model(mc)
+
+
+def _names_outside_model_packages() -> list[str]:
+    """`x.arch == "name"` comparisons and reads of a family's options (`cfg.model.save...`, `mc.oan...`) in
+    modules outside the model packages. engine/convert.py reads the original SCAN/VSE++ checkpoint files."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC)
+        if rel.parts[0] == "models" and len(rel.parts) > 2 or rel == Path("engine/convert.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            holder = getattr(node, "value", None)
+            reads_section = isinstance(node, ast.Attribute) and node.attr in PACKAGES
+            if reads_section and isinstance(holder, ast.Attribute | ast.Name):
+                inner = holder.attr if isinstance(holder, ast.Attribute) else holder.id
+                if inner in ("model", "mc"):
+                    found.append(f"{rel}:{node.lineno}: .{inner}.{node.attr}")
+            if (isinstance(node, ast.Compare) and isinstance(node.left, ast.Attribute) and node.left.attr == "arch"
+                    and any(isinstance(c, ast.Constant) for c in node.comparators)):
+                found.append(f"{rel}:{node.lineno}: compares .arch with a name")
+    return found
+
+
+def test_the_core_names_no_arch():
+    assert _names_outside_model_packages() == []
