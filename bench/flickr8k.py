@@ -362,13 +362,14 @@ def check_run_matches(out: str, preset: str, schedule: str, sets: list[str]) -> 
     """Stop if an existing run (which the bench would resume, or evaluate as it is) was trained with other
     settings than its row has now, e.g. a run started before a preset changed. Settings the run's config
     does not record (it predates them) cannot be compared and are skipped."""
-    from itmatch.config import flatten
+    from itmatch.config import MOVED_KEYS, flatten
 
     saved = ROOT / out / "config.json"
     if not saved.is_file():
         return
     now = flatten(row_config(preset, schedule, sets).to_dict())
-    then = flatten(json.loads(saved.read_text(encoding="utf-8")))
+    # (a key that moved since the run was trained is compared at its new place)
+    then = {MOVED_KEYS.get(k, k): v for k, v in flatten(json.loads(saved.read_text(encoding="utf-8"))).items()}
     ignored = _RUN_ONLY | unread_settings(now)
     differ = [f"{k}={then[k]!r} (row: {now[k]!r})" for k in sorted(set(now) & set(then))
               if k.split(".")[0] in ("model", "loss", "train") and k not in ignored and now[k] != then[k]]
