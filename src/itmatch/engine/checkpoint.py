@@ -1,21 +1,7 @@
-"""Checkpoints: a directory with model.safetensors, config.json, vocab.json, optionally
-optimizer.pt and trainer.pt (tensors and plain values only), state.json and manifest.json (size and
-SHA-256 of every other file). No pickled objects are ever executed: weights come from safetensors,
-every other torch file goes through `safe_torch_load` (weights_only=True), which refuses any pickled class.
-
-A checkpoint is written to a temporary directory, fsync'ed, and renamed into place, so it is never
-half-written under its final name. manifest.json is written last and verified on load, so a checkpoint
-damaged or edited later (truncated copy, disk error, a changed `lambda_softmax` in config.json, two
-words swapped in vocab.json) is refused with a message naming the file instead of loading a different
-model silently; `trust_modified=True` (`--trust-modified`) loads it anyway, with a warning. Training
-settings are changed on resume with `itmatch train --resume --set train.epochs=N`, not by editing
-config.json. A kill between "old moved aside" and "new renamed in" leaves the complete old checkpoint at
-`.NAME.old`; `recover_checkpoint` (called by load and save) puts it back.
-
-Data paths: a relative `data.path` / `data.images` is stored in config.json relative to the checkpoint
-directory (manifest version 2), so the checkpoint finds its data from any working directory and when the
-run directory moves together with its data; absolute paths are stored as they are. In memory (a loaded
-Checkpoint's config) they are paths from the current directory again, as everywhere else."""
+"""Checkpoints: a directory (model.safetensors, config.json, vocab.json, optionally optimizer.pt and trainer.pt,
+state.json, manifest.json) written atomically and verified against its manifest on load; no pickled object is
+ever executed (`safe_torch_load`). The layout, the write sequence, the manifest and how data paths are stored:
+docs/reliability.md, "The checkpoint directory"."""
 
 from __future__ import annotations
 

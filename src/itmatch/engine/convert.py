@@ -1,12 +1,7 @@
-"""Import the original SCAN / VSE++ `.pth.tar` checkpoints without executing code.
-
-Those files are `torch.save({'model': [img_enc.state_dict(), txt_enc.state_dict()], 'opt': argparse.Namespace,
-'epoch', 'best_rsum', 'Eiters'})` (kuanghuei/SCAN and fartashf/vsepp `train.py`). They are read with
-`torch.load(weights_only=True)` with exactly one class allow-listed, `argparse.Namespace`, which the
-restricted unpickler rebuilds from its fields without calling any code; a file with any other pickled
-object is refused (`safe_torch_load`). Parameter names and `opt` fields are mapped to ours (tables in
-docs/reliability.md); whatever cannot be mapped is either an error (it would change the model) or a
-warning (it only concerned their training script).
+"""Import the original SCAN / VSE++ `.pth.tar` checkpoints without executing code (`itmatch convert`): read with
+weights_only=True and only `argparse.Namespace` allow-listed, their parameter names and `opt` fields mapped to
+ours. The file format, why reading it runs no code, and the mapping tables: docs/reliability.md, "Converting
+SCAN / VSE++ checkpoints".
 """
 
 from __future__ import annotations
@@ -61,7 +56,8 @@ REQUIRED_OPT = {"precomp_enc_type": ("basic", "weight_norm"), "measure": ("cosin
 
 
 def read_original_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The dict of a SCAN/VSE++ .pth.tar, read without executing code (see the module docstring)."""
+    """The dict of a SCAN/VSE++ .pth.tar, read without executing code (docs/reliability.md, "Converting SCAN /
+    VSE++ checkpoints")."""
     path = Path(path)
     data = safe_torch_load(path, allow=(argparse.Namespace,))
     if not isinstance(data, dict) or "model" not in data or "opt" not in data:

@@ -1,11 +1,7 @@
-"""Training loop: Adam, step learning-rate schedule, gradient clipping, end-of-epoch validation by dev
-rsum, best and last checkpoints, resume, a run directory with the resolved config and a metrics log.
-
-Crash safety (docs/reliability.md): `last` holds the model, the optimizer, the RNG states (python, numpy,
-torch), the position in the epoch's batch order and the metrics.jsonl length at that moment. The batch
-order of an epoch is a function of (seed, epoch) only, so a run killed at any moment (SIGKILL included)
-and continued with --resume replays exactly the batches an uninterrupted run would have seen and ends
-with the same metrics, bit for bit on CPU. `train.checkpoint_every` adds mid-epoch saves."""
+"""Training loop: Adam (or Adadelta), step learning-rate schedule, gradient clipping, end-of-epoch validation
+by dev rsum, best and last checkpoints, resume, a run directory with the resolved config and a metrics log.
+A run killed at any moment continues with --resume to the same metrics, bit for bit on CPU; what `last` holds
+and why that works: docs/reliability.md, guarantee 4 and "Crash safety in detail"."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The inference core: encode every image and caption once, plan memory-bounded blocks, and score all pairs
-(`score_matrix`) or listed pairs (`score_pairs`) with a model's own head.
-
-It stands below both `engine` (the evaluator, training's validation) and `retrieval` (two-stage scoring,
-search, the service) and `api`, which all use it; it imports neither, so none of them imports another
-through it (the former circles evaluate -> two_stage -> evaluate and score_cache -> evaluate are gone).
-The finished blocks a killed run resumes from are kept by its submodule `score_cache`, which imports nothing
-of this one (the block type both use is models.base.Block).
+(`score_matrix`) or listed pairs (`score_pairs`) with a model's own head. It stands below `engine`, `retrieval`
+and `api`, which all use it, and imports none of them; its submodule `score_cache` keeps the finished blocks a
+killed run resumes from. How scoring is made fast and what the budget bounds: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -60,14 +56,13 @@ def concat_images(parts: list[ImageEmb]) -> ImageEmb:
 
 #: Captions per block (a length bucket) and the largest block in region-word cells. The budget only
 #: bounds a block from above. A bucket's words are re-read by every block of images, so a bucket must stay
-#: in the cache: 128 captions (~6 MB at D = 1024) scored 2.5-3.5x faster than 1024 (~50 MB, over the 32 MB
-#: L3) on an idle machine, 64-256 within noise (`python bench/perf.py --sections blocks`). Blocks of ~4M
-#: cells (16 MB per float32 buffer) keep the head's elementwise passes near the caches.
+#: in the cache; blocks of at most MAX_BLOCK_CELLS cells keep the head's elementwise passes near the caches.
+#: Measured (`python bench/perf.py --sections blocks`): docs/performance.md, "Where the code's constants come from".
 CAPTIONS_PER_BLOCK = 128
 MAX_BLOCK_CELLS = 1 << 22
 #: Largest copy of gathered captions per block (score_pairs): well under glibc's 32 MB mmap threshold, so
-#: block copies reuse heap memory; fresh large allocations page-fault on every call (measured: a fresh
-#: 34 MB gather 150-230 ms, the same gather into reused memory 3 ms, docs/performance.md).
+#: block copies reuse heap memory; fresh large allocations page-fault on every call, which is much slower
+#: (measured: docs/performance.md, "Where the code's constants come from").
 MAX_GATHER_BYTES = 8 << 20
 
 TextBuckets = list[tuple[torch.Tensor, TextEmb]]  # (caption indices, their embeddings), by length
@@ -184,8 +179,8 @@ def split_buckets(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_by
                   max_cells: int = MAX_BLOCK_CELLS) -> TextBuckets:
     """Caption buckets cut into runs of captions small enough that one image x a run fits the budget
     beside the score matrix and the block cap (block_cells); buckets that fit are returned as they are.
-    A head with large per-pair temporaries (MMCA: a transformer over k + L tokens per pair, ~4 MB per pair
-    at D = 256, so a bucket of 1000 long captions needed 4.2 GB) can exceed a budget with one image per
+    A head with large per-pair temporaries (MMCA: a transformer over k + L tokens per pair; measured:
+    docs/performance.md, "Where the code's constants come from") can exceed a budget with one image per
     block; with runs of captions the minimum budget is one image x one caption."""
     if model.head.pair_independent:
         return buckets

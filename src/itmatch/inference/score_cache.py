@@ -1,15 +1,7 @@
-"""Finished blocks of an exhaustive score matrix kept on disk, so that a killed evaluation continues.
-
-A pair head such as MMCA's cross-attention module needs hours of CPU for a 1000 x 5000 test split
-(docs/mmca.md); this is what lets such an evaluation survive a kill or the end of a session. Every block
-of the evaluator's plan (`inference.score_blocks`) is kept once scored, with the seconds it took, and
-written atomically with the others of the last minute; a later run over the same inputs loads the
-finished blocks and scores only the others.
-
-"The same inputs" is checked exactly, not trusted: a matrix's key hashes the model's parameters, the
-encoded images and captions (so also the data, the tokenizer and any frozen encoder) and the block plan.
-Encodings may differ in their last bits between thread counts, so a run with another `--threads` does not
-find the blocks of the first one and scores from the start (with a warning that says so).
+"""Finished blocks of an exhaustive score matrix kept on disk (`itmatch evaluate --resume-dir`), so that a killed
+evaluation continues: a later run over exactly the same inputs (a key hashing the model, the encoded items and
+the block plan) loads the finished blocks and scores only the others.
+Why and how, and what "the same inputs" means: docs/reliability.md, "Crash safety in detail" (Evaluation).
 """
 
 from __future__ import annotations
@@ -62,7 +54,8 @@ class MatrixBlocks:
     """The finished blocks of one score matrix, in `DIR/<key>/part-<first>-<last>.safetensors` files: one
     tensor per block (`b<k>`); the metadata holds each block's scoring seconds and how many ranks were
     scoring side by side when it was made. Blocks are written in parts every FLUSH_SECONDS of scoring, not
-    one file each: an MMCA test matrix has ~100k blocks of ~60 ms, and a kill loses at most one part's work.
+    one file each (a pair head's test matrix has very many short blocks: docs/reliability.md), and a kill
+    loses at most one part's work.
 
     `ranks` is this run's number of processes (torchrun's world size). A block's share of an earlier run's
     wall time is its seconds / that run's ranks, so resumed seconds add up to the earlier runs' wall time

@@ -11,9 +11,9 @@ from torch import nn
 
 from itmatch.models.losses import triplet_loss
 
-EPS = 1e-8
+EPS = 1e-8  # the public SCAN code's epsilon in l2norm and cosine similarity
 #: What `Matcher.encode_images` accepts: region features, or a dict of named multi-scale maps.
-ImageInput = torch.Tensor | Mapping[str, torch.Tensor]  # the public SCAN code's epsilon in l2norm and cosine similarity
+ImageInput = torch.Tensor | Mapping[str, torch.Tensor]
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = EPS) -> torch.Tensor:
@@ -73,8 +73,8 @@ class Embeddings:
     def take(self, index: torch.Tensor | slice) -> Self:
         """The same embeddings restricted to some items (a block of the evaluator, a batch): views for a
         slice, copies for indices (or a bool mask)."""
-        # index_select, not value[index], for a list of indices: advanced indexing measured ~10x slower
-        # on CPU for a [540, 30, 512] gather (torch 2.13), and the re-ranker gathers captions per block
+        # index_select, not value[index], for a list of indices: faster on CPU (docs/performance.md,
+        # "Where the code's constants come from"), and the re-ranker gathers captions per block
         # (an index tensor may live elsewhere than the embeddings: e.g. the evaluator's CPU caption order)
         if isinstance(index, torch.Tensor) and index.ndim == 1 and index.dtype != torch.bool:
             return self.map_tensors(lambda value: value.index_select(0, index.to(value.device)))
@@ -218,7 +218,7 @@ class Matcher(nn.Module):
 
     def encode_images(self, feats: ImageInput, mask: torch.Tensor | None = None) -> ImageEmb:
         """feats: region features [N, k, D] (every model), or what a grid model reads instead: a dict of
-        cached stage maps {scale: [N, k_s, C_s]} or pixels [N, 3, S, S] (SAVE, models/grid.py); the
+        cached stage maps {scale: [N, k_s, C_s]} or pixels [N, 3, S, S] (SAVE, models/save/encoder.py); the
         mask defaults to all regions real."""
         return self.head.prepare_images(self.encode_image_fields(feats, mask))
 

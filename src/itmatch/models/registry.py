@@ -1,11 +1,6 @@
-"""Name -> model. A model family registers itself from its own package (`itmatch/models/<system>/`):
-
-- `@register_arch` on an `Arch` subclass: how to build the model from its config, and what the engine, the
-  API and the bench ask it (what its image encoder reads, which CNN reads pixels, which tokenizer it needs);
-- `@register_presets` on a function returning {preset name: partial config}: every paper configuration worth
-  reproducing (paper hyper-parameters; the CPU schedule of docs/ is applied on top);
-- `@register_options` (itmatch.config) on its options dataclass: the config section `model.<key>`.
-
+"""Name -> model. A model family registers itself from its own package (`itmatch/models/<system>/`): its `Arch`
+with `@register_arch` (how to build it, and what the engine, the API and the bench ask it), its presets with
+`@register_presets` and its options with `@register_options` (itmatch.config: the section `model.<key>`).
 This module knows no arch by name; docs/architecture.md walks through adding one."""
 
 from __future__ import annotations
@@ -73,7 +68,9 @@ def register_arch(cls: type[Arch]) -> type[Arch]:
 
 
 def register_presets(make: Callable[[], dict[str, Preset]]) -> Callable[[], dict[str, Preset]]:
-    """Function decorator: the presets `make()` returns, by name, each a partial config naming its arch."""
+    """Function decorator: the presets `make()` returns, by name, each a partial config naming its arch: every
+    paper configuration worth reproducing, with the paper's hyper-parameters (the CPU schedule of docs/ is
+    applied on top)."""
     for name, preset in make().items():
         if name in PRESETS:
             raise ValueError(f"preset {name!r} is already registered")

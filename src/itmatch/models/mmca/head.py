@@ -1,15 +1,7 @@
-"""Multi-Modality Cross Attention (MMCA, Wei et al. CVPR 2020, section 3.4-3.5), all pairs of a block at once.
-
-S(I, T) = i0 . c0 + alpha * i1 . c1. The self-attention module's i0 / c0 are per item (the encoders' `vector`s);
-the cross-attention module runs one Transformer unit over the stacked regions and words Y = [R; E] of
-*every pair* (Eq. 8-14; E is the frozen encoder's output projected to d, `TextEmb.words`), splits it back
-into R_c / E_c and pools them into i1 (average, Eq. 5) and c1 (1-D CNN + max + FC, Eq. 6-7).
-
-What is computed once per item, not per pair: the query/key/value projections are row-wise linear maps,
-so Q_Y = [R W^Q; E W^Q] (Eq. 8-10) is the stack of each item's own projections; `prepare_*` compute
-[Q K V] of every image's regions and every caption's words once, and a pair only gathers them. Everything
-after the attention (output projection, FFN, both LayerNorms, the CNN) acts on pair-dependent features and
-runs per pair; the attention itself is one batched scaled-dot-product call over all pairs of the block.
+"""Multi-Modality Cross Attention (MMCA, Wei et al. CVPR 2020, section 3.4-3.5), all pairs of a block at once:
+S(I, T) = i0 . c0 + alpha * i1 . c1, i0 / c0 per item (the encoders' `vector`s), i1 / c1 from one Transformer
+unit over every pair's stacked regions and words Y = [R; E]. What is computed once per item (the Q/K/V
+projections) and what per pair: docs/mmca.md, "What is implemented" and "Cost and how it is kept down".
 """
 
 from __future__ import annotations
@@ -41,16 +33,16 @@ class MMCAHead(SimilarityHead):
         self.fc = nn.Linear(self.cnn.out_dim, embed_size)
         self.norm = nn.LayerNorm(embed_size) if layernorm else nn.Identity()
         # Temporaries per pair at evaluation, float32: a few [T, d] activations alive at once (Y, Q/K/V, attention
-        # output, LayerNorms, FFN) plus the CNN maps, T = k + L tokens; measured peak 8 KB per token at d = 256
-        # (0.5 MB per pair, 1024 pairs of 49 regions x 14 words). Per (region, word) cell with (k + L) / (k L)
-        # <= 0.2 (k >= 36 regions, L >= 6 tokens): conservative by 2-3x for typical captions.
+        # output, LayerNorms, FFN) plus the CNN maps, T = k + L tokens. Per (region, word) cell with
+        # (k + L) / (k L) <= 0.2 (k >= 36 regions, L >= 6 tokens): conservative for typical captions (measured:
+        # docs/mmca.md, "Memory contract").
         d, f = embed_size, self.cnn.out_dim
         per_token = 4.0 * (6 * d + (ffn_dim or d) + f)
         self.bytes_per_cell = 0.0 if alpha == 0 else 0.2 * per_token
-        # Blocks of 2^15 region-word cells at d = 256 (~47 captions of 14 words x 1 image of 49 regions: each
-        # [pairs, k + L, d] buffer ~3 MB, near the 2 MB L2) scored 1.7-1.9x more pairs/s than the evaluator's
-        # default 2^22 (1 image x 128 captions and more: ~10 MB+ per buffer); the cap scales with 1/d so a
-        # buffer keeps that size. Measured: `python bench/mmca_speed.py --block-plans` (docs/mmca.md).
+        # Blocks of 2^15 region-word cells at d = 256 (~47 captions of 14 words x 1 image of 49 regions), whose
+        # [pairs, k + L, d] buffers stay near the size of the L2 cache, score more pairs/s than the evaluator's
+        # default 2^22 (1 image x 128 captions and more); the cap scales with 1/d so a buffer keeps that size.
+        # Measured with `python bench/mmca_speed.py --block-plans`: docs/mmca.md, "Block size".
         self.max_block_cells = (1 << 15) * 256 // d
 
     @property

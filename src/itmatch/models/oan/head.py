@@ -1,21 +1,7 @@
-"""Object-oriented inter- and intra-modal attention (OAN, Huang et al., section 4.2-4.4), all pairs of a
-block at once.
-
-Three set-wise cosine similarities S(a, b) = 1/|a| sum_i cos(a_i, b_i) make up the ranking score (Eq. 14)
-
-    r(v, t) = (1 - gamma) [S(v_VT, e_VT) + S(v_TV, e_TV)] + gamma S(v_VV, e_TT).
-
-Inter-modal (pair-dependent, Eq. 4-5): with s_ij = [e_i.v_j]_+ / (|e_i| |v_j|),
-  T-V: word i attends to regions with softmax_j(lambda_TV s_ij / ||s_:j||), S_TV = mean_i cos(e_i, v^T_i);
-  V-T: region j attends to words with softmax_i(lambda_VT s_ij / ||s_i:||),  S_VT = mean_j cos(v_j, e^V_j).
-These are SCAN's t-i / i-t AVG scores with another normalisation of the logits, so the same identity
-applies: the attended vectors are never built (their dot with the query is sum alpha * e.v, their squared
-norm alpha^T G alpha with the attended item's Gram matrix, computed once per item in prepare_*).
-
-Intra-modal (pair-independent, Eq. 6-8): K context-aware attention heads pool each item's objects into
-K vectors once per item in prepare_*; their set-wise cosine is the dot of the flattened per-head-l2-normalised
-vectors scaled by 1/sqrt(K), stored as `vector` (so it is also a global first-stage embedding), and scoring
-a block is one matrix product.
+"""Object-oriented inter- and intra-modal attention (OAN, Huang et al., section 4.2-4.4), all pairs of a block at
+once: the inter-modal terms (pair-dependent) run SCAN's attention core, the intra-modal term (pair-independent)
+is one matrix product of per-item vectors. The score's equations and what is computed once per item:
+docs/oan.md, "The score (Eq. 4-8, 14)" and "Per-item precompute".
 """
 
 from __future__ import annotations
@@ -79,8 +65,8 @@ class OANHead(SimilarityHead):
     "no attention"). When one side is off, the other takes the whole weight (1 instead of 1 - gamma or
     gamma), so the loss scale and margins keep their meaning."""
 
-    # per direction: dots, cosines, logits -> alpha, G.alpha; 8-12 measured on a 64 x 128 block (one
-    # process per measurement, peak RSS), SCAN's calibrated bound kept
+    # per direction: dots, cosines, logits -> alpha, G.alpha; SCAN's calibrated bound kept, above what OAN
+    # measured (docs/oan.md, "Per-item precompute")
     bytes_per_cell = 26.0
     bytes_per_pair = 0.0
 

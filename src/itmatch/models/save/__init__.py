@@ -82,8 +82,9 @@ def save_presets() -> dict[str, Preset]:
         "save_nosa": {"attention": "none", "scales": "c5"},
         "save_dsa": {"attention": "dsa", "scales": "c5"},
         "save_asa": {"attention": "asa", "scales": "c5"},
-        # fused scales are standardised per cell first (model.save.scale_norm; docs/save.md): EfficientNet's raw
-        # c3/c4 outweigh c5 ~3:1 in norm, and a 2-epoch run fusing them raw fell to half the single-scale rsum
+        # fused scales are standardised per cell first (model.save.scale_norm): EfficientNet's raw c3/c4 outweigh
+        # c5 in norm, and a 2-epoch run fusing them raw did much worse (measured: docs/save.md, "Decisions where
+        # the paper is silent or ambiguous")
         "save_asa_ms2": {"attention": "asa", "scales": "c4,c5", "scale_norm": "layernorm"},
         "save_asa_ms3": {"attention": "asa", "scales": "c3,c4,c5", "scale_norm": "layernorm"},
         "save_nl_ms2": {"attention": "asa", "scales": "c4,c5", "fusion": "nl"},

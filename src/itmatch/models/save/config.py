@@ -21,7 +21,8 @@ class SaveConfig:
     dsa_lambda: float = option(1.0, above=0)  # inverse temperature of the DSA softmax (Eq. 3 has none: 1)
     # none (the paper: raw maps) | layernorm: when fusing 2+ scales, each stage map is standardised per cell over
     # its channels (no affine) before its self-attention, so that no scale outweighs the others by magnitude
-    # alone (EfficientNet's c3/c4 are linear-bottleneck outputs, ~3x c5's cell norm; docs/save.md)
+    # alone (EfficientNet's c3/c4 are linear-bottleneck outputs, larger in norm than c5's cells; measured:
+    # docs/save.md, "Decisions where the paper is silent or ambiguous")
     scale_norm: str = option("none", choices=SCALE_NORMS)
     # the CNN of pixel input and of the NL tail (cached maps name theirs in meta.json)
     backbone: str = option("lite0", choices=("lite0", "lite2", "resnet50", "resnet152"))

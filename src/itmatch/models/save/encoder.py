@@ -1,11 +1,7 @@
 """SAVE's image side (Multi-Scale Visual Semantics Aggregation with Self-Attention, section 3.1-3.3.1):
-grid cells of CNN feature maps are the instance candidates; self-attention (deterministic, DSA, or
-adaptive, ASA) aggregates similar candidates; maps of several scales are fused by max-pooling the finer
-one down and concatenating it with the next (Fig. 3); a fully-connected layer maps the result to D.
-
-Tensors: a map is [N, C, h, w]; its candidates ("tokens") are [N, k = h*w, C] in row-major order, the
-precomp layout's region order. The encoder reads cached maps (a dict scale -> [N, k, C], or one
-[N, k, C] tensor for a single scale) or pixels ([N, 3, S, S]) through its own backbone.
+grid cells of CNN feature maps are the instance candidates ([N, k = h*w, C], row-major as the precomp
+layout), self-attention (DSA or ASA) aggregates them, several scales are fused (Fig. 3) and an FC maps the
+result to D. What the encoder reads (cached maps or pixels): docs/save.md, "How a model receives several scales".
 """
 
 from __future__ import annotations

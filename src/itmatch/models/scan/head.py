@@ -1,10 +1,6 @@
-"""Stacked Cross Attention (SCAN, Lee et al. 2018, Eq. 1-8), all pairs of a block at once.
-
-The attended vector a = sum_k alpha_k x_k is never materialised: its dot with the query is
-sum_k alpha_k s_k (s = raw region-word dots, one GEMM for the block) and its squared norm is
-alpha^T G alpha, with G the k x k Gram matrix of the attended item (regions of an image for t-i, words
-of a caption for i-t), computed once per item in `prepare_*`. Same numbers as the direct formula,
-several times less work (DESIGN.md section 4).
+"""Stacked Cross Attention (SCAN, Lee et al. 2018, Eq. 1-8), all pairs of a block at once, without ever
+building the attended vectors; its attention core also serves OAN's inter-modal terms.
+How a block is scored with one GEMM and per-item Gram matrices: docs/scan.md, "The per-item-precompute identity".
 """
 
 from __future__ import annotations
@@ -87,7 +83,8 @@ class ScanHead(SimilarityHead):
     """direction t2i: words attend to regions, words are scored and pooled (Eq. 7-8);
     direction i2t: regions attend to words, regions are scored and pooled (Eq. 4-6)."""
 
-    # s, logits -> alpha, G.alpha (3 float32 buffers) + allocator slack: 14-25 measured (docs/performance.md)
+    # s, logits -> alpha, G.alpha (3 float32 buffers) + allocator slack; calibrated against peak RSS
+    # (docs/performance.md, "The memory budget")
     bytes_per_cell = 26.0
     bytes_per_pair = 0.0
 

@@ -10,7 +10,7 @@ from itmatch.models.region_word import region_word_dots
 
 
 class SumMaxHead(SimilarityHead):
-    bytes_per_cell = 10.0  # s (+ a masked copy with padding): 5-10 measured (docs/performance.md)
+    bytes_per_cell = 10.0  # s (+ a masked copy with padding); calibrated: docs/performance.md, "The memory budget"
     bytes_per_pair = 0.0
 
     def __init__(self, direction: str = "t2i") -> None:

@@ -1,19 +1,7 @@
 """SMAN's multi-modal attention, score and loss (Ji et al., section III-B2 and III-C), all pairs of a block
-at once.
-
-The score is d = sum_k cos(v(k), t(k)) (Eq. 19-20). Levels 0 and 1 are pair-independent: the encoders put
-[v0/|v0|, v1/|v1|] and [t0/|t0|, t1/|t1|] in `vector`, so d(0) + d(1) is one matrix product. Level 2
-depends on the pair through the fusion gate (Eq. 12), whose sigmoid makes the guiding queries
-tanh(W_q o) per pair; everything else is per item and computed once in `prepare_*`:
-
-- the gate inputs U_v(v0 + v1) and U_t(t0 + t1) (Eq. 12), so o(v), o(t) are a broadcast sum and a sigmoid;
-- the attention keys tanh(W I_m) * w_h and tanh(W S_l) * w_h, so the logits of Eq. 13-14 / 16-17 are
-  one batched matrix product per block (GuidedAttention);
-- the projected regions P(2) I_m: P(2) (sum_m a_m I_m) = sum_m a_m (P(2) I_m), so Eq. 15 never multiplies
-  a 1280-d pooled grid by P(2) per pair (the dominant cost otherwise) but takes a 512-d weighted sum.
-
-At alpha = 1 (SMAN-SIM) the gate is per item, so v(2) and t(2) are too: `prepare_*` append them to the
-vectors and scoring is a single matrix product.
+at once: d = sum_k cos(v(k), t(k)) (Eq. 19-20), levels 0 and 1 one matrix product of the encoders' vectors,
+level 2 pair-dependent through the fusion gate (Eq. 12), with everything else computed once per item in
+`prepare_*`. What is per item and what per pair: docs/sman.md, "Cost: what is per item, what is per pair".
 """
 
 from __future__ import annotations
