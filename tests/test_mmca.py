@@ -323,7 +323,7 @@ def test_dev_selection_with_safe_pruning_is_exhaustive(tiny_precomp, tmp_path, v
     assert_same_ranks_but_float_ties(scores, exhaustive)
     for direction in ("image_to_text", "text_to_image"):
         assert result["best"][direction] == retrieval_metrics(scores)[direction]
-    cfg.model.arch = "scan"
+    cfg.model.arch, cfg.data.tokenizer = "scan", "word"  # (SCAN brings no WordPiece tokenizer)
     with pytest.raises(ConfigError, match="val_prune"):
         train(cfg, tmp_path / "scan", progress=False)
 
