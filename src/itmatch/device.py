@@ -1,16 +1,10 @@
 """Where the tensors live and in which precision the arithmetic runs: one setting for every verb.
 
-`--device auto|cpu|cuda|cuda:N` (config `train.device`, `itmatch.load(path, device=...)`) and
-`--precision fp32|bf16|fp16` (config `train.precision`) are resolved here, once, before any work: a device
-torch cannot use, or a precision the device does not run, is a ConfigError naming the setting and what this
-machine offers (docs/gpu.md).
-
-Precision is autocast, never a cast of the weights: parameters, optimizer state and checkpoints stay float32,
-so a checkpoint trained in bf16 evaluates in fp32 and the reverse. fp32 is the default and is exact: no
-autocast at all (the same numbers as before this setting existed). fp16 needs CUDA and trains with a
-gradient scaler; bf16 runs on a GPU that supports it and also on the CPU, where torch's CPU autocast
-implements it: allowed there (to check a bf16 run before renting a GPU; faster than fp32 on CPUs with bf16
-instructions, emulated on others), but never chosen for you, because it is not exact."""
+`--device auto|cpu|cuda|cuda:N` and `--precision fp32|bf16|fp16` (config `train.device` / `train.precision`,
+`itmatch.load(path, device=...)`) are resolved here, once, before any work: a device or precision this machine
+cannot run is a ConfigError naming the setting and what the machine offers. Precision is autocast, never a cast
+of the weights; fp32, the default, is exact. What each setting does and allows: docs/gpu.md.
+"""
 
 from __future__ import annotations
 

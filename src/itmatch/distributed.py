@@ -1,14 +1,9 @@
-"""Process groups for data-parallel runs under torchrun (docs/distributed.md): initialisation from
-torchrun's environment, rank helpers, contiguous shards, and gathers (an autograd-aware one for the
-global-batch loss, object gathers for the evaluator, the trainer's RNG states and the indexer).
-
-Everything here is a no-op in a single process (no RANK / WORLD_SIZE in the environment): rank 0 of 1,
-`is_main()` True, barriers and gathers return at once, so train/evaluate/extract call these helpers
-unconditionally.
-
-It sits at the foundation (docs/architecture.md), below features (sharded extraction) and the inference core
-(sharded scoring): it knows tensors, not models; the gather of a model's embeddings is training's
-(engine/train.py `gather_embeddings`)."""
+"""Process groups for data-parallel runs under torchrun: initialisation from torchrun's environment, rank
+helpers, contiguous shards, and gathers (an autograd-aware one for the global-batch loss, object gathers for
+the evaluator, the trainer's RNG states and the indexer). In a single process everything is a no-op (rank 0 of
+1, barriers and gathers return at once), so train/evaluate/extract call these helpers unconditionally. It knows
+tensors, not models (engine/train.py gathers a model's embeddings). How each verb uses it: docs/distributed.md.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """Content fingerprints of source files (photos, caption text) recorded in extraction and index manifests.
 
-A file's record is its size, modification time (ns) and SHA-256. Checking a file against a known record
-takes one `stat` when size and mtime are unchanged (the fast path) and hashes the file only when either
-differs, so re-running over a large, unchanged collection costs no reading. Like every size + mtime
-check (git's, rsync's), the fast path cannot see a file rewritten with the same size inside the same
-timestamp tick of its file system (nanoseconds on ext4/XFS, 2 s on FAT), or one whose mtime was set back
-on purpose; `--force` re-extracts from scratch.
+A file's record is its size, modification time (ns) and SHA-256; a file whose size and mtime are unchanged is
+trusted after one `stat` and only the others are hashed, so re-running over a large, unchanged collection costs
+no reading. What this fast path cannot see: docs/reliability.md, 'Crash safety in detail' (Extraction).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The perturbation study of OAN section 3 (Table 1): train one model configuration once per training-caption
 perturbation, evaluate every run on the unperturbed test captions, and report R@1/5/10 with the change
 against the unperturbed run, the prior of each part-of-speech class, a table and a bar chart.
-
-Runs live in OUT/<perturbation>/ (the usual run directories): a finished run (OUT/<p>/best) is reused,
-an interrupted one (OUT/<p>/last) is resumed, so the study can be stopped and continued. The tables and
-the chart are recomputed from the runs every time. A run is reused or resumed only when it was trained with
-the settings the command would train (`run_differences`; keys that do not change the model, such as
-train.threads, are not compared): otherwise the study is refused, before any work, naming the keys.
+Runs live in OUT/<perturbation>/ and are reused or resumed only when they were trained with the command's
+settings (`run_differences`): docs/oan.md, 'The perturbation study'.
 """
 
 from __future__ import annotations

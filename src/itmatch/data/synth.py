@@ -1,24 +1,8 @@
 """Synthetic captioned scenes: the embedded default dataset (no download, renders in seconds).
 
-Each image shows 1-4 flat shapes (circle, square, triangle, star, diamond) in 8 colours and two sizes,
-one per cell of a 3x3 layout, on a dark or light grey background that is plain, faintly striped or
-faintly mottled. Each image gets five captions from different templates that mention what image-text
-matching models must ground: attributes ("a small red circle"), counts ("two blue stars"), absolute
-positions ("in the top left corner") and relations ("a green square to the left of a white triangle").
-
-Why it is built the way it is:
-
-- Every caption is generated from the scene description, never the other way round, so captions are
-  true of their image by construction (indefinite descriptions are existential: "a red circle above a
-  blue star" means some red circle is above some blue star; counts are exact).
-- Objects occupy distinct cells and stay inside them, so "left of"/"above" (different column/row) and
-  the position words (the cell) are unambiguous.
-- The vocabulary is small (about 80 words), so that every word clears the >= 4 training-count threshold
-  of the SCAN vocabulary on a 1500-image training set.
-- Scene, captions and pixels of image i of a split come from their own random streams seeded with
-  (seed, split, i): the same seed gives byte-identical files, and changing n_dev does not change any
-  training image.
-- The Karpathy JSON is written atomically and last: a directory without it is an interrupted render.
+1-4 coloured shapes per image on a 3x3 layout, five template captions each that are true of their image by
+construction (attributes, counts, positions, relations), deterministic by seed. What the scenes hold and why
+they are built that way: docs/data.md, 'The embedded synthetic scenes'.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Word vocabulary and tokenizer, compatible with SCAN's `vocab/*_precomp_vocab.json`, and the WordPiece
-tokenizer of a pretrained transformer (MMCA). Both offer `encode(caption) -> ids`, `len()`, `save`, `load`.
-
-Tokenization is lower-case Penn-Treebank word tokenization (SCAN used `nltk.word_tokenize`). We use
-NLTK's Treebank word tokenizer directly: it is the word step of `word_tokenize` without the Punkt
-sentence splitter, whose model cannot be downloaded here; captions are single sentences, so the two agree.
-
-Unknown words. The word vocabulary reads a word it does not know as `<unk>` (id 3), a real time step whose
-embedding was trained on the rare words of the training captions: the model input keeps one step per
-word, as SCAN's does, so trained models score exactly as they were trained, but the word's meaning is
-gone. The WordPiece tokenizer spells almost every word out in pieces and reads a word as `[UNK]` only
-when no pieces spell it (characters outside its vocabulary, e.g. most emoji). `coverage(text)` says,
-for either kind, which words were read as unknown, so that search and evaluation can report them
-instead of dropping them silently (docs/search.md, docs/reliability.md).
+tokenizer of a pretrained transformer (MMCA). Both offer `encode(caption) -> ids`, `len()`, `save`, `load`,
+and `coverage(text)`, which says which words were read as unknown so that they are reported, never dropped
+silently. Tokenization and unknown words: docs/data.md, 'Tokenization'; docs/search.md, 'Unknown words'.
 """
 
 from __future__ import annotations

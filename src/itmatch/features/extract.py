@@ -1,45 +1,9 @@
-"""Images folder + CaptionTable -> SCAN precomp layout, with a progress bar, resumable.
+"""Images folder + CaptionTable -> SCAN precomp layout, with a progress bar, resumable and crash-safe.
 
-For each split the extractor streams features into `{split}_ims.npy.partial` (a memory-mapped .npy of
-the final shape) and records its progress in `{split}.progress.json` (written atomically every few
-batches and when interrupted; after a SIGKILL the run redoes at most FLUSH_IMAGES images). Re-running
-the same command continues where it stopped; a run over a
-different image list or backbone refuses to reuse that state unless `force`. When a split is done the
-partial file is flushed, fsync'ed and renamed to `{split}_ims.npy`, then `{split}_caps.txt` and
-`{split}_ids.txt` are written, then `meta.json` records the split with its counts, the features' size
-and SHA-256 (the manifest, written last), and only then is the progress file deleted. `read_precomp`
-refuses a split of an itmatch-precomp directory that meta.json does not record, or whose features
-differ from the recorded size: an interrupted run never leaves files that read as a complete split.
-
-Re-runs never keep stale data silently. meta.json records, per split, the SHA-256 of the caption text
-(`captions_sha256`, = the SHA-256 of `{split}_caps.txt`) and a fingerprint of every listed image file
-(`image_files`: bytes, mtime_ns, SHA-256; taken before the images are decoded, so a photo replaced during
-a run is seen as changed by the next one). The same command run again over a complete split:
-  - trusts an image whose size and mtime are unchanged without reading it (`rehash` reads them all) and
-    hashes the others; a touched file (same SHA-256) only gets its new mtime recorded;
-  - rewrites `{split}_caps.txt` when captions were edited (the features do not depend on them) and logs
-    which images' captions changed;
-  - re-extracts exactly the replaced photos: the split is rebuilt like a fresh one (`.partial`, progress
-    file, rename, meta.json last), the unchanged images' rows copied from the current array, only the
-    changed ones decoded and run through the backbone, and logs which; meta.json's `updated` records the
-    last update. While such an update is unfinished, `read_precomp` refuses the split;
-  - refuses (without `force`) a different image list, naming images added and removed.
-Captions beyond the per-image count are reported and listed in meta.json (`extra_captions`), or, with
-`extra_captions="keep"`, written to `{split}_extra_caps.tsv` for training.
-
-Multi-scale (`scales`, SAVE): the same pass also writes the backbone's finer stage maps beside the main
-array, `{split}_ims_c3.npy` [N, h3*w3, C3] and `{split}_ims_c4.npy` (c5 is the main array itself), each
-streamed, resumed and renamed like the main one; meta.json lists them under "scales".
-
-Several processes (`torchrun ... -m itmatch extract`, docs/distributed.md): rank r extracts its
-contiguous share of each split's images into its own directory `.shards-{split}/rank{r}-of-{W}/`
-(an ordinary resumable extraction), then rank 0 concatenates the shares into `{split}_ims.npy.partial`,
-renames it and finishes the split as above; the shard directories go once meta.json records it. Killed
-in the shares, the same command resumes each one; killed while merging, it merges again.
-
-Determinism: the same images, backbone, batch size and thread count give bit-identical arrays. The
-batch size is part of that (oneDNN picks kernels by batch shape; measured differences are ~1e-5), so a
-resumed run keeps the batch size recorded in its progress file.
+A re-run continues an interrupted split, rewrites edited captions and re-extracts only replaced photos;
+`scales` adds SAVE's finer stage maps; under torchrun the ranks share the images. How (partial file, progress
+file, meta.json last, what a re-run checks): docs/reliability.md, 'Crash safety in detail' and 'Determinism';
+the ranks: docs/distributed.md, 'Feature extraction'; the default batch size: docs/training.md, 'Features'.
 """
 
 from __future__ import annotations
@@ -617,7 +581,7 @@ def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, 
                            progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
                            known_files: dict[str, FileRecord | None] | None = None,
                            placement: Placement | None = None) -> dict[str, Any] | None:
-    """_extract_split shared by the ranks of a torchrun group (see the module docstring). Every rank calls
+    """_extract_split shared by the ranks of a torchrun group (docs/distributed.md). Every rank calls
     it; rank 0 returns the split's info, the others None."""
     n, world = len(ids), dist.world_size()
     per = len(caps) // n
@@ -694,22 +658,22 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
 
     Writes, per split (default: every non-empty split name of the table), `{split}_ims.npy` float32
     [N, grid*grid, dim], `{split}_caps.txt` and `{split}_ids.txt`, and `out_dir/meta.json`. The image
-    of id `x` is `images_dir / x`. Resumable (see the module docstring); existing outputs are replaced
+    of id `x` is `images_dir / x`. Resumable (docs/reliability.md); existing outputs are replaced
     only with `force`. With `skip_bad_images`, missing or unreadable images are dropped with their
     captions, logged and listed in meta.json; otherwise the first one raises DataError.
     `on_batch(split, done, total)` is called after every batch (it may raise to stop the run).
-    `batch_size` 8 is the fastest measured on a 2-core CPU (lite0, 96 Flickr8K photos: 47 img/s at 8,
-    45 at 4, 41 at 16, 30 at 32; large batches spill the activations out of cache).
+    `batch_size` 8 is the default because it was the fastest on a 2-core CPU: larger batches spill the
+    activations out of cache (figures: docs/training.md, 'Features').
     `num_threads` sets torch's intra-op threads for the run (default: leave torch's setting).
     `scales` ("c3,c4,c5" or a list) also writes the finer stage maps (SAVE's c3/c4) beside the main
-    array, from the same forward pass (see the module docstring).
+    array, from the same forward pass (docs/save.md).
     `extra_captions`: what to do with the captions of an image beyond the 5 the precomp layout holds:
     "drop" (reported, listed in meta.json) or "keep" (written to `{split}_extra_caps.tsv`; training pairs
     them with their image, evaluation keeps the protocol's 5 per image).
-    A split an earlier run completed is checked against its sources (see the module docstring): images
+    A split an earlier run completed is checked against its sources (docs/reliability.md): images
     whose size and mtime are unchanged are trusted without reading them, unless `rehash`.
     Under torchrun every rank calls this with the same arguments and extracts a share of the images
-    (see the module docstring); the output directory must be on a file system all ranks see.
+    (docs/distributed.md); the output directory must be on a file system all ranks see.
     The backbone runs on `device` in `precision` (docs/gpu.md); images are decoded on a host thread and the
     features are written as float32 whatever the device. Settings are checked before any work.
     Returns the metadata written to meta.json.

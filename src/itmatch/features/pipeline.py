@@ -1,10 +1,9 @@
 """The one image pipeline: a file, its bytes or a PIL image -> upright RGB -> the backbone's input pixels ->
 grid features on the host.
 
-Extraction (`features/extract.py`), the index (`retrieval/index.py`), the Python API (`api.py`) and models
-that read pixels (`data/images.py`) all go through these functions, so that one photo gives the same
-numbers everywhere (bit for bit at the same batch size: tests/test_image_pipeline.py). docs/architecture.md
-shows where it sits.
+Extraction, the index, the Python API and models that read pixels (`data/images.py`) all go through it, so
+one photo gives the same numbers everywhere (bit for bit at the same batch size: tests/test_image_pipeline.py;
+where it sits: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -28,8 +27,8 @@ DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 # EfficientNet-Lite weights were trained in TensorFlow, whose Lite input pipeline normalises 0..255 RGB
 # pixels with mean 127 and std 128 for every channel (efficientnet_lite_builder.py: MEAN_RGB = 127,
 # STDDEV_RGB = 128) instead of the usual ImageNet mean/std; the converted PyTorch weights expect the
-# same input. Checked on 16 Flickr8K photos: the mean top-1 softmax probability is 0.32 with
-# (x - 127) / 128 and 0.21 with torchvision's ImageNet mean/std, so the TF constants are the right ones.
+# same input; a check of the ImageNet predictions with both confirms the TF constants (docs/training.md,
+# 'Features').
 _LITE_MEAN, _LITE_STD = 127.0, 128.0
 # torchvision ResNets: 0..1 RGB, ImageNet mean/std.
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)

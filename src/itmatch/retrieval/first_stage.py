@@ -39,8 +39,8 @@ class FirstStageIndex:
     """build(vectors) -> search(queries, k) -> (scores [Q, k], ids [Q, k]); save/load a FAISS file.
 
     IVF: nlist = clamp(4 sqrt(N), 1, N / 39) cells (FAISS wants >= 39 training points per cell) and
-    nprobe = nlist / 4 cells visited per query by default: measured recall of the true top K stays
-    near 1 on the galleries of docs/performance.md; raise nprobe for more, lower it for speed."""
+    nprobe = nlist / 4 cells visited per query by default, a conservative choice for recall (figures:
+    docs/performance.md, 'Two-stage retrieval'); raise nprobe for more, lower it for speed."""
 
     def __init__(self, kind: str = "flat", nlist: int | None = None, nprobe: int | None = None) -> None:
         if kind not in KINDS:

@@ -1,38 +1,8 @@
 """An on-disk index of a photo collection for text-to-image search with a trained matcher.
 
-Layout of INDEX_DIR (everything but `parts/` is replaced atomically; `manifest.json` is written last):
-
-    manifest.json               format, the model's identity, backbone, one record per image (relative
-                                path, bytes, mtime_ns, pixel size, sha256 of the file), the array files
-                                with their shapes and sha256
-    features-<gen>.npy          float32 [N, k, D] backbone grid features (what `itmatch extract` computes)
-    regions-<gen>.npy           float32 [N, k, d] the model's per-region encodings (ImageEmb.regions)
-    vectors-<gen>.npy           float32 [N, d] the global vector, for models that have one (VSE++)
-    extra_<name>-<gen>.npy      float32 [N, ...] every other per-image tensor the image encoder returns
-                                (ImageEmb.extras, e.g. SMAN's v0, v1, att1); the manifest lists them
-                                under `image_extras` (absent in indexes built before: none)
-    parts/part-*.npz            encodings of a run that has not finished yet (deleted when it does)
-
-Incremental by content: an image's encodings are looked up by the sha256 of its file, so re-running
-after adding photos encodes only the new ones, a changed file (new hash) is re-encoded, a deleted one is
-dropped and a moved or renamed one keeps its encodings; the summary lists what was added, changed and
-removed. A file whose size and mtime equal its manifest record is not read again (`itmatch.fingerprint`:
-the hash is computed only when either differs), so an up-to-date index of a large collection costs one
-stat per photo. Resumable: new images are encoded in chunks,
-each chunk saved to `parts/` atomically, so an interrupted run continues where it stopped; the arrays
-of a finished run get a new generation name and the manifest that names them is written last, so a
-crash at any point leaves either the old index or the new one, never a mix.
-
-What is stored is the image encoder's output (`Matcher.encode_image_fields`), not the head's per-item
-parts: loading adds those with `head.prepare_images`, so the loaded encodings equal `Matcher.encode_images`
-of the same photos (the parts a head computes from the stored fields, e.g. SCAN's Gram matrices or
-SMAN's gate inputs and level-2 keys, cost one pass at load and no disk).
-
-The model's identity is the sha256 of the checkpoint's model config (plus the backbone), of its
-weights file and of its vocabulary; an index is only ever used with the model that built it
-(`check_model`): a checkpoint with other weights, another model config (e.g. `lambda_softmax`) or another
-vocabulary (e.g. two words swapped) would rank the stored encodings with a different model. Indexes
-built before the vocabulary was part of the identity are checked on the rest, with a warning.
+It stores the image encoder's output for every photo, is incremental by content (a photo's sha256), resumable
+and crash-safe (the manifest is written last), and is only ever used with the model that built it.
+Layout on disk and these rules: docs/search.md, 'Index'.
 """
 
 from __future__ import annotations

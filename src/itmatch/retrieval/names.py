@@ -1,22 +1,7 @@
 """Image ids that any file name the filesystem returns can have, and that survive JSON, URLs, HTML and
-terminals.
-
-On Linux a file name is bytes: Python hands it over as a `str` in which bytes that are not UTF-8 are
-lone surrogates (PEP 383 "surrogateescape", `caf\\xe9.jpg` -> 'caf\\udce9.jpg'). Such a string cannot be
-encoded as UTF-8, so it breaks JSON responses, URLs and strict terminals; names may also hold newlines,
-tabs, bidirectional overrides or other characters that are invisible or rewrite the line they are shown
-in. The index keeps the name as the filesystem gave it (the manifest's `id`, the path to open); what
-leaves the process is `public_id(name)`:
-
-- every printable character (`str.isprintable`, the rule `repr()` uses) is kept, except `\\`;
-- `\\` becomes `\\\\`; newline, carriage return and tab become `\\n`, `\\r`, `\\t`; a byte that is not
-  UTF-8 becomes `\\xhh`; any other character (control, format such as a bidirectional override,
-  separator other than the space) becomes `\\uhhhh` or `\\Uhhhhhhhh`.
-
-So an ordinary name (printable UTF-8 without a backslash: nearly all of them) is its own id, unchanged
-from the relative path; the mapping is one-to-one (a literal backslash is always doubled, so an escape
-cannot be confused with the characters it spells), and the id is always valid UTF-8 text without control
-characters. It is text to display, never markup: the web page writes it with `textContent`.
+terminals: `public_id(name)` escapes what is not printable UTF-8, one-to-one, and leaves an ordinary name as it
+is. The index keeps the name as the filesystem gave it; what leaves the process is its id.
+The escaping rules and why: docs/search.md, 'File names and image ids'.
 """
 
 from __future__ import annotations
@@ -37,7 +22,7 @@ def _escape_char(char: str) -> str:
 
 
 def public_id(name: str) -> str:
-    """The id of a relative path as the filesystem returned it (see the module's docstring)."""
+    """The id of a relative path as the filesystem returned it (docs/search.md, 'File names and image ids')."""
     if name.isprintable() and "\\" not in name:  # the common case, and surrogates are not printable
         return name
     return "".join(_escape_char(c) for c in name)

@@ -1,21 +1,9 @@
 """Query an image index: text -> images, image -> captions, and per-word attention maps.
 
-Ranking is exact: every candidate is scored with the model's own head through `score_matrix` (the
-evaluator's blocked, memory-bounded scorer). `Searcher.candidates` is the one place that chooses which
-images are scored: by default the whole collection (fine for thousands of photos; Flickr8K's 8091
-images take well under a second for SCAN t-i on 2 cores); with `shortlist=N` the top N of a FAISS
-first stage over the model's global embedding (`ImageEmb.vector`, e.g. VSE++, OAN, MMCA, SMAN), which
-the head then re-scores exactly, as two-stage evaluation does (docs/performance.md).
-
-Every user input is checked here, once, for the CLI and the HTTP service alike: `QueryError` carries
-the HTTP status the service answers with.
-
-Unknown words are reported, never dropped silently: `unknown_words(query)` lists the query's words the
-model reads as `<unk>` (the CLI prints them, the API returns them as `unknown_words`, the page marks them);
-a query without any known word is refused. In image-to-text search a caption of the collection without
-any known word is scored as missing: it is never ranked (so it cannot outrank a caption the model can
-read), and `captions_without_known_word` lists them. The model's input is not changed: a known word next
-to an unknown one is scored exactly as the trained model scores it.
+Ranking is exact: every candidate is scored with the model's own head, and `Searcher.candidates` is the one
+place that chooses the candidates (the whole collection, or a FAISS shortlist over the global embedding).
+Every user input is checked here, once, for the CLI and the HTTP service alike (`QueryError` carries the HTTP
+status), and unknown words are reported, never dropped silently: docs/search.md, 'Ranking', 'Unknown words'.
 """
 
 from __future__ import annotations
@@ -158,12 +146,12 @@ class Searcher:
         self._caption_emb: TextEmb | None = None
         coverage = [self.vocab.coverage(c) for c in self.captions]
         self._caption_unknown = [_distinct(c.unknown) for c in coverage]
-        # scored as missing: a caption the model cannot read is never ranked (see the module docstring)
+        # scored as missing: a caption the model cannot read is never ranked (docs/search.md, 'Unknown words')
         self._rankable = torch.tensor([c.has_known_word for c in coverage], dtype=torch.bool)
         self.captions_without_known_word = [c for c, ok in zip(self.captions, self._rankable.tolist(),
                                                                 strict=True) if not ok]
         # One model computation at a time: concurrent requests would only fight over the same cores and
-        # multiply the temporaries (measured: RSS grew by 500 MB under 32 concurrent clients without it).
+        # multiply the temporaries (the memory it saves under load: docs/search.md, 'Ranking').
         self._lock = threading.Lock()
 
     # -- queries -------------------------------------------------------------------------------------

@@ -1,20 +1,10 @@
 """HTTP service over an index (FastAPI): search API, photo files, attention maps, health, metrics, web page.
 
-    GET  /api/search?q=&k=        text -> ranked photos            {"query", "k", "results": [{rank, id, score, url}]}
-    POST /api/search              the same with a JSON body        {"q": "...", "k": 10}
-    POST /api/search/image?k=     photo bytes (body) -> captions   (needs a caption collection: --captions)
-    GET  /api/images/{id}         an indexed photo (ids are relative paths, escaped: retrieval/names.py;
-                                  nothing else is served)
-    GET  /api/explain?q=&id=      per-word attention over the photo's grid (see Searcher.explain), its url
-    GET  /health, GET /metrics    liveness; request counts and latency per route
-    GET  /                        the single-page web UI (static files in itmatch/retrieval/web/)
+    GET|POST /api/search (text -> photos), POST /api/search/image (photo -> captions), GET /api/images/{id},
+    GET /api/explain (per-word attention), GET /health, GET /metrics, GET / (the page: itmatch/retrieval/web/)
 
-Unknown words are reported, not dropped silently: text searches answer with `unknown_words` (the query's
-words the model reads as <unk>), image searches with each caption's `unknown_words` and the count of
-`captions_without_known_word`, which are never ranked (retrieval.search).
-
-Every bad input is answered with a 4xx and a JSON body {"error": {"status", "message", "hint"}}, and
-logged; the process keeps serving. A bad index or a model mismatch stops start-up instead (`Searcher`).
+Every bad input is a 4xx with a JSON body {"error": {"status", "message", "hint"}}, and the process keeps
+serving. Routes, answers and errors: docs/search.md, 'HTTP API'.
 """
 
 from __future__ import annotations

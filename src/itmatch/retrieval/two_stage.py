@@ -1,10 +1,9 @@
-"""Two-stage scoring: a global first stage proposes K candidates per query in both directions, the
-model's pair head re-scores exactly those pairs. The result is an ordinary [n_img, n_txt] score matrix
-with -inf outside the candidates, so the retrieval metrics apply unchanged (docs/performance.md).
-
-Safe pruning (`pruned_scores`) is the exact variant for a head whose score stays within a known bound of
-its global cosine (MMCA): it gives every query the rank exhaustive scoring gives, scoring exactly only the
-pairs whose bound interval straddles their query's ground-truth score (docs/mmca.md)."""
+"""Two-stage scoring: a global first stage proposes K candidates per query in both directions and the model's
+pair head re-scores exactly those pairs, into an ordinary [n_img, n_txt] score matrix (-inf elsewhere), so the
+retrieval metrics apply unchanged (docs/performance.md). `pruned_scores` is the exact variant for a head whose
+score stays within a known bound of its global cosine: every query gets the rank exhaustive scoring gives
+(MMCA; docs/mmca.md, 'Safe pruning').
+"""
 
 from __future__ import annotations
 
