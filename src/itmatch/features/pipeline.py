@@ -3,7 +3,7 @@ grid features on the host.
 
 Extraction (`features/extract.py`), the index (`retrieval/index.py`), the Python API (`api.py`) and models
 that read pixels (`data/images.py`) all go through these functions, so that one photo gives the same
-numbers everywhere (bit for bit at the same batch size: tests/test_image_pipeline.py). docs/architecture.md
+numbers everywhere (bit for bit at the same batch size: tests/features/test_image_pipeline.py). docs/architecture.md
 shows where it sits.
 """
 
