@@ -36,7 +36,7 @@ def murmurhash64a(data: bytes, seed: int = 1) -> int:
 
 
 # The lower-case entries of spaCy v3's `spacy.symbols.IDS` (fixed ids, part of its binary formats);
-# tests/test_sman.py checks them against spaCy's StringStore when spaCy is installed.
+# tests/models/sman/test_sman.py checks them against spaCy's StringStore when spaCy is installed.
 SPACY_SYMBOLS = {
     "acomp": 398, "advcl": 399, "advmod": 400, "agent": 401, "amod": 402, "appos": 403, "attr": 404,
     "aux": 405, "auxpass": 406, "cc": 407, "ccomp": 408, "complm": 409, "conj": 410, "cop": 411,

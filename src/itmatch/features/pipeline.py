@@ -2,7 +2,7 @@
 grid features on the host.
 
 Extraction, the index, the Python API and models that read pixels (`data/images.py`) all go through it, so
-one photo gives the same numbers everywhere (bit for bit at the same batch size: tests/test_image_pipeline.py;
+one photo gives the same numbers everywhere (bit for bit at the same batch size: tests/features/test_image_pipeline.py;
 where it sits: docs/architecture.md).
 """
 

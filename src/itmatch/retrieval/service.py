@@ -76,7 +76,8 @@ class Metrics:
 
 
 # Request bodies the handlers read themselves (to answer malformed ones with their own messages), declared
-# in the OpenAPI schema so that clients, /api/docs and the schema-driven tests (tests/test_api_fuzz.py) see them.
+# in the OpenAPI schema so that clients, /api/docs and the schema-driven tests (tests/retrieval/test_api_fuzz.py)
+# see them.
 SEARCH_BODY = {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["q"],
     "properties": {"q": {"type": "string", "minLength": 1, "maxLength": MAX_QUERY_CHARS, "description": "text query"},

@@ -19,7 +19,7 @@ from itmatch.data.captions import (
 )
 from itmatch.errors import DataError
 
-SHARED_FLICKR8K = Path(__file__).resolve().parents[1].parent / "shared/data/flickr8k"
+SHARED_FLICKR8K = Path(__file__).resolve().parents[2].parent / "shared/data/flickr8k"
 
 
 # ------------------------------------------------------------------------------------------ Flickr8K

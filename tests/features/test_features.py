@@ -20,7 +20,7 @@ from itmatch.errors import ConfigError, DataError, OverwriteError
 from itmatch.features import extract as extract_mod
 from itmatch.features import extract_precomp, load_backbone
 
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k"
+FLICKR8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k"
 
 
 class Stop(Exception):

@@ -10,7 +10,7 @@ from itmatch.models.losses import triplet_loss
 from itmatch.models.registry import build_model, image_inputs, list_models, resolve_config
 
 
-def _needs_backbone(preset: str) -> bool:  # SAVE from pixels / NL-ms2: covered in test_save.py
+def _needs_backbone(preset: str) -> bool:  # SAVE from pixels / NL-ms2: covered in tests/models/save/test_save.py
     save = resolve_config(preset).model.save
     return save.pixels or save.fusion == "nl"
 

@@ -22,7 +22,7 @@ from itmatch.features import extract_precomp, load_backbone
 from itmatch.features.pipeline import UnreadableImage, decode_image
 from itmatch.retrieval.index import build_index, load_index
 
-FLICKR8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k" / "images"
+FLICKR8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k" / "images"
 ORIENTATION = 0x0112
 # EXIF orientation -> the transpose that makes the stored pixels upright (the EXIF 2.3 table)
 UPRIGHT = {3: Image.Transpose.ROTATE_180, 6: Image.Transpose.ROTATE_270, 8: Image.Transpose.ROTATE_90}

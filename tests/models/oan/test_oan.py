@@ -408,6 +408,6 @@ def test_docs_quote_the_bytes_per_cell_of_the_head_the_preset_builds():
 
     mc = resolve_config("oan").model
     mc.vocab_size, mc.img_dim = 20, 8
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "oan.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "oan.md").read_text(encoding="utf-8")
     quoted = {float(x) for x in re.findall(r"bytes_per_cell = (\d+(?:\.\d+)?)", doc)}
     assert quoted == {build_model(mc).head.bytes_per_cell}

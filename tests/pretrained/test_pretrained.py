@@ -22,7 +22,7 @@ from itmatch.engine.train import train
 from itmatch.errors import CheckpointError
 from itmatch.models.registry import build_model, resolve_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def ship_main(argv: list[str]) -> int:

@@ -9,7 +9,7 @@ import pytest
 from itmatch.data.vocab import Vocab, build_vocab, tokenize, unknown_word_report
 from itmatch.errors import DataError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def test_treebank_lowercase_tokenization():
