@@ -1,6 +1,7 @@
 """Run configuration: a plain dataclass tree, loaded from YAML, overridable with `--set a.b=c`.
-Unknown keys, values of the wrong type and values outside their RULES are errors naming the key's path;
-the resolved config is saved with every run and checkpoint."""
+Unknown keys, values of the wrong type and values outside a field's `option` rule are errors naming the key's
+path; a model family adds its own section (`register_options`). The resolved config is saved with every run
+and checkpoint."""
 
 from __future__ import annotations
 
