@@ -10,7 +10,10 @@ eval: exact evaluation of the SCAN t-i AVG head at Flickr30K test scale (random 
 captions' lengths), seconds in fp32, TF32 and bf16 autocast, the FLOPs actually executed (torch's counter) as a
 fraction of the same device's measured matmul peak (fp32, TF32, bf16 GEMMs timed in the same run), beside the
 public per-caption loop (bench/scan_reference.py, the same math as SCAN's evaluation.py) on the same device and
-embeddings in float32 and float64, with the largest difference from it.
+embeddings in float32 and float64, with the largest difference from it. Those rows time the plain head
+(ITMATCH_FUSED off); the `eval fused` rows then time the fused Triton kernel (models/scan/fused.py) in the same
+modes on the same embeddings, with its largest difference from the float32 plain head (CUDA + triton only; the
+CPU smoke run says it skips them).
 train: images/s and seconds per Flickr8K epoch of every preset's training step (forward, loss, backward, Adam)
 at batch 128 in fp32 and bf16; with --data, the same schedule trained in both precisions and the 1K test
 rsum of each (issue 23: bf16 must not lose more than 1 rsum).
@@ -39,6 +42,7 @@ from perf import F30K, counted_flops, make_model, random_features, read_captions
 from itmatch.data.datasets import pad_tokens  # noqa: E402
 from itmatch.device import Placement, resolve  # noqa: E402
 from itmatch.inference import encode_caption_buckets, encode_images, score_matrix, unbucket_texts  # noqa: E402
+from itmatch.models.scan import fused  # noqa: E402
 
 FLICKR8K_TRAIN_CAPTIONS = 30000  # 6000 images x 5: one epoch at batch 128 is 234 steps
 
@@ -84,18 +88,20 @@ def section_eval(args, placement: Placement) -> dict:
         img = encode_images(model, random_features(args.images))
         buckets = encode_caption_buckets(model, captions, vocab)
     n, m = len(img), sum(len(c) for c, _ in buckets)
-    flops = counted_flops(lambda: score_matrix(model, img.take(torch.arange(1)), buckets)) * n
+    with fused.switched(False):  # the plain head's FLOPs (the kernel's elementwise work is not counted either way)
+        flops = counted_flops(lambda: score_matrix(model, img.take(torch.arange(1)), buckets)) * n
     gemm = 4096 if device.type == "cuda" else 1024
     peaks = {"fp32": matmul_peak_tflops(device, torch.float32, gemm)}
     if device.type == "cuda":
         peaks["tf32"] = matmul_peak_tflops(device, torch.float32, gemm, tf32=True)
         peaks["bf16"] = matmul_peak_tflops(device, torch.bfloat16, gemm)
-    reference = score_matrix(model, img, buckets)
+    with fused.switched(False):
+        reference = score_matrix(model, img, buckets)  # the plain head in float32: what every row is compared with
     rows = []
     for mode in (["fp32", "tf32", "bf16"] if device.type == "cuda" else ["fp32", "bf16"]):
         run = Placement(device, "bf16" if mode == "bf16" else "fp32")
         torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-        with run.autocast():
+        with run.autocast(), fused.switched(False):
             seconds = timed(lambda: score_matrix(model, img, buckets), device, args.repeats)
             scores = score_matrix(model, img, buckets)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -106,6 +112,7 @@ def section_eval(args, placement: Placement) -> dict:
         rows.append(row)
         print(f"eval {mode:<5} {seconds:8.3f} s  {row['tflops']:.3g} TFLOP/s = {100 * row['fraction_of_peak']:.0f}% "
               f"of the {peak:.3g} measured  (max diff vs fp32 {row['max_abs_diff_vs_fp32']:.1e})", flush=True)
+    fused_rows = section_fused(model, img, buckets, reference, rows, device, args.repeats)
     # the public per-caption loop on the same device and embeddings (SCAN's shard_xattn_t2i, shards of 128)
     txt = unbucket_texts(buckets)
     public = []
@@ -127,7 +134,45 @@ def section_eval(args, placement: Placement) -> dict:
         print(f"public loop {str(dtype):<14} {seconds:8.2f} s for {n} images (timed on {n_ref}), max diff vs the "
               f"engine {diff:.1e}", flush=True)
     return {"preset": "scan_t2i_avg", "embed": cfg.model.embed_size, "regions": 36, "modes": rows,
-            "public_loop": public, "measured_peak_tflops": peaks}
+            "fused": fused_rows, "public_loop": public, "measured_peak_tflops": peaks}
+
+
+def section_fused(model, img, buckets, reference: torch.Tensor, plain_rows: list[dict], device: torch.device,
+                  repeats: int) -> dict:
+    """The fused t-i kernel (models/scan/fused.py, docs/gpu.md) in each mode of the plain rows, on the same
+    embeddings in the same run: seconds, the plain head's seconds beside them, the largest difference from the
+    float32 plain head (`reference`), and how many blocks went through the kernel (0: why not)."""
+    missing = fused.triton_missing() if device.type == "cuda" else f"the device is {device.type}, the kernel needs CUDA"
+    if missing:
+        print(f"eval fused: skipped ({missing})", flush=True)
+        return {"skipped": missing}
+    rows = []
+    for plain_row in plain_rows:
+        mode = plain_row["mode"]
+        run = Placement(device, "bf16" if mode == "bf16" else "fp32")
+        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+        with run.autocast(), fused.switched(True):
+            seconds = timed(lambda: score_matrix(model, img, buckets), device, repeats)
+            before = fused.launches
+            scores = score_matrix(model, img, buckets)
+            launched = fused.launches - before
+            why = None if launched else fused.unusable_reason("clipped_l2norm", "avg", *_probe(device))
+        torch.backends.cuda.matmul.allow_tf32 = False
+        plain = plain_row["seconds"]
+        row = {"mode": mode, "seconds": round(seconds, 4), "plain_seconds": plain, "speedup": plain / seconds,
+               "kernel_launches": launched, "kernel_off_because": why,
+               "max_abs_diff_vs_fp32_plain": float((scores - reference).abs().max())}
+        rows.append(row)
+        used = f"{launched} kernel launches" if launched else f"KERNEL NOT USED: {why}"
+        print(f"eval fused {mode:<5} {seconds:8.3f} s  ({row['speedup']:.1f}x the plain head's {plain:.3f} s; {used})"
+              f"  (max diff vs the fp32 plain head {row['max_abs_diff_vs_fp32_plain']:.1e})", flush=True)
+    return {"modes": rows}
+
+
+def _probe(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 1 x 1 x 1 x 1 block (dots, Gram, words) on `device`: asks fused.unusable_reason why it was off, if it was."""
+    return (torch.zeros(1, 1, 1, 1, device=device), torch.zeros(1, 1, 1, device=device),
+            torch.zeros(1, 1, 1, device=device))
 
 
 def training_step(model, cfg, feats: torch.Tensor, batch, optimizer, scaler, placement: Placement) -> None:

@@ -340,6 +340,7 @@ def test_the_gpu_bench_runs_on_the_cpu_at_smoke_size(tmp_path):
 
     report = json.loads(out.read_text())
     assert report["eval"]["public_loop"][0]["max_abs_diff_vs_engine"] < 1e-4
+    assert "needs CUDA" in report["eval"]["fused"]["skipped"]  # the fused kernel's rows: CUDA + triton only
     assert {r["precision"] for r in report["train"]["steps"]} == {"fp32", "bf16"}
 
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from itmatch.config import NORMS, POOLS
 from itmatch.models.base import EPS, ImageEmb, SimilarityHead, TextEmb, masked_pool
 from itmatch.models.region_word import add_region_gram, add_word_gram, region_word_dots
+from itmatch.models.scan import fused
 
 
 def attention_logits(s: torch.Tensor, query_mask: torch.Tensor, context_mask: torch.Tensor, how: str,
@@ -135,6 +136,10 @@ class ScanHead(SimilarityHead):
         # (regions attended by words), i-t in the caption-major one (words attended by regions).
         if self.direction == "t2i":
             s = region_word_dots(img, txt, "image")
+            # on CUDA without autograd: one Triton kernel from the dots on (models/scan/fused.py); None: here
+            scores = fused.head_scores(self, s, img, txt)
+            if scores is not None:
+                return scores
             relevance = attended_relevance(s, txt.mask, img.mask, img.extras["gram"], txt.words, self.norm,
                                            self.clip_slope, self.lambda_softmax)
             query_mask = txt.mask
