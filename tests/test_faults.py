@@ -156,12 +156,14 @@ def _images(tmp_path: Path, n: int) -> tuple[Path, Path]:
     return images, captions
 
 
-def _extract_code(images: Path, captions: Path, out: Path) -> str:
+def _extract_code(images: Path, captions: Path, out: Path, hook: str = "") -> str:
+    """The extraction command; `hook` (statements run after `import itmatch.features.extract as e`, with
+    os and signal imported) may patch the extractor, e.g. to kill the process at a chosen moment."""
     argv = ["extract", str(images), str(captions), "--out", str(out), "--batch-size", "2"]
     # Progress is saved every 2 images instead of 256 so that every kill leaves resumable state.
-    return ("import sys; import itmatch.features.extract as e; e.FLUSH_IMAGES = 2; import torch; "
-            "torch.set_num_threads(1); from itmatch.cli import main; "
-            f"sys.exit(main({argv!r}))")
+    return ("import os, signal, sys\nimport itmatch.features.extract as e\ne.FLUSH_IMAGES = 2\n"
+            f"{hook}\nimport torch\ntorch.set_num_threads(1)\nfrom itmatch.cli import main\n"
+            f"sys.exit(main({argv!r}))\n")
 
 
 def test_extraction_killed_at_random_points_resumes_to_identical_arrays(tmp_path):
@@ -218,6 +220,63 @@ def test_extraction_update_killed_at_random_points_resumes_to_identical_arrays(t
     assert meta["splits"]["train"]["updated"]["image_files_changed"] == replaced, context
     assert "an edited caption" in read_precomp(run_dir, "train").captions
     print(f"extraction update: {context}")
+
+
+# Moments of an update (changed photos) at which the extractor kills itself (SIGKILL), each one a window in
+# which a random kill of the test above can land: a resumed run once lost meta.json's `updated` record there
+# (it finished the split from its progress file without knowing what the update had changed) or refused to
+# continue (the old captions and ids gone, the old features still there: taken for another extraction's).
+_UPDATE_KILLS = {
+    "before_rename": ("def killed(*a):\n"
+                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "e._finish_array = killed"),
+    "after_rename": ("real = e._finish_array\n"
+                     "def killed(*a):\n"
+                     "    real(*a)\n"
+                     "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                     "e._finish_array = killed"),
+    "after_meta": ("real = e.write_json_atomic\n"
+                   "def killed(path, obj):\n"
+                   "    real(path, obj)\n"
+                   "    if os.path.basename(path) == 'meta.json':\n"
+                   "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                   "e.write_json_atomic = killed"),
+}
+
+
+@pytest.mark.parametrize("moment", list(_UPDATE_KILLS))
+def test_extraction_update_killed_at_each_finishing_step_records_what_changed(tmp_path, moment):
+    """An update killed at a given moment of finishing its split (before/after its features replace the old
+    ones, after meta.json records them but before the progress file is removed) and resumed ends with the
+    uninterrupted update's arrays and meta.json record, `updated` included."""
+    import shutil
+
+    images, captions = _images(tmp_path, 10)
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    first = _run(_extract_code(images, captions, ref_dir))
+    assert first.wait() == 0, first.communicate()[1][-3000:]
+    shutil.copytree(ref_dir, run_dir)
+    replaced = ["im0.png", "im3.png"]
+    for k, name in enumerate(replaced):
+        arr = np.random.default_rng(100 + k).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+        Image.fromarray(arr).save(images / name)
+    captions.write_text(captions.read_text().replace("picture 4 caption 2", "an edited caption"))
+    for out, hook in ((ref_dir, ""), (run_dir, _UPDATE_KILLS[moment]), (run_dir, "")):
+        proc = _run(_extract_code(images, captions, out, hook))
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == (-signal.SIGKILL if hook else 0), err[-3000:]
+    _assert_same_extraction(ref_dir, run_dir, moment, ("features_sha256", "captions_sha256", "image_files"))
+    meta_a, meta_b = (json.loads((d / "meta.json").read_text())["splits"]["train"] for d in (ref_dir, run_dir))
+    assert meta_a["updated"] == {**meta_b["updated"], "at": meta_a["updated"]["at"]}, moment
+    assert meta_b["updated"]["image_files_changed"] == replaced
+    assert meta_b["updated"]["captions_changed"] == ["im4.png"]
+    assert _untimed_meta(meta_a) == _untimed_meta(meta_b), moment
+
+
+def _untimed_meta(info: dict) -> dict:
+    """A split's meta.json entry without what depends on the run's timing (and how much it computed)."""
+    skip = {"seconds_this_run", "images_per_second", "num_threads"}
+    return {k: ({**v, "at": None} if k == "updated" else v) for k, v in info.items() if k not in skip}
 
 
 def _evaluate_code(ckpt: Path, data: Path, blocks: Path, out: Path) -> str:

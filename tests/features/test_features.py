@@ -499,6 +499,36 @@ def test_interrupted_update_is_refused_by_readers_and_resumes(tmp_path):
     assert read_precomp(out, "train", verify_checksum=True).n_images == 4
 
 
+@pytest.mark.parametrize("after", [False, True], ids=["before_rename", "after_rename"])
+def test_update_interrupted_while_replacing_its_features_resumes_and_records_what_changed(tmp_path, monkeypatch,
+                                                                                           after):
+    """Stopped right before or right after its features replace the old ones (the old captions and ids
+    removed, meta.json not yet written), an update resumes and records what changed (test_faults.py kills
+    it there with SIGKILL)."""
+    images, table = _dataset(tmp_path, n=4)
+    out = tmp_path / "out"
+    extract_precomp(images, table, out, batch_size=2, progress=False)
+    _image(43).save(images / "img3.png")
+    table.captions[5 + 2] = "an edited caption of picture 1"
+    real = extract_mod._finish_array
+
+    def stop(*args):
+        if after:
+            real(*args)
+        raise Stop
+
+    monkeypatch.setattr(extract_mod, "_finish_array", stop)
+    with pytest.raises(Stop):
+        extract_precomp(images, table, out, batch_size=2, progress=False)
+    monkeypatch.undo()
+    assert not (out / "train_caps.txt").exists()
+    meta = extract_precomp(images, table, out, batch_size=2, progress=False)
+    updated = meta["splits"]["train"]["updated"]
+    assert updated["image_files_changed"] == ["img3.png"] and updated["captions_changed"] == ["img1.png"]
+    assert read_precomp(out, "train", verify_checksum=True).captions[7] == "an edited caption of picture 1"
+    assert not (out / "train.progress.json").exists() and not list(out.glob("*.partial"))
+
+
 def test_other_image_list_is_refused_saying_what_differs(tmp_path):
     images, table = _dataset(tmp_path, n=3)
     out = tmp_path / "out"

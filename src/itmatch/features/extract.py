@@ -51,7 +51,8 @@ from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic, 
 log = logging.getLogger("itmatch.features")
 
 META_NAME = "meta.json"
-# 2: the progress file records the source files' fingerprints (older files are started again)
+# 2: the progress file records the source files' fingerprints (older files are started again); an update's
+# progress file also records what changed ("update"), so that a resumed update records it in meta.json
 PROGRESS_VERSION = 2
 # Bump when preprocessing changes in a way that changes the features (invalidates resumable state).
 PREPROCESS_VERSION = 1
@@ -214,6 +215,14 @@ def _finishing(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, .
     return bool(state and state.get("fingerprint") == fingerprint and _features_renamed(state, out_dir, split, extras))
 
 
+def _updating(out_dir: Path, split: str, fingerprint: str) -> bool:
+    """True when the progress file is that of an update (changed photos) of `split` from the same images and
+    backbone: a run killed after it removed the old captions and ids, before its features replaced the old
+    ones, is continued (its old features are not another extraction's)."""
+    state = _read_progress(progress_path(out_dir, split))
+    return bool(state and state.get("fingerprint") == fingerprint and isinstance(state.get("update"), dict))
+
+
 @dataclass
 class _SourceChanges:
     """How the sources of a complete split differ from what its extraction recorded in meta.json."""
@@ -261,7 +270,7 @@ def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceC
     if ch.captions_stale:
         _log_caption_changes(out_dir, split, ch)
         write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
-        info["updated"] = _update_record(ch)
+        info["updated"] = _update_record(_changes(ch))
     return info
 
 
@@ -270,9 +279,14 @@ def _log_caption_changes(out_dir: Path, split: str, ch: _SourceChanges) -> None:
                 len(ch.captions), _examples(ch.captions), captions_path(out_dir, split).name)
 
 
-def _update_record(ch: _SourceChanges) -> dict[str, Any]:
-    return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "image_files_changed": ch.images,
-            "captions_changed": ch.captions}
+def _changes(ch: _SourceChanges) -> dict[str, Any]:
+    """What changed since the extraction, as meta.json's `updated` records it (also kept in an update's
+    progress file until meta.json records the update)."""
+    return {"image_files_changed": ch.images, "captions_changed": ch.captions}
+
+
+def _update_record(changes: dict[str, Any]) -> dict[str, Any]:
+    return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **changes}
 
 
 def _reuse_rows(out_dir: Path, split: str, ids: list[str], changed: list[str], extras: tuple[str, ...]
@@ -411,10 +425,13 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                    progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
                    known_files: dict[str, FileRecord | None] | None = None,
                    reuse: dict[int, int] | None = None, reuse_from: dict[str, np.ndarray] | None = None,
-                   placement: Placement | None = None) -> dict[str, Any]:
+                   placement: Placement | None = None, update: dict[str, Any] | None = None) -> dict[str, Any]:
     """Extract (or resume, or finish) one split. `known_files` are earlier fingerprints of the image files
     (the size + mtime fast path); `reuse` maps the index of an image in `ids` to its row in the arrays
-    `reuse_from` ({"c5": main, "c3": ...}) of an earlier extraction, copied instead of recomputed."""
+    `reuse_from` ({"c5": main, "c3": ...}) of an earlier extraction, copied instead of recomputed.
+    `update` (an update of a complete split: what changed, `_changes`) is kept in the progress file, so
+    that a run that finishes the split after a kill returns it too; the info returned holds it as `updated`
+    when the split's progress file has it."""
     reuse = reuse or {}
     n = len(ids)
     per = len(caps) // n
@@ -461,6 +478,8 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                         "(e.g. %r); starting the split again", split, len(moved), moved[0])
             resume = False
         state["records"] = records
+        if update is not None:  # (a resumed update without it, e.g. killed after the loop, keeps the recorded one)
+            state["update"] = update
     bs = int(state["batch_size"])
     started = time.perf_counter()
     done_at_start = int(state["done"])
@@ -563,7 +582,8 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     # checksum that read_precomp verifies): meta.json is the manifest, written last.
     seconds = time.perf_counter() - started
     computed = n - done_at_start if not finishing else 0
-    return {"images": len(kept_ids), "captions": len(kept_caps), "listed_images": n,
+    recorded = {"updated": _update_record(state["update"])} if isinstance(state.get("update"), dict) else {}
+    return {**recorded, "images": len(kept_ids), "captions": len(kept_caps), "listed_images": n,
             "features_bytes": final.stat().st_size, "features_sha256": file_sha256(final),
             "captions_sha256": text_sha256(kept_caps), "image_files": records,
             "skipped": [{"image_id": s["image_id"], "reason": s["reason"]} for s in state["skipped"]],
@@ -580,7 +600,8 @@ def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, 
                            ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
                            progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
                            known_files: dict[str, FileRecord | None] | None = None,
-                           placement: Placement | None = None) -> dict[str, Any] | None:
+                           placement: Placement | None = None, update: dict[str, Any] | None = None
+                           ) -> dict[str, Any] | None:
     """_extract_split shared by the ranks of a torchrun group (docs/distributed.md). Every rank calls
     it; rank 0 returns the split's info, the others None."""
     n, world = len(ids), dist.world_size()
@@ -603,7 +624,8 @@ def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, 
             remove_atomic_leftovers(progress_path(mine, split))
         dist.barrier()  # every share is complete
         if dist.is_main():
-            _merge_shards(bb, out_dir, split, ids, fp, list(zip(bounds, shard_dirs, strict=True)), batch_size, extras)
+            _merge_shards(bb, out_dir, split, ids, fp, list(zip(bounds, shard_dirs, strict=True)), batch_size, extras,
+                          update)
     info = None
     if dist.is_main():  # finishes the merged split: captions and ids without the skipped images, its info
         info = _extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size, force=force,
@@ -614,9 +636,11 @@ def _extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, 
 
 
 def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: str,
-                  shards: list[tuple[tuple[int, int], Path]], batch_size: int, extras: tuple[str, ...]) -> None:
+                  shards: list[tuple[tuple[int, int], Path]], batch_size: int, extras: tuple[str, ...],
+                  update: dict[str, Any] | None = None) -> None:
     """Rank 0: concatenate the complete shares into the split's arrays (partial file, fsync, rename) and
-    record them in the split's progress file as renamed, the state `_extract_split` finishes from."""
+    record them in the split's progress file as renamed (with `update`, what an update changed), the state
+    `_extract_split` finishes from."""
     shards = [(b, d) for b, d in shards if b[1] > b[0]]
     skipped, records = [], {}
     for (start, stop), shard in shards:
@@ -645,7 +669,7 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
     write_json_atomic(progress_path(out_dir, split), {
         "version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name, "n_images": len(ids),
         "batch_size": batch_size, "done": len(ids), "written": len(ids) - len(skipped), "skipped": skipped,
-        "features_complete": True, "records": records})
+        "features_complete": True, "records": records, **({"update": update} if update is not None else {})})
 
 
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
@@ -732,6 +756,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
         if _complete(out_dir, split, fingerprints[split], extras):
             changes[split] = _source_changes(out_dir, split, images_dir, *rows[split], rehash=rehash)
             continue
+        if _updating(out_dir, split, fingerprints[split]):
+            continue  # an update killed between removing the old captions and ids and renaming its features
         _refuse_other_extraction(out_dir, split, rows[split][0], force)
         for p in (captions_path(out_dir, split), ids_path(out_dir, split),
                   *(scale_path(out_dir, split, s) for s in extras)):
@@ -795,15 +821,19 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             info = run_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
                              force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
                              extras=extras, known_files=ch.records if ch is not None else None,
-                             placement=placement, **reuse)
+                             placement=placement, update=_changes(ch) if ch is not None else None, **reuse)
             if info is None:  # a rank other than 0: rank 0 writes the manifest
                 continue
             skipped = {s["image_id"] for s in info["skipped"]}
             kept_ids = [i for i in ids if i not in skipped]
+            # `updated`: from the split's progress file, where the update recorded what changed when it started
+            # (a run resumed after the kill of an update cannot tell it any more: the captions may be rewritten,
+            # and meta.json may already record the new image files)
+            updated = info.pop("updated", None)
             meta["splits"][split] = {**info, "fingerprint": fingerprints[split],
                                      **_sync_extra_captions(out_dir, split, table, kept_ids, per, keep_extra)}
-            if ch is not None:
-                meta["splits"][split]["updated"] = _update_record(ch)
+            if updated is not None:
+                meta["splits"][split]["updated"] = updated
             write_json_atomic(meta_file, meta)
             _fsync_dir(out_dir)
             progress_path(out_dir, split).unlink(missing_ok=True)
