@@ -5,6 +5,7 @@ sizes (--smoke), which is how they are kept working without one.
   python bench/gpu.py train --device cuda            # training throughput per preset, fp32 vs bf16
   python bench/gpu.py train --device cuda --data runs/data/flickr8k_lite0 --epochs 20   # + recall of both
   python bench/gpu.py eval train --device cpu --smoke  # the CPU check (seconds)
+  python bench/gpu.py resident --device cuda --data runs/data/flickr8k_lite0   # features resident vs streamed
 
 eval: exact evaluation of the SCAN t-i AVG head at Flickr30K test scale (random region features, the real test
 captions' lengths), seconds in fp32, TF32 and bf16 autocast, the FLOPs actually executed (torch's counter) as a
@@ -17,6 +18,10 @@ CPU smoke run says it skips them).
 train: images/s and seconds per Flickr8K epoch of every preset's training step (forward, loss, backward, Adam)
 at batch 128 in fp32 and bf16; with --data, the same schedule trained in both precisions and the 1K test
 rsum of each (issue 23: bf16 must not lose more than 1 rsum).
+resident: one epoch of the real trainer (itmatch.engine.train, --max-batches caps it) per preset with the
+training features streamed from pinned host memory (train.resident=off) and resident on the device (on), after
+a short warm-up run: train seconds and images/s of each, and the largest weight difference between the two
+(0 on the CPU; on a GPU nondeterministic kernels may leave last-bit differences). --workers sets train.workers.
 Writes a JSON report (--out) and prints one line per measurement; nothing here is a test."""
 
 from __future__ import annotations
@@ -245,9 +250,44 @@ def train_both_precisions(args, placement: Placement) -> list[dict]:
     return out
 
 
+def section_resident(args, placement: Placement) -> dict:
+    from itmatch.engine.checkpoint import load_checkpoint
+    from itmatch.engine.train import train
+    from itmatch.models.registry import resolve_config
+
+    if not args.data:
+        raise SystemExit("resident: pass --data (a precomp directory to train on)")
+    rows = []
+    for preset in args.presets:
+        def run(mode: str, name: str, max_batches: int, preset=preset) -> tuple[dict, dict]:
+            out = Path(args.runs) / f"{preset}_resident_{name}"
+            cfg = resolve_config(preset, {"data": {"path": args.data}, "train": {
+                "epochs": 1, "max_batches": max_batches, "resident": mode, "workers": args.workers,
+                "val_images": 100, "bucket_by_length": True}})
+            train(cfg, out, force=True, progress=False, device=str(placement.device))
+            lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+            epoch = next(x for x in lines if "train_seconds" in x)
+            return ({"batch": cfg.train.batch_size, **{k: epoch[k] for k in ("batches", "train_seconds")}},
+                    load_checkpoint(out / "last").model.state_dict())
+
+        run("off", "warmup", 3)  # CUDA context, cuDNN and allocator warm before either timed run
+        (streamed, w_off), (resident, w_on) = run("off", "off", args.max_batches), run("on", "on", args.max_batches)
+        diff = max(float((w_off[k].float() - w_on[k].float()).abs().max()) if w_off[k].numel() else 0.0
+                   for k in w_off)
+        row = {"preset": preset, "workers": args.workers, "streamed": streamed, "resident": resident,
+               "max_weight_difference": diff}
+        for r in (streamed, resident):
+            r["images_per_s"] = r["batches"] * r["batch"] / max(r["train_seconds"], 1e-9)
+        rows.append(row)
+        print(f"resident {preset:<16} streamed {streamed['train_seconds']:7.1f} s ({streamed['images_per_s']:7.0f} "
+              f"img/s)  resident {resident['train_seconds']:7.1f} s ({resident['images_per_s']:7.0f} img/s)  "
+              f"{streamed['batches']} batches, weights differ by {diff:.2g}", flush=True)
+    return {"rows": rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sections", nargs="+", choices=["eval", "train"])
+    p.add_argument("sections", nargs="+", choices=["eval", "train", "resident"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--smoke", action="store_true", help="small sizes (the CPU check: seconds)")
     p.add_argument("--images", type=int, help="images scored (default 1000; --smoke 4)")
@@ -264,7 +304,8 @@ def main() -> int:
     p.add_argument("--data", help="precomp directory: also train both precisions and compare their recall")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--max-batches", type=int, default=0, help="cap batches per epoch of the recall runs")
-    p.add_argument("--runs", default="runs/bench_gpu", help="run directories of the recall runs")
+    p.add_argument("--runs", default="runs/bench_gpu", help="run directories of the recall and resident runs")
+    p.add_argument("--workers", type=int, default=0, help="train.workers of the `resident` runs")
     p.add_argument("--out", help="JSON report (default runs/bench_gpu/<device>.json)")
     args = p.parse_args()
     placement = resolve(args.device, "fp32")
@@ -284,7 +325,8 @@ def main() -> int:
     torch.manual_seed(0)
     np.random.seed(0)
     for section in args.sections:
-        report[section] = (section_eval if section == "eval" else section_train)(args, placement)
+        report[section] = {"eval": section_eval, "train": section_train,
+                           "resident": section_resident}[section](args, placement)
     out = Path(args.out or ROOT / "runs" / "bench_gpu" / f"{device.type}{'_smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

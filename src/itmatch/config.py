@@ -175,6 +175,13 @@ class TrainConfig:
     # arithmetic: fp32 (exact, no autocast) | bf16 | fp16 (autocast; fp16 with a gradient scaler). docs/gpu.md
     device: str = "auto"
     precision: str = option("fp32", choices=("fp32", "bf16", "fp16"))
+    # the training split's feature arrays copied to the device once, each batch's images gathered there by index:
+    # auto (on when the device is CUDA and they fit in half its free memory) | on | off. Image files always stream.
+    # Batches are bit-identical either way (docs/gpu.md)
+    resident: str = option("auto", choices=("auto", "on", "off"))
+    # DataLoader worker processes that build the batches (decode image files for pixel models); 0: the main
+    # process. Persistent across epochs; batches are identical with any count (docs/gpu.md)
+    workers: int = option(0, min=0)
 
 
 @dataclass
@@ -246,8 +253,10 @@ def update(obj: Any, values: dict[str, Any], prefix: str = "") -> Any:
                 raise ConfigError(f"{full}: expected a mapping of its fields, got {value!r}")
             update(current, value, f"{full}.")
         else:
-            value = _coerce(value, hints[key], full)
             rule = fields[key].metadata.get("rule")
+            if isinstance(value, bool) and rule is not None and {"on", "off"} <= set(rule.choices or ()):
+                value = "on" if value else "off"  # YAML 1.1 reads on/off (and yes/no) as booleans
+            value = _coerce(value, hints[key], full)
             if rule is not None:
                 rule.check(full, value)
             setattr(obj, key, value)

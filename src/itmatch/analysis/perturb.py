@@ -32,9 +32,10 @@ LABELS = {"original": "Original model", "shuffle": "Random shuffling", "numbers"
 DIRECTIONS = ("text_to_image", "image_to_text")
 KS = ("r1", "r5", "r10")
 #: config keys that do not change what a run learns: its label, where and how fast it ran, how often it
-#: logged or saved (a run trained on another device or with other threads is the same experiment)
+#: logged or saved (a run trained on another device or with other threads is the same experiment), and where its
+#: batches were built (train.resident, train.workers: the same batches either way)
 UNCOMPARED = frozenset({"name", "train.threads", "train.log_every", "train.checkpoint_every", "train.device",
-                        "train.backend"})
+                        "train.backend", "train.resident", "train.workers"})
 #: keys the trainer fills from the data when the command leaves them unset (0 or ""), beside the feature channel
 #: counts each arch names (`Arch.feature_dims`): compared only when set
 FILLED_FROM_DATA = frozenset({"model.vocab_size", "data.backbone"})

@@ -55,7 +55,9 @@ def stack_images(items: list) -> torch.Tensor | dict[str, torch.Tensor]:
 
 @dataclass
 class PairBatch:
-    images: torch.Tensor | dict[str, torch.Tensor]  # [B, k, D], {scale: [B, k_s, C_s]} or pixels [B, 3, S, S]
+    # [B, k, D], {scale: [B, k_s, C_s]} or pixels [B, 3, S, S]; None in a batch of captions only (`collate_captions`:
+    # training with the features resident on the device fills them in there, engine/resident.py)
+    images: torch.Tensor | dict[str, torch.Tensor] | None
     text: TextBatch
     image_index: torch.Tensor  # [B] index of the image in the split
     caption_index: torch.Tensor  # [B]
@@ -64,7 +66,8 @@ class PairBatch:
         """The whole batch on `device` (images, tokens, lengths and indices: the loss builds its masks from
         image_index). `non_blocking` overlaps the copy with compute when the batch is in pinned memory."""
         images = ({k: v.to(device, non_blocking=non_blocking) for k, v in self.images.items()}
-                  if isinstance(self.images, dict) else self.images.to(device, non_blocking=non_blocking))
+                  if isinstance(self.images, dict) else
+                  None if self.images is None else self.images.to(device, non_blocking=non_blocking))
         return PairBatch(images, self.text.to(device, non_blocking),
                          self.image_index.to(device, non_blocking=non_blocking),
                          self.caption_index.to(device, non_blocking=non_blocking))
@@ -72,30 +75,44 @@ class PairBatch:
     def pin_memory(self) -> PairBatch:
         """Page-locked copies (the DataLoader calls this with pin_memory=True, for a GPU run)."""
         images = ({k: v.pin_memory() for k, v in self.images.items()} if isinstance(self.images, dict)
-                  else self.images.pin_memory())
+                  else None if self.images is None else self.images.pin_memory())
         return PairBatch(images, TextBatch(self.text.tokens.pin_memory(), self.text.lengths.pin_memory()),
                          self.image_index.pin_memory(), self.caption_index.pin_memory())
 
 
 class PairDataset(Dataset):
     """(image features, caption tokens) for every training caption of a split (`training_captions`: the
-    per-image ones, then the extra ones kept by `itmatch extract --extra-captions keep`)."""
+    per-image ones, then the extra ones kept by `itmatch extract --extra-captions keep`).
 
-    def __init__(self, split: PrecompSplit, vocab: Vocab, transform: CaptionTransform | None = None) -> None:
+    An item's key is a caption index j, or (epoch, j) in training: image files (ImageFiles) are then augmented
+    with an RNG seeded from (train.seed, epoch, j) alone, so a batch is the same whichever process decodes it
+    (DataLoader workers) and whatever was decoded before (a resumed run). `read_images=False` leaves the image
+    out (None; `collate_captions`): the training loop gathers it from features resident on the device."""
+
+    def __init__(self, split: PrecompSplit, vocab: Vocab, transform: CaptionTransform | None = None, *,
+                 read_images: bool = True) -> None:
         self.split, self.vocab, self.transform = split, vocab, transform
         self.captions = split.training_captions
+        self.read_images = read_images
 
     def __len__(self) -> int:
         return len(self.captions)
 
-    def __getitem__(self, j: int) -> tuple[Any, list[int], int, int]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[Any, list[int], int, int]:
         """(image, tokens, image index, caption index); the image is None when an image file cannot be
-        decoded in training (ImageFiles reports it; `collate_pairs` drops the pair)."""
+        decoded in training (ImageFiles reports it; `collate_pairs` drops the pair), or not read."""
+        epoch, j = key if isinstance(key, tuple) else (None, key)
         caption = self.captions[j]
         if self.transform is not None:
             caption = self.transform(caption, j)
         i = self.split.image_of(j)
-        image = self.split.images[i]
+        images = self.split.images
+        if not self.read_images:
+            image = None
+        elif epoch is not None and hasattr(images, "draw"):  # image files: the augmentation of (epoch, j)
+            image = images.draw(i, (epoch, j))
+        else:
+            image = images[i]
         if isinstance(image, np.ndarray):
             image = np.asarray(image, dtype=np.float32)
         return image, self.vocab.encode(caption), i, j
@@ -109,6 +126,13 @@ def collate_pairs(items: list[tuple[Any, list[int], int, int]]) -> PairBatch:
     feats, tokens, img_idx, cap_idx = zip(*items, strict=True)
     return PairBatch(stack_images(list(feats)), pad_tokens(list(tokens)),
                      torch.tensor(img_idx), torch.tensor(cap_idx))
+
+
+def collate_captions(items: list[tuple[Any, list[int], int, int]]) -> PairBatch:
+    """A batch without its images (`PairDataset(read_images=False)`): the tokens and both indices; the images
+    are gathered by `image_index` from features already on the device."""
+    _, tokens, img_idx, cap_idx = zip(*items, strict=True)
+    return PairBatch(None, pad_tokens(list(tokens)), torch.tensor(img_idx), torch.tensor(cap_idx))
 
 
 class LengthBucketSampler(torch.utils.data.Sampler[list[int]]):

@@ -46,7 +46,12 @@ def random_crop_flip(image: Image.Image, rng: random.Random, area: tuple[float, 
 class ImageFiles:
     """Lazily decoded images of a split: `files[i]` -> float32 [3, S, S] (normalised for `backbone`),
     or None for an unreadable file when `augment` (training); `files[i:j]` -> ImageFiles of those;
-    `load_batch()` -> [n, 3, S, S] tensor of all of them (deterministic; raises on a bad file)."""
+    `load_batch()` -> [n, 3, S, S] tensor of all of them (deterministic; raises on a bad file).
+
+    The training augmentation's RNG: `files[i]` draws from one RNG seeded with `seed` (each copy of the object
+    has its own, e.g. in every DataLoader worker); `files.draw(i, key)` from an RNG seeded with (seed, *key)
+    alone, which the trainer uses (key: epoch, caption index), so that crops depend on neither the process
+    nor what it decoded before."""
 
     def __init__(self, images_dir: str | Path, ids: Sequence[str], backbone: str = "lite0", *,
                  augment: bool = False, seed: int = 0) -> None:
@@ -54,6 +59,7 @@ class ImageFiles:
         self.backbone, self.augment = backbone, augment
         spec = backbone_spec(backbone)
         self.family, self.size = spec.family, spec.image_size
+        self.seed = seed
         self.rng = random.Random(seed)
         self.reported: set[str] = set()
 
@@ -64,7 +70,7 @@ class ImageFiles:
     def shape(self) -> tuple[int, int, int, int]:
         return (len(self.ids), 3, self.size, self.size)
 
-    def load(self, index: int, augment: bool | None = None) -> torch.Tensor | None:
+    def load(self, index: int, augment: bool | None = None, rng: random.Random | None = None) -> torch.Tensor | None:
         augment = self.augment if augment is None else augment
         path = self.images_dir / self.ids[index]
         try:
@@ -80,12 +86,16 @@ class ImageFiles:
                 log.warning("skipping the captions of an unreadable training image: %s (%s)", path, reason)
             return None
         if augment:
-            image = random_crop_flip(image, self.rng)
+            image = random_crop_flip(image, self.rng if rng is None else rng)
         return preprocess(image, self.family, self.size)
+
+    def draw(self, index: int, key: tuple[int, ...]) -> torch.Tensor | None:
+        """Image `index` as `files[index]`, its augmentation drawn from an RNG seeded with (seed, *key) only."""
+        return self.load(index, rng=random.Random("/".join(map(str, (self.seed, *key)))))
 
     def __getitem__(self, index: int | slice) -> torch.Tensor | None | ImageFiles:
         if isinstance(index, slice):
-            sub = ImageFiles(self.images_dir, self.ids[index], self.backbone, augment=self.augment)
+            sub = ImageFiles(self.images_dir, self.ids[index], self.backbone, augment=self.augment, seed=self.seed)
             sub.rng, sub.reported = self.rng, self.reported
             return sub
         return self.load(index)

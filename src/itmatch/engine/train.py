@@ -23,7 +23,14 @@ from tqdm.auto import tqdm
 
 from itmatch import distributed as dist
 from itmatch.config import Config, config_from_dict, flatten, update
-from itmatch.data.datasets import CaptionTransform, LengthBucketSampler, PairBatch, PairDataset, collate_pairs
+from itmatch.data.datasets import (
+    CaptionTransform,
+    LengthBucketSampler,
+    PairBatch,
+    PairDataset,
+    collate_captions,
+    collate_pairs,
+)
 from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, build_vocab, load_vocab
 from itmatch.device import Placement, resolve
@@ -37,6 +44,7 @@ from itmatch.engine.checkpoint import (
 )
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.inputs import fill_image_dims, open_split
+from itmatch.engine.resident import resident_images
 from itmatch.errors import ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
@@ -44,6 +52,7 @@ from itmatch.models.losses import triplet_loss
 from itmatch.models.registry import arch, build_model, finetune_backbone, read_pixels_for_finetuning
 
 log = logging.getLogger("itmatch.train")
+_log = log  # (inside train(), `log` is the metrics file)
 
 
 def learning_rate(cfg: Config, epoch: int) -> float:
@@ -166,6 +175,36 @@ def shard_batches(batches: list[list[int]]) -> list[list[int]]:
         start, stop = dist.shard_bounds(len(batch))
         out.append(batch[start:stop])
     return out
+
+
+class EpochBatches(torch.utils.data.Sampler[list[tuple[int, int]]]):
+    """The batch_sampler of a run's one DataLoader: set to each epoch's batches (`set`) before the epoch is
+    iterated. It runs in the main process, so persistent workers get each epoch's batches from it; every item's
+    key is (epoch, caption index), which seeds the augmentation of image files (PairDataset)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[tuple[int, int]]] = []
+
+    def set(self, epoch: int, batches: list[list[int]]) -> None:
+        self.batches = [[(epoch, j) for j in batch] for batch in batches]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+def make_loader(dataset: PairDataset, sampler: EpochBatches, cfg: Config, placement: Placement,
+                resident: bool = False) -> DataLoader:
+    """The run's DataLoader: batches in `sampler`'s order, built in the main process (train.workers = 0) or by
+    that many persistent worker processes (the same batches: nothing in an item depends on the process), in
+    pinned memory for a GPU. With resident features the batches carry captions only (`collate_captions`).
+    Its own generator: the loader draws nothing from the global RNGs (dropout's), with any worker count."""
+    workers = cfg.train.workers
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_captions if resident else collate_pairs,
+                      pin_memory=placement.is_cuda, num_workers=workers, persistent_workers=workers > 0,
+                      generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
 def check_world(cfg: Config) -> None:
@@ -408,7 +447,13 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             if fh.seek(0, os.SEEK_END) > keep:  # never extend (a log the user removed stays short)
                 fh.truncate(keep)
 
-    dataset = PairDataset(train_split, vocab, transform)
+    resident, why = resident_images(cfg.train.resident, train_split.images, placement.device)
+    _log.info("training features: %s", why)  # (once per run; `log` is the metrics file below)
+    if progress:  # (the CLI configures no logging handler: say it where the epoch lines go)
+        tqdm.write(f"training features: {why}")
+    dataset = PairDataset(train_split, vocab, transform, read_images=resident is None)
+    sampler = EpochBatches()
+    loader = make_loader(dataset, sampler, cfg, placement, resident=resident is not None)
     lengths = [len(vocab.encode(c)) for c in dataset.captions] if cfg.train.bucket_by_length else []
     # only rank 0 writes the log; the other ranks write the same lines nowhere
     log = metrics_path.open("a", encoding="utf-8") if main else open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
@@ -439,8 +484,12 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         batches = epoch_batches(cfg, lengths, len(dataset), epoch)
         n_batches = len(batches) if cfg.train.max_batches <= 0 else min(len(batches), cfg.train.max_batches)
         first = int(state["batch"])  # > 0 when resuming mid-epoch
-        loader = DataLoader(dataset, batch_sampler=shard_batches(batches[first:n_batches]),
-                            collate_fn=collate_pairs, pin_memory=placement.is_cuda)
+        sampler.set(epoch, shard_batches(batches[first:n_batches]))
+        if first == 0:
+            # The DataLoader of earlier versions drew its base seed from the global torch RNG when each epoch's
+            # iteration began. That draw is kept at the epoch's start, so runs (dropout masks) are the same as
+            # before; a run resumed mid-epoch already has it in its saved RNG state.
+            torch.empty((), dtype=torch.int64).random_()
         lr = learning_rate(cfg, epoch)
         for group in optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -454,8 +503,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         started_cpu = time.process_time() - float(state.get("epoch_cpu_seconds", 0.0))
         truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
         for b, batch in enumerate(loader, start=first):
+            batch = batch.to(placement.device, non_blocking=True)
+            if resident is not None:  # the images gathered by image_index, on the device
+                batch = resident.fill(batch)
             with placement.autocast():  # (fp32: no autocast at all)
-                loss = step(batch.to(placement.device, non_blocking=True), hardest)
+                loss = step(batch, hardest)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # (scale, unscale_, step, update: plain calls unless fp16)
             if cfg.train.grad_clip > 0:
