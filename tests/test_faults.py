@@ -156,10 +156,11 @@ def _images(tmp_path: Path, n: int) -> tuple[Path, Path]:
     return images, captions
 
 
-def _extract_code(images: Path, captions: Path, out: Path, hook: str = "") -> str:
-    """The extraction command; `hook` (statements run after `import itmatch.features.extract as e`, with
-    os and signal imported) may patch the extractor, e.g. to kill the process at a chosen moment."""
-    argv = ["extract", str(images), str(captions), "--out", str(out), "--batch-size", "2"]
+def _extract_code(images: Path, captions: Path, out: Path, hook: str = "", extra: tuple[str, ...] = ()) -> str:
+    """The extraction command (`extra`: more arguments); `hook` (statements run after `import
+    itmatch.features.extract as e`, with os and signal imported) may patch the extractor, e.g. to kill the
+    process at a chosen moment."""
+    argv = ["extract", str(images), str(captions), "--out", str(out), "--batch-size", "2", *extra]
     # Progress is saved every 2 images instead of 256 so that every kill leaves resumable state.
     return ("import os, signal, sys\nimport itmatch.features.extract as e\ne.FLUSH_IMAGES = 2\n"
             f"{hook}\nimport torch\ntorch.set_num_threads(1)\nfrom itmatch.cli import main\n"
@@ -271,6 +272,60 @@ def test_extraction_update_killed_at_each_finishing_step_records_what_changed(tm
     assert meta_b["updated"]["image_files_changed"] == replaced
     assert meta_b["updated"]["captions_changed"] == ["im4.png"]
     assert _untimed_meta(meta_a) == _untimed_meta(meta_b), moment
+
+
+# Moments of a caption-only update and of a --scales c3,c4,c5 extraction at which the extractor kills itself:
+# a resumed caption update once lost meta.json's `updated` (the captions already rewritten), and a resumed
+# multi-scale run kept the old finer maps (update) or refused to continue (first extraction) after a kill
+# between the renames of its arrays.
+_MORE_KILLS = {
+    "captions_rewritten": ("real = e.write_captions\n"
+                           "def killed(*a, **k):\n"
+                           "    real(*a, **k)\n"
+                           "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                           "e.write_captions = killed"),
+    "between_renames": ("real = e._finish_array\n"
+                        "def killed(*a):\n"
+                        "    real(*a)\n"
+                        "    if str(a[0]).endswith('train_ims_c3.npy'):\n"
+                        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                        "e._finish_array = killed"),
+}
+
+
+@pytest.mark.parametrize("update", [False, True], ids=["first", "update"])
+@pytest.mark.parametrize("moment", list(_MORE_KILLS))
+def test_extraction_killed_at_a_caption_update_or_between_renames_resumes_identically(tmp_path, moment, update):
+    """Killed right after a caption-only update rewrote the captions, or between the renames of a multi-scale
+    extraction's arrays (c5 and c3 renamed, c4 not), and resumed: every array and meta.json's record (`updated`
+    included) equal the uninterrupted run's."""
+    import shutil
+
+    if moment == "captions_rewritten" and not update:
+        pytest.skip("a first extraction writes no caption update")
+    extra = ("--scales", "c3,c4,c5") if moment == "between_renames" else ()
+    images, captions = _images(tmp_path, 8)
+    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
+    if update:
+        first = _run(_extract_code(images, captions, ref_dir, extra=extra))
+        assert first.wait() == 0, first.communicate()[1][-3000:]
+        shutil.copytree(ref_dir, run_dir)
+        if moment == "between_renames":
+            arr = np.random.default_rng(100).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+            Image.fromarray(arr).save(images / "im1.png")
+        captions.write_text(captions.read_text().replace("picture 2 caption 2", "an edited caption"))
+    for out, hook in ((ref_dir, ""), (run_dir, _MORE_KILLS[moment]), (run_dir, "")):
+        proc = _run(_extract_code(images, captions, out, hook, extra))
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == (-signal.SIGKILL if hook else 0), err[-3000:]
+    _assert_same_extraction(ref_dir, run_dir, moment, ("features_sha256", "captions_sha256", "image_files"))
+    for name in ("train_ims_c3.npy", "train_ims_c4.npy") if extra else ():
+        np.testing.assert_array_equal(np.load(run_dir / name), np.load(ref_dir / name), err_msg=name)
+    meta_a, meta_b = (json.loads((d / "meta.json").read_text())["splits"]["train"] for d in (ref_dir, run_dir))
+    assert _untimed_meta(meta_a) == _untimed_meta(meta_b), moment
+    if update:
+        assert meta_b["updated"]["captions_changed"] == ["im2.png"], moment
+    assert not list(run_dir.glob("*.captions-update.json")), moment
 
 
 def _untimed_meta(info: dict) -> dict:

@@ -529,6 +529,90 @@ def test_update_interrupted_while_replacing_its_features_resumes_and_records_wha
     assert not (out / "train.progress.json").exists() and not list(out.glob("*.partial"))
 
 
+def _untimed(info: dict) -> dict:
+    """A split's meta.json entry without what depends on the run's timing."""
+    skip = {"seconds_this_run", "images_per_second", "num_threads"}
+    return {k: ({**v, "at": None} if k == "updated" else v) for k, v in info.items() if k not in skip}
+
+
+@pytest.mark.parametrize("moment", ["after_captions", "after_meta"])
+def test_caption_update_interrupted_resumes_and_records_what_changed(tmp_path, monkeypatch, moment):
+    """A caption-only update stopped right after `{split}_caps.txt` was rewritten (the resume finds the
+    captions current) or right after meta.json recorded it (its marker still there) ends, resumed, with the
+    uninterrupted update's meta.json record, `updated` included, and leaves no marker."""
+    import shutil
+
+    images, table = _dataset(tmp_path, n=3)
+    ref, out = tmp_path / "reference", tmp_path / "out"
+    extract_precomp(images, table, ref, batch_size=4, progress=False)
+    shutil.copytree(ref, out)
+    table.captions[5 + 2] = "an edited caption of picture 1"
+    expected = extract_precomp(images, table, ref, batch_size=4, progress=False)["splits"]["train"]
+    assert expected["updated"]["captions_changed"] == ["img1.png"]
+    if moment == "after_captions":
+        real = extract_mod.write_captions
+
+        def stop(*args, **kwargs):
+            real(*args, **kwargs)
+            raise Stop
+
+        monkeypatch.setattr(extract_mod, "write_captions", stop)
+    else:
+        real = extract_mod.write_json_atomic
+
+        def stop(path, obj):
+            real(path, obj)
+            if Path(path).name == "meta.json":
+                raise Stop
+
+        monkeypatch.setattr(extract_mod, "write_json_atomic", stop)
+    with pytest.raises(Stop):
+        extract_precomp(images, table, out, batch_size=4, progress=False)
+    monkeypatch.undo()
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert meta["splits"]["train"]["updated"]["captions_changed"] == ["img1.png"]
+    assert _untimed(meta["splits"]["train"]) == _untimed(expected)
+    assert read_precomp(out, "train").captions[7] == "an edited caption of picture 1"
+    assert not list(out.glob("train.captions-update*")) and not list(out.glob(".*.partial"))
+    # the update is recorded once: the same command again keeps the split as it is
+    assert extract_precomp(images, table, out, batch_size=4, progress=False) == meta
+
+
+@pytest.mark.parametrize("renamed", [1, 2], ids=["after_c5", "after_c5_c3"])
+@pytest.mark.parametrize("update", [False, True], ids=["first", "update"])
+def test_multiscale_extraction_stopped_between_renames_resumes_to_identical_arrays(tmp_path, monkeypatch, update,
+                                                                                    renamed):
+    """A --scales c3,c4,c5 extraction (or update of one) stopped between the renames of its arrays resumes,
+    and every stage map is bit-identical to the uninterrupted run's (test_faults.py kills it there)."""
+    import shutil
+
+    images, table = _dataset(tmp_path, n=4)
+    ref, out = tmp_path / "reference", tmp_path / "out"
+    if update:
+        extract_precomp(images, table, ref, batch_size=2, progress=False, scales="c3,c4,c5")
+        shutil.copytree(ref, out)
+        _image(43).save(images / "img3.png")
+    expected = extract_precomp(images, table, ref, batch_size=2, progress=False, scales="c3,c4,c5")
+    real, calls = extract_mod._finish_array, []
+
+    def stop(*args):
+        real(*args)
+        calls.append(args[0])
+        if len(calls) == renamed:
+            raise Stop
+
+    monkeypatch.setattr(extract_mod, "_finish_array", stop)
+    with pytest.raises(Stop):
+        extract_precomp(images, table, out, batch_size=2, progress=False, scales="c3,c4,c5")
+    monkeypatch.undo()
+    meta = extract_precomp(images, table, out, batch_size=2, progress=False, scales="c3,c4,c5")
+    for name in ("train_ims.npy", "train_ims_c3.npy", "train_ims_c4.npy"):
+        np.testing.assert_array_equal(np.load(out / name), np.load(ref / name), err_msg=name)
+    assert _untimed(meta["splits"]["train"]) == _untimed(expected["splits"]["train"])
+    assert not (out / "train.progress.json").exists() and not list(out.glob("*.partial"))
+    assert read_precomp(out, "train", verify_checksum=True).n_images == 4
+
+
 def test_other_image_list_is_refused_saying_what_differs(tmp_path):
     images, table = _dataset(tmp_path, n=3)
     out = tmp_path / "out"

@@ -68,6 +68,17 @@ def partial_path(root: Path, split: str) -> Path:
     return root / f"{split}_ims.npy.partial"
 
 
+def _scale_partial(root: Path, split: str, scale: str) -> Path:
+    """The partial file of stage map `scale` (c5: the main array's)."""
+    return partial_path(root, split) if scale == "c5" else Path(f"{scale_path(root, split, scale)}.partial")
+
+
+def caption_update_path(root: Path, split: str) -> Path:
+    """The marker of a caption-only update: what it changed (meta.json's `updated` record), written before the
+    captions are rewritten and removed once meta.json records it."""
+    return root / f"{split}.captions-update.json"
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -183,16 +194,25 @@ def _read_progress(path: Path) -> dict[str, Any] | None:
     return state
 
 
+def _renamed_scales(state: dict[str, Any], out_dir: Path, split: str, extras: tuple[str, ...] = ()) -> set[str]:
+    """The stage maps (c5: the main array) the run of `state` already moved to their final names: every image
+    done, the map's partial file gone, its final file there (a partial file disappears only by its rename, and
+    a stale final file of an older run can only coexist with its partial one)."""
+    if int(state.get("done", -1)) < int(state.get("n_images", -2)):
+        return set()
+    return {s for s in ("c5", *extras)
+            if scale_path(out_dir, split, s).exists() and not _scale_partial(out_dir, split, s).exists()}
+
+
 def _features_renamed(state: dict[str, Any], out_dir: Path, split: str, extras: tuple[str, ...] = ()) -> bool:
-    """Did the run of `state` already move its finished features (and the extra stage maps) to their final
-    names? Either it recorded so, or it was killed right after the rename: every image done, the partial
-    file gone, the final files there (a stale final file of an older run can only coexist with a partial one)."""
+    """Did the run of `state` already move its finished features (and every extra stage map) to their final
+    names? Either it recorded so, or it was killed right after the last rename (`_renamed_scales`: all)."""
     finals = [scale_path(out_dir, split, s) for s in ("c5", *extras)]
     if not all(f.exists() for f in finals):
         return False
     if state.get("features_complete"):
         return True
-    return int(state.get("done", -1)) >= int(state.get("n_images", -2)) and not partial_path(out_dir, split).exists()
+    return len(_renamed_scales(state, out_dir, split, extras)) == len(finals)
 
 
 def _complete(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, ...] = ()) -> bool:
@@ -215,6 +235,13 @@ def _finishing(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, .
     return bool(state and state.get("fingerprint") == fingerprint and _features_renamed(state, out_dir, split, extras))
 
 
+def _renaming(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, ...] = ()) -> bool:
+    """True when a previous run of the same images and backbone stopped between the renames of its arrays
+    (some moved to their final names, others still partial): continued, not taken for another extraction's."""
+    state = _read_progress(progress_path(out_dir, split))
+    return bool(state and state.get("fingerprint") == fingerprint and _renamed_scales(state, out_dir, split, extras))
+
+
 def _updating(out_dir: Path, split: str, fingerprint: str) -> bool:
     """True when the progress file is that of an update (changed photos) of `split` from the same images and
     backbone: a run killed after it removed the old captions and ids, before its features replaced the old
@@ -233,6 +260,25 @@ class _SourceChanges:
     kept_ids: list[str]  # the split's rows (the listed images less those skipped as unreadable)
     kept_caps: list[str]
     records: dict[str, FileRecord | None] | None  # the image files' fingerprints now; None: none recorded
+    pending: dict[str, Any] | None = None  # an interrupted caption-only update's record (its marker)
+
+
+def _pending_caption_update(out_dir: Path, split: str, info: dict[str, Any]) -> dict[str, Any] | None:
+    """The `updated` record of a caption-only update that rewrote the split's captions but was stopped before
+    meta.json recorded it (its marker is there and meta.json's entry `info` does not hold that record); a
+    marker meta.json already records (stopped before removing it) is removed."""
+    marker = caption_update_path(out_dir, split)
+    if dist.is_main():  # (under torchrun rank 0 writes and removes it)
+        remove_atomic_leftovers(marker)  # (a marker write killed half-way: its captions were not rewritten yet)
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8")).get("updated") if marker.exists() else None
+    except (OSError, ValueError, AttributeError):
+        record = None
+    if isinstance(record, dict) and record != info.get("updated"):
+        return record
+    if dist.is_main():
+        marker.unlink(missing_ok=True)
+    return None
 
 
 def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str], caps: list[str], *,
@@ -249,28 +295,40 @@ def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str],
         # split on "\n" only: exactly the lines write_captions wrote (a caption may hold other line breaks)
         old = captions_path(out_dir, split).read_text(encoding="utf-8").split("\n")
         captions = [i for r, (i, group) in enumerate(kept) if old[r * per:(r + 1) * per] != group]
+    pending = _pending_caption_update(out_dir, split, info)
+    if pending is not None:  # changed since meta.json's extraction: those the stopped update rewrote, and these
+        before = set(pending.get("captions_changed") or ()) | set(captions)
+        captions = [i for i, _ in kept if i in before]
     old_files = info.get("image_files")
     if not isinstance(old_files, dict):
         log.warning("split %s in %s was extracted by an itmatch that did not record its image files' "
                     "fingerprints: whether a photo changed since cannot be told; pass --force to re-extract "
                     "it (the new manifest records them)", split, out_dir)
-        return _SourceChanges([], stale, captions, [i for i, _ in kept], kept_caps, None)
+        return _SourceChanges([], stale, captions, [i for i, _ in kept], kept_caps, None, pending)
     records = file_records(images_dir, ids, None if rehash else old_files)
     return _SourceChanges(changed_files(old_files, records), stale, captions, [i for i, _ in kept], kept_caps,
-                          records)
+                          records, pending)
 
 
 def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceChanges) -> dict[str, Any]:
     """A split whose features are current: rewrite its captions if they changed and return its updated
-    meta.json entry (new fingerprints, e.g. touched files' mtimes; extra captions left to the caller)."""
+    meta.json entry (new fingerprints, e.g. touched files' mtimes; extra captions left to the caller).
+    What changed is written to the split's marker (`caption_update_path`) before the captions are rewritten:
+    a run stopped before meta.json records it finds the captions current, and takes the record from there
+    (`_pending_caption_update`; the caller removes the marker after writing meta.json)."""
     info = {k: v for k, v in old.items() if k != "extra_captions"}
     info["captions_sha256"] = text_sha256(ch.kept_caps)
     if ch.records is not None:
         info["image_files"] = ch.records
     if ch.captions_stale:
         _log_caption_changes(out_dir, split, ch)
+        record = _update_record(_changes(ch))
+        write_json_atomic(caption_update_path(out_dir, split), {"split": split, "updated": record})
+        _fsync_dir(out_dir)
         write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
-        info["updated"] = _update_record(_changes(ch))
+        info["updated"] = record
+    elif ch.pending is not None:
+        info["updated"] = ch.pending
     return info
 
 
@@ -454,8 +512,11 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
                      "or pass --force to discard it")
         state = None
     finishing = state is not None and _features_renamed(state, out_dir, split, extras)
-    resume = (state is not None and partial.exists() and not finishing
-              and all(p.exists() for _, p, _ in extra_files.values()))
+    # stopped between the renames of its arrays: those renamed are final, the others are finished from their
+    # partial files (every image done)
+    renamed = _renamed_scales(state, out_dir, split, extras) if state is not None and not finishing else set()
+    resume = (state is not None and not finishing and (partial.exists() or "c5" in renamed)
+              and all(p.exists() or s in renamed for s, (_, p, _) in extra_files.items()))
     if state is not None and not resume and not finishing:
         state = None
     if state is None:
@@ -477,6 +538,8 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
             log.warning("split %s: %d image file(s) already extracted by the interrupted run changed since "
                         "(e.g. %r); starting the split again", split, len(moved), moved[0])
             resume = False
+        if not resume:
+            renamed = set()
         state["records"] = records
         if update is not None:  # (a resumed update without it, e.g. killed after the loop, keeps the recorded one)
             state["update"] = update
@@ -485,15 +548,17 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     done_at_start = int(state["done"])
 
     if not finishing:
-        arr = _open_partial(partial, shape, resume)
-        extra_arrs = {s: _open_partial(p, shp, resume) for s, (_, p, shp) in extra_files.items()}
+        # (a renamed array is not opened: every image is done, the loop below writes no row)
+        arr = _open_partial(partial, shape, resume) if "c5" not in renamed else None
+        extra_arrs = {s: _open_partial(p, shp, resume) for s, (_, p, shp) in extra_files.items() if s not in renamed}
         if not resume:
             state.update(done=0, written=0, skipped=[])
             done_at_start = 0
         write_json_atomic(prog, state)
 
         def save() -> None:
-            arr.flush()
+            if arr is not None:
+                arr.flush()
             for a in extra_arrs.values():
                 a.flush()
             write_json_atomic(prog, state)
@@ -564,7 +629,8 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
         # Stale captions/ids of an older extraction must never sit beside the new features.
         for p in (captions_path(out_dir, split), ids_path(out_dir, split)):
             p.unlink(missing_ok=True)
-        outputs = [(final, partial, arr)] + [(f, p, extra_arrs[s]) for s, (f, p, _) in extra_files.items()]
+        outputs = ([(final, partial, arr)] if arr is not None else []) + [
+            (f, p, extra_arrs[s]) for s, (f, p, _) in extra_files.items() if s not in renamed]
         del arr, extra_arrs
         for out_final, out_partial, out_arr in outputs:
             _finish_array(out_final, out_partial, out_arr, written)
@@ -653,7 +719,7 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
         p.unlink(missing_ok=True)
     for scale in ("c5", *extras):
         final = scale_path(out_dir, split, scale)
-        partial = partial_path(out_dir, split) if scale == "c5" else Path(f"{final}.partial")
+        partial = _scale_partial(out_dir, split, scale)
         parts = [np.load(scale_path(shard, split, scale), mmap_mode="r") for _, shard in shards]
         arr = open_memmap(partial, mode="w+", dtype=np.float32,
                           shape=(sum(len(a) for a in parts), *parts[0].shape[1:]))
@@ -751,7 +817,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     # were edited or a photo was replaced updates exactly that instead of keeping stale data.
     changes: dict[str, _SourceChanges] = {}
     for split in splits:
-        if force or _finishing(out_dir, split, fingerprints[split], extras):
+        if force or _finishing(out_dir, split, fingerprints[split], extras) or _renaming(
+                out_dir, split, fingerprints[split], extras):
             continue
         if _complete(out_dir, split, fingerprints[split], extras):
             changes[split] = _source_changes(out_dir, split, images_dir, *rows[split], rehash=rehash)
@@ -810,6 +877,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                     meta["splits"][split] = info
                     write_json_atomic(meta_file, meta)
                     remove_atomic_leftovers(meta_file)
+                    caption_update_path(out_dir, split).unlink(missing_ok=True)  # recorded: meta.json holds it
                     continue
                 log.warning("split %s: %d image file(s) changed since the extraction (%s): re-extracting %s",
                             split, len(ch.images), _examples(ch.images), "their rows, keeping the others"
@@ -824,6 +892,10 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                              placement=placement, update=_changes(ch) if ch is not None else None, **reuse)
             if info is None:  # a rank other than 0: rank 0 writes the manifest
                 continue
+            # a stopped caption-only update's marker: its record is in this update's (progress file), or the
+            # split was extracted again
+            caption_update_path(out_dir, split).unlink(missing_ok=True)
+            remove_atomic_leftovers(caption_update_path(out_dir, split))
             skipped = {s["image_id"] for s in info["skipped"]}
             kept_ids = [i for i in ids if i not in skipped]
             # `updated`: from the split's progress file, where the update recorded what changed when it started
