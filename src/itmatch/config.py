@@ -126,6 +126,20 @@ def new_model_config() -> ModelConfig:
     return _model_class()()
 
 
+def without_absent_sections(data: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """A saved config without the option sections (`model.<key>` mappings) that no installed model family
+    registers, and their keys. Every config holds every registered section, so a checkpoint written where
+    another model package was installed carries that package's options, which its own model never reads."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return data, []
+    known = {f.name for f in dataclasses.fields(new_model_config())}
+    absent = [key for key, value in model.items() if isinstance(value, dict) and key not in known]
+    if not absent:
+        return data, []
+    return {**data, "model": {k: v for k, v in model.items() if k not in absent}}, [f"model.{k}" for k in absent]
+
+
 @dataclass
 class LossConfig:
     margin: float = option(0.2, min=0)

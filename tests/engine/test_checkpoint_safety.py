@@ -273,3 +273,28 @@ def test_the_same_weights_are_saved_as_the_same_bytes(tmp_path):
         save_checkpoint(tmp_path / f"copy{i}", ck.model, ck.config, ck.vocab)
         digests.add((tmp_path / f"copy{i}" / "model.safetensors").read_bytes())
     assert len(digests) == 1
+
+
+def test_options_of_a_model_package_not_installed_here_are_ignored_with_a_warning(tmp_path, monkeypatch, caplog):
+    """A checkpoint saved where another model package was installed (its options section is in config.json)
+    loads where that package is absent: its own model never reads those options."""
+    from dataclasses import dataclass
+
+    from itmatch import config
+
+    @dataclass
+    class PluginOptions:
+        depth: int = 3
+
+    monkeypatch.setattr(config, "_OPTIONS", dict(config._OPTIONS))
+    config.register_options("plugin")(PluginOptions)
+    ck = _checkpoint(tmp_path)
+    assert json.loads((ck / "config.json").read_text())["model"]["plugin"] == {"depth": 3}
+    del config._OPTIONS["plugin"]  # the package is uninstalled
+    config._model_class.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="itmatch.checkpoint"):
+        loaded = load_checkpoint(ck)
+    assert loaded.config.model.arch == "scan" and not hasattr(loaded.config.model, "plugin")
+    assert "model.plugin" in caplog.text and "not installed here" in caplog.text
+    monkeypatch.undo()
+    config._model_class.cache_clear()

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from itmatch.config import Config, config_from_dict
+from itmatch.config import Config, config_from_dict, without_absent_sections
 from itmatch.data.vocab import AnyVocab, load_vocab
 from itmatch.device import to_device
 from itmatch.errors import CheckpointError, ConfigError, DataError
@@ -270,6 +270,10 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None, trust_m
         data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise CheckpointError("corrupt config: not a JSON object", path=path / CONFIG)
+        data, absent = without_absent_sections(data)
+        if absent:
+            log.warning("%s: ignoring the options of model families not installed here (%s); the %s model does "
+                        "not read them", path / CONFIG, ", ".join(absent), data.get("model", {}).get("arch"))
         config = config_from_dict(data)
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"corrupt config: {exc.msg}", path=path / CONFIG, line=exc.lineno) from None
