@@ -39,6 +39,26 @@ def tiny_precomp(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def photos(tmp_path_factory) -> Path:
+    """A precomp directory (captions and ids only) and a folder of 8 small photos it names, for models that read
+    pixels (train: all 8, 5 captions each; dev: the first 4)."""
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("photos")
+    rng = np.random.default_rng(0)
+    ids = []
+    for i in range(8):
+        name = f"p{i}.jpg"
+        Image.fromarray(rng.integers(0, 255, (48 + 4 * i, 64, 3), dtype=np.uint8)).save(root / name)
+        ids.append(name)
+    words = ["red", "blue", "green", "grey", "dark", "light", "big", "small"]
+    caps = [f"a {w} photo number {c}" for w in words for c in range(5)]
+    write_captions(root, "train", ids, caps)
+    write_captions(root, "dev", ids[:4], caps[:20])
+    return root
+
+
+@pytest.fixture(scope="session")
 def tiny_search_setup(tmp_path_factory) -> dict[str, Path]:
     """A tiny SCAN t-i checkpoint trained for a few steps on rendered scenes, and a folder of 12
     held-out photos to index (search tests; about 15 s on 2 cores, once per session)."""

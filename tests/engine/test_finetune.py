@@ -4,13 +4,10 @@ frozen, and a model trained on cached features of the same CNN continues end to 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from itmatch.config import parse_overrides
-from itmatch.data.precomp import write_captions
 from itmatch.data.vocab import build_vocab
 from itmatch.engine.checkpoint import init_weights_from, load_checkpoint, save_checkpoint
 from itmatch.engine.train import make_optimizer, train
@@ -19,23 +16,6 @@ from itmatch.models.registry import build_model, finetune_backbone, resolve_conf
 
 SMALL = ["model.embed_size=16", "model.word_dim=8", "train.batch_size=4", "train.max_batches=2", "train.epochs=1",
          "train.val_images=4", "train.log_every=1", "train.threads=1"]
-
-
-@pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    """A precomp directory (captions and ids only) and a folder of 8 small photos it names."""
-    root = tmp_path_factory.mktemp("photos")
-    rng = np.random.default_rng(0)
-    ids = []
-    for i in range(8):
-        name = f"p{i}.jpg"
-        Image.fromarray(rng.integers(0, 255, (48 + 4 * i, 64, 3), dtype=np.uint8)).save(root / name)
-        ids.append(name)
-    words = ["red", "blue", "green", "grey", "dark", "light", "big", "small"]
-    caps = [f"a {w} photo number {c}" for w in words for c in range(5)]
-    write_captions(root, "train", ids, caps)
-    write_captions(root, "dev", ids[:4], caps[:20])
-    return root
 
 
 def _config(preset: str, photos, *sets: str):

@@ -9,12 +9,11 @@ import logging
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from itmatch.config import Config, parse_overrides, update
 from itmatch.data.datasets import PairDataset, collate_pairs, stack_images
 from itmatch.data.images import read_image_split
-from itmatch.data.precomp import MultiScaleArray, read_precomp, write_captions
+from itmatch.data.precomp import MultiScaleArray, read_precomp
 from itmatch.data.vocab import build_vocab
 from itmatch.device import Placement
 from itmatch.engine import resident as resident_mod
@@ -145,21 +144,6 @@ def test_gathered_images_equal_the_host_collate_for_multi_scale_maps(tiny_precom
     expected = stack_images([images[i] for i in index])
     assert gathered.keys() == expected.keys() == {"c4", "c5"}
     assert all(torch.equal(gathered[k], expected[k]) for k in expected)
-
-
-@pytest.fixture(scope="module")
-def photos(tmp_path_factory):
-    """A precomp directory (captions and ids only) and 8 small photos it names (as tests/engine/test_finetune.py)."""
-    root = tmp_path_factory.mktemp("photos")
-    rng = np.random.default_rng(0)
-    ids = []
-    for i in range(8):
-        Image.fromarray(rng.integers(0, 255, (48 + 4 * i, 64, 3), dtype=np.uint8)).save(root / f"p{i}.jpg")
-        ids.append(f"p{i}.jpg")
-    words = ["red", "blue", "green", "grey", "dark", "light", "big", "small"]
-    write_captions(root, "train", ids, [f"a {w} photo number {c}" for w in words for c in range(5)])
-    write_captions(root, "dev", ids[:4], [f"a {w} photo number {c}" for w in words[:4] for c in range(5)])
-    return root
 
 
 def _pixel_batches(photos, workers: int, epochs=(0, 1)) -> list:
