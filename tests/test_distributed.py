@@ -403,3 +403,111 @@ def test_cli_train_and_evaluate_under_torchrun(tiny_precomp, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("rsum") == 1
     shutil.rmtree(out)
+
+
+class _MergeStopped(BaseException):
+    """Stands for a kill of rank 0 inside the merge of the ranks' shares (nothing after it runs)."""
+
+
+def _as_rank(monkeypatch, rank: int, world: int = 2) -> None:
+    """Make this process rank `rank` of a torchrun group of `world` (no collectives: the ranks run one after
+    the other, rank 0 last, so each share is complete when rank 0 merges them)."""
+    monkeypatch.setattr(dist, "is_distributed", lambda: True)
+    monkeypatch.setattr(dist, "init_from_env", lambda *a, **k: True)
+    monkeypatch.setattr(dist, "rank", lambda: rank)
+    monkeypatch.setattr(dist, "world_size", lambda: world)
+    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(dist, "broadcast_object", lambda obj: obj)
+
+
+def _photo(seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:48, 0:64]
+    base = np.stack([xx * (seed + 1) * 3 % 256, yy * (seed + 2) * 5 % 256, (xx + yy) * 7 % 256], -1)
+    return Image.fromarray(np.clip(base + rng.integers(-30, 30, base.shape), 0, 255).astype(np.uint8))
+
+
+_RENAMES = ("arrays_filled", "after_c5", "after_c5_c3")
+
+
+@pytest.mark.parametrize("stop", ["progress_written", "captions_removed", *_RENAMES])
+@pytest.mark.parametrize("update", [False, True], ids=["first", "update"])
+def test_extraction_merge_stopped_at_each_step_resumes_identically(tmp_path, monkeypatch, update, stop):
+    """Rank 0 stopped inside `_merge_shards` (a first extraction or an update of a photo and a caption): right
+    after it first wrote the split's progress file (before it removed the old captions and ids), after it
+    removed them (no partial array yet), with every partial array filled, after the rename of the main array,
+    after that of c3 too. The same command re-run then ends with the uninterrupted run's arrays and meta.json (`updated`
+    included), not refused as another extraction's. The ranks run in this process one after the other."""
+    from itmatch.data.captions import CaptionTable
+    from itmatch.data.precomp import read_precomp
+    from itmatch.features import extract as e
+
+    images = tmp_path / "images"
+    images.mkdir()
+    table = CaptionTable(source="captions")
+    for i in range(5):
+        _photo(i).save(images / f"im{i}.png")
+        for c in range(5):
+            table.add(f"im{i}.png", f"picture {i} caption {c}", "train")
+    ref, out = tmp_path / "reference", tmp_path / "out"
+
+    def sharded(target: Path) -> dict:
+        for rank in (1, 0):
+            with monkeypatch.context() as m:
+                _as_rank(m, rank)
+                meta = e.extract_precomp(images, table, target, batch_size=2, progress=False, scales="c3,c5",
+                                         num_threads=1)
+        return meta
+
+    if update:
+        sharded(ref)
+        shutil.copytree(ref, out)
+        _photo(43).save(images / "im3.png")
+        table.captions[5 + 2] = "an edited caption of picture 1"
+    expected = sharded(ref)["splits"]["train"]
+    real_finish, real_write, real_memmap, renames = e._finish_array, e.write_json_atomic, e.open_memmap, []
+
+    def finish(final, *args):
+        if Path(final).parent == out and stop in _RENAMES:  # (not a share's own arrays)
+            if len(renames) == _RENAMES.index(stop):
+                raise _MergeStopped
+            real_finish(final, *args)
+            renames.append(final)
+            if len(renames) == 2 and stop == "after_c5_c3":
+                raise _MergeStopped
+            return
+        real_finish(final, *args)
+
+    def write(path, obj):
+        real_write(path, obj)
+        if stop == "progress_written" and Path(path) == e.progress_path(out, "train") and dist.is_main() \
+                and (out / ".shards-train" / "rank0-of-2" / "meta.json").exists():
+            raise _MergeStopped
+
+    def memmap(path, *args, **kwargs):
+        if stop == "captions_removed" and Path(path).parent == out:
+            assert not (out / "train_caps.txt").exists() and not (out / "train_ids.txt").exists()
+            raise _MergeStopped
+        return real_memmap(path, *args, **kwargs)
+
+    monkeypatch.setattr(e, "_finish_array", finish)
+    monkeypatch.setattr(e, "write_json_atomic", write)
+    monkeypatch.setattr(e, "open_memmap", memmap)
+    with pytest.raises(_MergeStopped):
+        sharded(out)
+    monkeypatch.undo()
+    assert (out / ".shards-train").is_dir()
+    got = sharded(out)["splits"]["train"]
+    for name in ("train_ims.npy", "train_ims_c3.npy"):
+        np.testing.assert_array_equal(np.load(out / name), np.load(ref / name), err_msg=name)
+    skip = {"seconds_this_run", "images_per_second", "num_threads"}
+    assert ({k: ({**v, "at": None} if k == "updated" else v) for k, v in got.items() if k not in skip}
+            == {k: ({**v, "at": None} if k == "updated" else v) for k, v in expected.items() if k not in skip})
+    if update:
+        assert got["updated"]["image_files_changed"] == ["im3.png"]
+        assert got["updated"]["captions_changed"] == ["im1.png"]
+    assert read_precomp(out, "train", verify_checksum=True).captions == read_precomp(ref, "train").captions
+    assert not list(out.glob("*.progress.json")) and not list(out.glob("*.partial"))
+    assert not (out / ".shards-train").exists()

@@ -706,7 +706,11 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
                   update: dict[str, Any] | None = None) -> None:
     """Rank 0: concatenate the complete shares into the split's arrays (partial file, fsync, rename) and
     record them in the split's progress file as renamed (with `update`, what an update changed), the state
-    `_extract_split` finishes from."""
+    `_extract_split` finishes from. The progress file is written before anything in `out_dir` is removed or
+    replaced (no image done), again once every partial array is filled (every image done: from then on a
+    partial file disappears only by its rename), and last as renamed, so that a re-run after a kill at any
+    point continues the merge (`_updating`, `_renaming`, `_finishing`) instead of refusing the split as
+    another extraction's; a merge continued without `update` keeps the one its progress file recorded."""
     shards = [(b, d) for b, d in shards if b[1] > b[0]]
     skipped, records = [], {}
     for (start, stop), shard in shards:
@@ -715,8 +719,18 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
         for s in info["skipped"]:
             skipped.append({"image_id": s["image_id"], "index": start + ids[start:stop].index(s["image_id"]),
                             "reason": s["reason"]})
+    prog = progress_path(out_dir, split)
+    if update is None:
+        state = _read_progress(prog)
+        if state is not None and state.get("fingerprint") == fp and isinstance(state.get("update"), dict):
+            update = state["update"]
+    base = {"version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name, "n_images": len(ids),
+            "batch_size": batch_size, "records": records, **({"update": update} if update is not None else {})}
+    write_json_atomic(prog, {**base, "done": 0, "written": 0, "skipped": [], "features_complete": False})
+    _fsync_dir(out_dir)
     for p in (captions_path(out_dir, split), ids_path(out_dir, split)):  # never stale beside new features
         p.unlink(missing_ok=True)
+    filled = []
     for scale in ("c5", *extras):
         final = scale_path(out_dir, split, scale)
         partial = _scale_partial(out_dir, split, scale)
@@ -730,12 +744,16 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
                 arr[row:row + len(block)] = block
                 row += len(block)
         del parts
-        _finish_array(final, partial, arr, row)
+        arr.flush()
+        filled.append((final, partial, arr, row))
     _fsync_dir(out_dir)
-    write_json_atomic(progress_path(out_dir, split), {
-        "version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name, "n_images": len(ids),
-        "batch_size": batch_size, "done": len(ids), "written": len(ids) - len(skipped), "skipped": skipped,
-        "features_complete": True, "records": records, **({"update": update} if update is not None else {})})
+    done = {**base, "done": len(ids), "written": len(ids) - len(skipped), "skipped": skipped}
+    write_json_atomic(prog, {**done, "features_complete": False})
+    for final, partial, arr, row in filled:
+        _finish_array(final, partial, arr, row)
+    del filled, arr
+    _fsync_dir(out_dir)
+    write_json_atomic(prog, {**done, "features_complete": True})
 
 
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
