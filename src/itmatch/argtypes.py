@@ -84,14 +84,20 @@ def _given(text: str) -> Path:
     return Path(text)
 
 
+def _existing(text: str, want_dir: bool) -> str:
+    """`text` if it names an existing directory (`want_dir`) or file, else why not."""
+    path = _given(text)
+    if path.is_dir() if want_dir else path.is_file():
+        return text
+    what = ("is a file, not a directory" if path.exists() else "does not exist") if want_dir else (
+        "is a directory, not a file" if path.is_dir() else "does not exist")
+    raise argparse.ArgumentTypeError(f"{text} {what}")
+
+
 @_named("existing_dir")
 def existing_dir(text: str) -> str:
     """An input directory that exists."""
-    path = _given(text)
-    if not path.is_dir():
-        what = "is a file, not a directory" if path.exists() else "does not exist"
-        raise argparse.ArgumentTypeError(f"{text} {what}")
-    return text
+    return _existing(text, want_dir=True)
 
 
 @_named("device")
@@ -118,11 +124,7 @@ def checkpoint_ref(text: str) -> str:
 @_named("existing_file")
 def existing_file(text: str) -> str:
     """An input file that exists (a directory is refused)."""
-    path = _given(text)
-    if not path.is_file():
-        what = "is a directory, not a file" if path.is_dir() else "does not exist"
-        raise argparse.ArgumentTypeError(f"{text} {what}")
-    return text
+    return _existing(text, want_dir=False)
 
 
 def _check_creatable(text: str, path: Path) -> None:

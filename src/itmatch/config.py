@@ -336,6 +336,13 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def get_key(tree: Any, key: str) -> Any:
+    """The value at a dotted key path of a dataclass tree: get_key(cfg, "model.save.c3_dim")."""
+    for part in key.split("."):
+        tree = getattr(tree, part)
+    return tree
+
+
 def merge_overrides(*layers: dict[str, Any]) -> dict[str, Any]:
     """Nested override dicts merged in order (a later layer's value wins, mappings merge key by key), e.g. a
     YAML config file's keys, then --set's."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from itmatch.config import Config, config_from_dict, flatten
+from itmatch.config import Config, flatten
 from itmatch.data.perturb import PERTURBATIONS, POS_CLASSES, CaptionPerturbation, prior_probabilities, tag_captions
 from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
@@ -102,16 +102,15 @@ def _same_value(key: str, stored: Any, wanted: Any) -> bool:
     return stored == wanted
 
 
-def run_differences(stored: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """The dotted config keys whose values differ between a run's saved config and the one a command would
-    train (both as `Config.to_dict()`), leaving out UNCOMPARED keys and the keys filled from the data
+def run_differences(stored: dict[str, Any], wanted: Config) -> dict[str, tuple[Any, Any]]:
+    """Dotted config key -> (run's value, command's value) where a run's saved config (`Config.to_dict()`)
+    differs from the one a command would train, leaving out UNCOMPARED keys and the keys filled from the data
     (FILLED_FROM_DATA, the arch's feature dims) that the command leaves unset."""
-    old, new = flatten(stored), flatten(wanted)
-    wanted_model = config_from_dict(wanted).model
-    filled = FILLED_FROM_DATA | set(arch(wanted_model).feature_dims(wanted_model).values())
-    return sorted(key for key in old.keys() | new.keys()
-                  if key not in UNCOMPARED and not (key in filled and not new.get(key))
-                  and not _same_value(key, old.get(key), new.get(key)))
+    old, new = flatten(stored), flatten(wanted.to_dict())
+    filled = FILLED_FROM_DATA | set(arch(wanted.model).feature_dims(wanted.model).values())
+    return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys())
+            if key not in UNCOMPARED and not (key in filled and not new.get(key))
+            and not _same_value(key, old.get(key), new.get(key))}
 
 
 def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> None:
@@ -130,8 +129,7 @@ def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> Non
                           hint="retrain it with --force, or write the study to another --out") from None
     wanted = copy.deepcopy(cfg)
     read_pixels_for_finetuning(wanted)  # what the trainer sets before it saves the config
-    flat_old, flat_new = flatten(stored), flatten(wanted.to_dict())
-    differ = {key: (flat_old.get(key), flat_new.get(key)) for key in run_differences(stored, wanted.to_dict())}
+    differ = run_differences(stored, wanted)
     recorded = _read_study(run_dir / STUDY_FILE)
     if recorded is not None:
         differ |= {f"study.{key}": (recorded[key], value) for key, value in study.items()

@@ -3,7 +3,7 @@ feature array, cached multi-scale stage maps, or image files for pixel-input mod
 
 from __future__ import annotations
 
-from itmatch.config import Config
+from itmatch.config import Config, get_key
 from itmatch.data.precomp import MultiScaleArray, PrecompSplit, read_precomp
 from itmatch.errors import ConfigError
 from itmatch.models.registry import arch, image_inputs, pixel_backbone
@@ -40,10 +40,8 @@ def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
     wanted = arch(cfg.model).feature_dims(cfg.model)
     for scale, dim in dims.items():
         key = wanted[scale]
-        *path, name = key.split(".")
-        holder = cfg
-        for part in path:
-            holder = getattr(holder, part)
+        parent, name = key.rsplit(".", 1)
+        holder = get_key(cfg, parent)
         current = getattr(holder, name)
         if current and current != dim:
             raise ConfigError(f"{key}={current} but the {scale} features are {dim}-d",

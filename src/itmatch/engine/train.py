@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from itmatch import distributed as dist
-from itmatch.config import Config, config_from_dict, flatten, update
+from itmatch.config import Config, config_from_dict, flatten, get_key, update
 from itmatch.data.datasets import (
     CaptionTransform,
     LengthBucketSampler,
@@ -306,13 +306,6 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
 RESUME_KEYS = ("train.", "data.path", "data.images")
 
 
-def _get(cfg: Config, key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
-
-
 def _same_setting(key: str, a: Any, b: Any) -> bool:
     if key.startswith("data.") and a and b:  # the same directory, however it is written
         return Path(a).resolve() == Path(b).resolve()
@@ -325,11 +318,11 @@ def apply_resume_overrides(cfg: Config, overrides: dict[str, Any]) -> list[str]:
     checkpoint's value is accepted whatever its key, so the command that started a run, re-run with --resume
     (as a job scheduler does), continues it."""
     wanted = update(copy.deepcopy(cfg), overrides)
-    changed = [k for k in flatten(overrides) if not _same_setting(k, _get(cfg, k), _get(wanted, k))]
+    changed = [k for k in flatten(overrides) if not _same_setting(k, get_key(cfg, k), get_key(wanted, k))]
     refused = [k for k in changed if not k.startswith(RESUME_KEYS)]
     if refused:
-        raise ConfigError(f"{', '.join(f'{k}={_get(wanted, k)!r}' for k in refused)}: cannot change when resuming "
-                          f"(the checkpoint has {', '.join(f'{k}={_get(cfg, k)!r}' for k in refused)}); its weights "
+        raise ConfigError(f"{', '.join(f'{k}={get_key(wanted, k)!r}' for k in refused)}: cannot change when resuming "
+                          f"(the checkpoint has {', '.join(f'{k}={get_key(cfg, k)!r}' for k in refused)}); its weights "
                           f"and optimizer state were made with it",
                           hint="on --resume only train.* (e.g. train.epochs), data.path and data.images can be "
                                "changed; to change the model start a new run from these weights with "
@@ -388,7 +381,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             ckpt.data_path()  # where it looked, if the data is not where the checkpoint says
         if changed:  # the run's log says from which step on its settings differ
             header = json.dumps({"resumed_at_step": state["step"], "overrides": {
-                k: _get(cfg, k) for k in changed}}) + "\n"
+                k: get_key(cfg, k) for k in changed}}) + "\n"
         placement = resolve_placement(cfg, device, precision)
         check_world(cfg)
         train_split, val_split, vocab = prepare_data(cfg, vocab)

@@ -228,26 +228,17 @@ def _complete(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, ..
                 and features_path(out_dir, split).stat().st_size == info.get("features_bytes"))
 
 
+def _same_run_progress(out_dir: Path, split: str, fingerprint: str) -> dict[str, Any] | None:
+    """The split's progress file when a run of the same images and backbone wrote it, else None."""
+    state = _read_progress(progress_path(out_dir, split))
+    return state if state and state.get("fingerprint") == fingerprint else None
+
+
 def _finishing(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, ...] = ()) -> bool:
     """True when a previous run stopped after renaming the features but before it recorded the split as
     complete in meta.json (captions, ids or meta still to write)."""
-    state = _read_progress(progress_path(out_dir, split))
-    return bool(state and state.get("fingerprint") == fingerprint and _features_renamed(state, out_dir, split, extras))
-
-
-def _renaming(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, ...] = ()) -> bool:
-    """True when a previous run of the same images and backbone stopped between the renames of its arrays
-    (some moved to their final names, others still partial): continued, not taken for another extraction's."""
-    state = _read_progress(progress_path(out_dir, split))
-    return bool(state and state.get("fingerprint") == fingerprint and _renamed_scales(state, out_dir, split, extras))
-
-
-def _updating(out_dir: Path, split: str, fingerprint: str) -> bool:
-    """True when the progress file is that of an update (changed photos) of `split` from the same images and
-    backbone: a run killed after it removed the old captions and ids, before its features replaced the old
-    ones, is continued (its old features are not another extraction's)."""
-    state = _read_progress(progress_path(out_dir, split))
-    return bool(state and state.get("fingerprint") == fingerprint and isinstance(state.get("update"), dict))
+    state = _same_run_progress(out_dir, split, fingerprint)
+    return state is not None and _features_renamed(state, out_dir, split, extras)
 
 
 @dataclass
@@ -709,7 +700,7 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
     `_extract_split` finishes from. The progress file is written before anything in `out_dir` is removed or
     replaced (no image done), again once every partial array is filled (every image done: from then on a
     partial file disappears only by its rename), and last as renamed, so that a re-run after a kill at any
-    point continues the merge (`_updating`, `_renaming`, `_finishing`) instead of refusing the split as
+    point continues the merge (the pre-checks of `extract_precomp`, `_finishing`) instead of refusing the split as
     another extraction's; a merge continued without `update` keeps the one its progress file recorded."""
     shards = [(b, d) for b, d in shards if b[1] > b[0]]
     skipped, records = [], {}
@@ -721,8 +712,8 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
                             "reason": s["reason"]})
     prog = progress_path(out_dir, split)
     if update is None:
-        state = _read_progress(prog)
-        if state is not None and state.get("fingerprint") == fp and isinstance(state.get("update"), dict):
+        state = _same_run_progress(out_dir, split, fp)
+        if state is not None and isinstance(state.get("update"), dict):
             update = state["update"]
     base = {"version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name, "n_images": len(ids),
             "batch_size": batch_size, "records": records, **({"update": update} if update is not None else {})}
@@ -835,13 +826,16 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     # were edited or a photo was replaced updates exactly that instead of keeping stale data.
     changes: dict[str, _SourceChanges] = {}
     for split in splits:
-        if force or _finishing(out_dir, split, fingerprints[split], extras) or _renaming(
-                out_dir, split, fingerprints[split], extras):
+        state = _same_run_progress(out_dir, split, fingerprints[split])
+        # a previous run stopped after all (finishing) or some of its renames: continued, not taken for another
+        # extraction's
+        if force or (state is not None and (_features_renamed(state, out_dir, split, extras)
+                                            or _renamed_scales(state, out_dir, split, extras))):
             continue
         if _complete(out_dir, split, fingerprints[split], extras):
             changes[split] = _source_changes(out_dir, split, images_dir, *rows[split], rehash=rehash)
             continue
-        if _updating(out_dir, split, fingerprints[split]):
+        if state is not None and isinstance(state.get("update"), dict):
             continue  # an update killed between removing the old captions and ids and renaming its features
         _refuse_other_extraction(out_dir, split, rows[split][0], force)
         for p in (captions_path(out_dir, split), ids_path(out_dir, split),
