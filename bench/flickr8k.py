@@ -5,10 +5,13 @@
     python bench/flickr8k.py --perturb scan_t2i_avg    # OAN's perturbation study (Table 1) of one model
     python bench/flickr8k.py --config gpu --row scan_i2t_lse   # the papers' schedules on a GPU (issue 24)
     python bench/flickr8k.py --config gpu --status     # every GPU row: evaluated, trained, training, missing
+    python bench/flickr8k.py --config gpu --device cpu --row mmca_alpha0   # a paper schedule on this CPU (hours)
 
 `--config cpu` (the default) is the CPU schedule of docs/results/flickr8k.csv; `--config gpu` trains each
 preset with its paper's schedule (configs/flickr8k/gpu.yaml; docs/training.md, "The GPU schedule") into
-runs/flickr8k_gpu/ and writes docs/results/flickr8k_gpu.csv (the same columns plus the device).
+runs/flickr8k_gpu/ and writes docs/results/flickr8k_gpu.csv (the same columns plus the device). With
+`--device cpu` a row of that table trains and evaluates on the CPU instead: the same schedule, only slower, and
+its device column names the CPU.
 
 Features come from `itmatch extract` (see README); every model uses configs/flickr8k/cpu.yaml on top of its
 preset (so OAN keeps its own Adam lr 5e-4 and weight decay 1e-6; see docs/oan.md), except the SMAN rows,
@@ -23,10 +26,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,7 +133,8 @@ class Profile:
     row_data: dict[str, str] = field(default_factory=dict)
     prune: set[str] = field(default_factory=set)  # rows evaluated by safe pruning (exact metrics, fewer pairs)
     perturb_prefix: str = "flickr8k"  # docs/results/perturb/<prefix>_<preset>.*
-    device: bool = False  # rows record the device; the bench needs a CUDA device
+    device: bool = False  # rows record the device; the bench needs a CUDA device unless `on_cpu`
+    on_cpu: bool = False  # --device cpu: the schedule's rows train and evaluate on the CPU
 
 
 CPU = Profile("cpu", SCHEDULE, SCHEDULES, OVERRIDES, CONTROLS, ENSEMBLES,
@@ -276,7 +281,7 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
             sets = [a for s in profile.overrides.get(member, []) for a in ("--set", s)]
             run(["itmatch", "train", "--preset", member_preset, "--config", schedule,
                  "--data", member_data, "--out", out, "--force", "--set", f"train.threads={threads}",
-                 "--set", f"train.checkpoint_every={profile.checkpoint_every}", *sets, *resume])
+                 "--set", f"train.checkpoint_every={profile.checkpoint_every}", *sets, *resume, *on_cpu(profile)])
         record_history(member, profile)
     if train_only:
         return
@@ -285,27 +290,46 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
     if missing:
         raise MissingCheckpoint(f"row {row}: no checkpoint at {', '.join(missing)} although training finished; "
                                 f"move the run directory aside and run the row again")
-    command = f"python bench/flickr8k.py{' --config gpu' if profile.device else ''} --row {row}"
+    command = " ".join(["python bench/flickr8k.py", *(["--config gpu"] if profile.device else []), *on_cpu(profile),
+                        "--row", row])
     result_json = f"{profile.runs}/{row}.test.json"
     record = (["--json", result_json] if profile.device  # (the row, with the device, is written below)
               else ["--results", profile.results, "--name", row, "--dataset", "flickr8k", "--command", command,
                     "--force", "--json", result_json])
     run(["itmatch", "evaluate", *checkpoints, "--data", data, "--split", "test", "--protocol", "1k", "--quiet",
-         *record, *(["--threads", str(threads)] if threads else []), *scoring],
+         *record, *(["--threads", str(threads)] if threads else []), *scoring, *on_cpu(profile)],
         ranks=eval_ranks if "--resume-dir" in scoring else 1)  # (two-stage scoring runs on one process)
     if profile.device and not DRY_RUN:
-        write_device_row(row, "+".join(base_preset(m, profile) for m in members), ROOT / result_json, command, profile)
+        write_device_row(row, "+".join(base_preset(m, profile) for m in members), ROOT / result_json, command, profile,
+                         threads)
 
 
-def write_device_row(row: str, model: str, result_json: Path, command: str, profile: Profile) -> None:
-    """Add the row with the accelerator's name to the profile's results CSV."""
+def on_cpu(profile: Profile) -> list[str]:
+    """The flag that moves a command of a schedule whose file asks for CUDA onto the CPU (--device cpu)."""
+    return ["--device", "cpu"] if profile.on_cpu else []
+
+
+def device_name(profile: Profile, threads: int) -> str:
+    """What a row of the device table ran on: the GPU's name, or the CPU's model and the threads it used."""
     import torch
 
+    if not profile.on_cpu:
+        return torch.cuda.get_device_name(0)
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if line.startswith("model name")]
+    cpu = names[0] if names else platform.processor() or "unknown"
+    return f"CPU {cpu}, {threads or torch.get_num_threads()} threads"
+
+
+def write_device_row(row: str, model: str, result_json: Path, command: str, profile: Profile,
+                     threads: int = 0) -> None:
+    """Add the row with the device's name to the profile's results CSV."""
     from itmatch.engine.results import result_row, upsert_row
 
     result = json.loads(result_json.read_text(encoding="utf-8"))
     upsert_row(ROOT / profile.results, result_row(row, model, "flickr8k", result, command,
-                                                  device=torch.cuda.get_device_name(0)), force=True)
+                                                  device=device_name(profile, threads)), force=True)
     print(f"row {row!r} written to {profile.results}", flush=True)
 
 
@@ -316,8 +340,8 @@ def require_cuda() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench/flickr8k.py --config gpu: no CUDA device is visible to torch "
                  f"(torch {torch.__version__}, built with CUDA {torch.version.cuda or 'none'}).\n"
-                 "  hint: use the CPU schedule (--config cpu, the default), or run on a machine with a GPU and a "
-                 "CUDA build of torch")
+                 "  hint: use the CPU schedule (--config cpu, the default), run these schedules on the CPU anyway "
+                 "(--device cpu: hours per row), or run on a machine with a GPU and a CUDA build of torch")
 
 
 def row_status(row: str, profile: Profile) -> str:
@@ -346,7 +370,7 @@ def row_status(row: str, profile: Profile) -> str:
 
 # settings a run may differ in from its row: filled from the data, or how (not what) it was trained
 _RUN_ONLY = {"model.vocab_size", "model.img_dim", "model.save.c3_dim", "model.save.c4_dim", "train.threads",
-             "train.checkpoint_every"}
+             "train.checkpoint_every", "train.device"}
 
 
 def unread_settings(config: dict) -> set[str]:
@@ -442,8 +466,15 @@ def main() -> int:
                              "threads; the blocks are those of one process, so a run may resume with another count")
     parser.add_argument("--train-only", action="store_true",
                         help="train (or finish training) the rows' models, do not evaluate them")
+    parser.add_argument("--device", choices=["cpu"],
+                        help="with --config gpu: train and evaluate its rows on the CPU (the same schedules, hours "
+                             "per row; the rows' device column names the CPU)")
     args = parser.parse_args()
     profile = PROFILES[args.config]
+    if args.device and not profile.device:
+        parser.error(f"--device {args.device} is for --config gpu; the CPU schedule runs where torch's 'auto' puts it")
+    if args.device == "cpu":
+        profile = replace(profile, on_cpu=True)
     unknown = [r for r in args.row or [] if r not in profile.rows]
     if unknown:
         parser.error(f"unknown row(s) for --config {profile.name}: {', '.join(unknown)} (see --status)")
@@ -458,7 +489,7 @@ def main() -> int:
         run([sys.executable, "scripts/render_results.py"])
         return 0
     DRY_RUN = args.dry_run
-    if profile.device and not DRY_RUN:
+    if profile.device and not profile.on_cpu and not DRY_RUN:
         require_cuda()  # before any work
     check_rows_resolve(profile)
     if args.perturb:

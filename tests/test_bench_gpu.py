@@ -136,3 +136,33 @@ def test_a_save_run_from_before_both_lambdas_were_kept_still_matches_its_row(ben
     (tmp_path / "config.json").write_text(json.dumps(old))
     with pytest.raises(SystemExit, match="model.embed_size=64"):
         bench.check_run_matches(str(tmp_path), "save_dsa", schedule, [])
+
+
+def test_device_cpu_runs_a_paper_schedule_on_the_cpu_and_its_row_names_the_cpu(bench, tmp_path, monkeypatch, capsys):
+    """--config gpu --device cpu: train and evaluate carry --device cpu (the schedule files ask for CUDA), a run
+    trained so still matches its row, and the row's device column and command say where and how it ran."""
+    import dataclasses
+
+    cpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"), on_cpu=True)
+    _fake_run(bench, cpu, "vsepp", epochs_done=30, with_best=True)
+    saved = json.loads((tmp_path / "runs" / "vsepp" / "config.json").read_text())
+    saved["train"]["device"] = "cpu"  # as `itmatch train --device cpu` records it
+    (tmp_path / "runs" / "vsepp" / "config.json").write_text(json.dumps(saved))
+    bench.check_run_matches(str(tmp_path / "runs" / "vsepp"), "vsepp", bench.schedule_of("vsepp", cpu), [])
+    monkeypatch.setattr(bench, "DRY_RUN", True)
+    bench.run_row("vsepp", 2, profile=cpu)
+    evaluate = next(line for line in capsys.readouterr().out.splitlines() if " evaluate " in line)
+    assert evaluate.endswith("--device cpu")
+    result = {"image_to_text": {"r1": 1.0, "r5": 2.0, "r10": 3.0}, "text_to_image": {"r1": 1.0, "r5": 2.0, "r10": 3.0},
+              "rsum": 12.0, "protocol": "1k", "eval_seconds": 1.0}
+    (tmp_path / "vsepp.test.json").write_text(json.dumps(result))
+    bench.write_device_row("vsepp", "vsepp", tmp_path / "vsepp.test.json",
+                           "python bench/flickr8k.py --config gpu --device cpu --row vsepp", cpu, threads=2)
+    row = (tmp_path / "gpu.csv").read_text().splitlines()[1]
+    assert "--device cpu --row vsepp" in row and ", 2 threads" in row and "CPU " in row
+
+
+def test_device_cpu_is_refused_for_the_cpu_schedule():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "flickr8k.py"), "--device", "cpu", "--status"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--device cpu is for --config gpu" in done.stderr
