@@ -511,3 +511,45 @@ def test_extraction_merge_stopped_at_each_step_resumes_identically(tmp_path, mon
     assert read_precomp(out, "train", verify_checksum=True).captions == read_precomp(ref, "train").captions
     assert not list(out.glob("*.progress.json")) and not list(out.glob("*.partial"))
     assert not (out / ".shards-train").exists()
+
+
+class _Stopped(Exception):
+    """Stands for a single-process extraction stopped part-way (its progress file and partial array stay)."""
+
+
+def test_extraction_under_torchrun_refuses_another_unfinished_extraction_before_any_share(tmp_path, monkeypatch):
+    """An unfinished single-process extraction of other images in the output folder: a torchrun extraction of
+    the same split refuses before any rank extracts its share (the merge would replace that extraction's progress
+    file and partial array) and leaves both as they were; with `force` it discards them and runs."""
+    from itmatch.data.captions import CaptionTable
+    from itmatch.errors import OverwriteError
+    from itmatch.features import extract as e
+
+    images, out = tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    other, table = CaptionTable(source="other"), CaptionTable(source="captions")
+    for i in range(5):
+        _photo(i).save(images / f"im{i}.png")
+        for c in range(5):
+            table.add(f"im{i}.png", f"picture {i} caption {c}", "train")
+            if i < 4:
+                other.add(f"im{i}.png", f"picture {i} caption {c}", "train")
+
+    def stop(split, done, total):
+        raise _Stopped
+
+    with pytest.raises(_Stopped):
+        e.extract_precomp(images, other, out, batch_size=2, progress=False, num_threads=1, on_batch=stop)
+    progress, partial = e.progress_path(out, "train"), e.partial_path(out, "train")
+    before = {p: p.read_bytes() for p in (progress, partial)}
+    for rank in (1, 0):
+        with monkeypatch.context() as m:
+            _as_rank(m, rank)
+            with pytest.raises(OverwriteError, match="unfinished extraction of split 'train'.*4 images"):
+                e.extract_precomp(images, table, out, batch_size=2, progress=False, num_threads=1)
+    assert {p: p.read_bytes() for p in before} == before and not (out / ".shards-train").exists()
+    for rank in (1, 0):
+        with monkeypatch.context() as m:
+            _as_rank(m, rank)
+            meta = e.extract_precomp(images, table, out, batch_size=2, progress=False, num_threads=1, force=True)
+    assert meta["splits"]["train"]["images"] == 5 and not progress.exists() and not partial.exists()

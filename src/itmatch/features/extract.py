@@ -349,6 +349,19 @@ def _reuse_rows(out_dir: Path, split: str, ids: list[str], changed: list[str], e
     return {"reuse": reuse, "reuse_from": arrays}
 
 
+def _refuse_other_unfinished(out_dir: Path, split: str, fingerprint: str, force: bool) -> None:
+    """Refuse (without `force`) to start over an unfinished extraction of another image list or backbone:
+    its progress file and partial arrays would be replaced."""
+    prog = progress_path(out_dir, split)
+    state = _read_progress(prog)
+    if force or state is None or state.get("fingerprint") == fingerprint:
+        return
+    raise OverwriteError(
+        f"an unfinished extraction of split {split!r} with a different image list or backbone "
+        f"({state.get('backbone')}, {state.get('n_images')} images) is in {out_dir}", path=prog,
+        hint="resume it with the same captions and backbone, write elsewhere, or pass --force to discard it")
+
+
 def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: bool) -> None:
     """Refuse (without `force`) to replace features of another image list or backbone, saying how the
     image lists differ."""
@@ -495,12 +508,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
 
     state = _read_progress(prog)
     if state is not None and state.get("fingerprint") != fp:
-        if not force:
-            raise OverwriteError(
-                f"an unfinished extraction of split {split!r} with a different image list or backbone "
-                f"({state.get('backbone')}, {state.get('n_images')} images) is in {out_dir}", path=prog,
-                hint="resume it with the same captions and backbone, write elsewhere, "
-                     "or pass --force to discard it")
+        _refuse_other_unfinished(out_dir, split, fp, force)
         state = None
     finishing = state is not None and _features_renamed(state, out_dir, split, extras)
     # stopped between the renames of its arrays: those renamed are final, the others are finished from their
@@ -837,6 +845,9 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             continue
         if state is not None and isinstance(state.get("update"), dict):
             continue  # an update killed between removing the old captions and ids and renaming its features
+        # (checked here, not only where a split starts: under torchrun the shares are extracted elsewhere
+        # first, and the merge would replace the other extraction's progress file and partial arrays)
+        _refuse_other_unfinished(out_dir, split, fingerprints[split], force)
         _refuse_other_extraction(out_dir, split, rows[split][0], force)
         for p in (captions_path(out_dir, split), ids_path(out_dir, split),
                   *(scale_path(out_dir, split, s) for s in extras)):
