@@ -55,8 +55,7 @@ def _list_pretrained() -> int:
 
     models = shipped()
     if not models:
-        print("no pretrained model is shipped yet (the converged GPU models of issue 24 are not trained); "
-              "load a checkpoint directory instead, e.g. itmatch.load('RUN/best')")
+        print("no pretrained model is shipped yet; load a checkpoint directory instead, e.g. itmatch.load('RUN/best')")
     for model in models.values():
         print(model.describe())
     return 0

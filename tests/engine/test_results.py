@@ -19,6 +19,7 @@ from itmatch.engine.results import (
     replace_history,
     result_row,
     upsert_row,
+    view_pages,
 )
 from itmatch.errors import DataError, OverwriteError
 
@@ -98,6 +99,18 @@ def test_results_views_in_a_page_are_filled_from_the_csv(tmp_path):
         render_views(page, results)
 
 
+def test_a_results_view_of_a_table_with_devices_names_where_each_row_ran(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    upsert_row(results / "flickr8k_gpu.csv", result_row("vsepp", "vsepp", "flickr8k", RESULT, "c", device="CPU x"))
+    page = tmp_path / "README.md"
+    page.write_text("<!-- results: flickr8k_gpu vsepp scan_i2t_lse -->\n<!-- results: end -->\n")
+    text = render_views(page, results)
+    assert "| rsum | mR | eval s | device |" in text
+    assert "| vsepp | 1k | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 123.5 | 20.6 | 1.2 | CPU x |" in text
+    assert "| scan_i2t_lse | not run yet | | | | | | | | | | |" in text  # (one blank cell per column)
+
+
 def test_versus_view_shows_differences_from_its_first_row(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
@@ -117,7 +130,7 @@ def test_versus_view_shows_differences_from_its_first_row(tmp_path):
 
 
 def test_committed_tables_and_views_match_their_csv():
-    """docs/results/*.md and the results views of docs/*.md are what scripts/render_results.py writes:
+    """docs/results/*.md and the results views of docs/*.md and the README are what scripts/render_results.py writes:
     a number typed by hand, or a CSV row added without re-rendering, fails here."""
     docs = Path(__file__).resolve().parents[2] / "docs"
     tables = markdown_tables(docs / "results")
@@ -125,7 +138,9 @@ def test_committed_tables_and_views_match_their_csv():
     for csv_path, render in tables:
         assert csv_path.with_suffix(".md").read_text(encoding="utf-8") == render(csv_path), (
             f"{csv_path.with_suffix('.md')} is stale: run python scripts/render_results.py")
-    for page in sorted(docs.glob("*.md")):
+    pages = view_pages(docs)
+    assert docs.parent / "README.md" in pages
+    for page in pages:
         assert render_views(page, docs / "results") == page.read_text(encoding="utf-8"), (
             f"the results views of {page} are stale: run python scripts/render_results.py")
 

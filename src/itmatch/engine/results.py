@@ -144,6 +144,11 @@ TABLE_HEAD = ["| name | protocol | i2t R@1 | R@5 | R@10 | t2i R@1 | R@5 | R@10 |
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
 
+def table_head(device: bool = False) -> list[str]:
+    """The results table's header lines, with the device column when asked."""
+    return [TABLE_HEAD[0] + " device |", TABLE_HEAD[1] + "---|"] if device else TABLE_HEAD
+
+
 def row_line(r: dict[str, str], device: bool = False) -> str:
     """One row of the results table (mR = rsum / 6), with the device column when asked."""
     return (f"| {r['name']} | {r['protocol']} | {r['image_to_text_r1']} | {r['image_to_text_r5']} | "
@@ -167,11 +172,10 @@ def render_markdown(path: str | Path) -> str:
     rows = read_rows(path)
     title = Path(path).stem
     device = read_header(path) == DEVICE_HEADER
-    head = [TABLE_HEAD[0] + " device |", TABLE_HEAD[1] + "---|"] if device else TABLE_HEAD
     lines = [f"# Results: {title}", "", f"Generated from `{Path(path).name}` by `scripts/render_results.py`; "
              "do not edit by hand.", "",
              "mR = rsum / 6, the mean of the six recalls (the figure SMAN's tables report).", "",
-             *head, *(row_line(r, device) for r in rows), "", "Commands that produced each row:", ""]
+             *table_head(device), *(row_line(r, device) for r in rows), "", "Commands that produced each row:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -220,7 +224,7 @@ class _ViewKind:
 #: of each run in docs/results/training/flickr8k.csv). render_views fills them in the order named; a name not in
 #: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for. `versus:` shows the
 #: first named row of docs/results/<csv>.csv and every other row as its difference from it (versus_line).
-VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, TABLE_HEAD, lambda r, _: row_line(r)),
+VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, TABLE_HEAD, lambda r, _: row_line(r, "device" in r)),
               "training": _ViewKind("training", HISTORY_HEADER, HISTORY_HEAD, lambda r, _: history_line(r)),
               "versus": _ViewKind("", RESULTS_HEADERS, VERSUS_HEAD, versus_line)}
 VIEW = re.compile(rf"^<!-- (?P<kind>{'|'.join(VIEW_KINDS)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
@@ -233,6 +237,13 @@ def markdown_tables(results_dir: str | Path) -> list[tuple[Path, Callable[[str |
     root = Path(results_dir)
     return ([(p, render_markdown) for p in sorted(root.glob("*.csv"))]
             + [(p, render_history_markdown) for p in sorted((root / VIEW_KINDS["training"].folder).glob("*.csv"))])
+
+
+def view_pages(docs: str | Path) -> list[Path]:
+    """The pages whose results and training views scripts/render_results.py renders: docs/*.md and the README
+    beside docs/."""
+    docs = Path(docs)
+    return [*sorted(docs.glob("*.md")), docs.parent / "README.md"]
 
 
 def render_views(page: str | Path, results_dir: str | Path) -> str:
@@ -251,12 +262,15 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
         by_name: dict[str, list[dict[str, str]]] = {}
         for r in read_rows(csv_path, kind.header):
             by_name.setdefault(r["name"], []).append(r)
-        blank = " |" * (kind.head[1].count("|") - 3)  # the empty cells after the first two
+        # a results view of a table with a device column (flickr8k_gpu) shows where each row ran
+        head = table_head(True) if kind is VIEW_KINDS["results"] and read_header(csv_path) == DEVICE_HEADER \
+            else kind.head
+        blank = " |" * (head[1].count("|") - 3)  # the empty cells after the first two
         names = match["rows"].split()
         first = by_name.get(names[0], [None])[0]
         lines: list[str] = []
         for n in names:
             lines += [kind.line(r, first) for r in by_name[n]] if n in by_name else [f"| {n} | not run yet |{blank}"]
-        return "\n".join([match.group(0).split("\n", 1)[0], *kind.head, *lines, f"<!-- {match['kind']}: end -->"])
+        return "\n".join([match.group(0).split("\n", 1)[0], *head, *lines, f"<!-- {match['kind']}: end -->"])
 
     return VIEW.sub(fill, text)
