@@ -1,6 +1,7 @@
 """Pretrained models by name: a trained checkpoint converted to the shipped fp16 form (scripts/ship_pretrained.py,
 size limit), loaded by name (itmatch.load, `itmatch index --model NAME`), listed by `itmatch models --pretrained`.
-No weights are shipped in the repository: every test ships into a temporary folder."""
+The tests of the mechanism ship into a temporary folder; the models the package ships are checked against
+their results rows and on real photos."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from itmatch.errors import CheckpointError
 from itmatch.models.registry import build_model, resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared" / "data"
 
 
 def ship_main(argv: list[str]) -> int:
@@ -77,6 +79,16 @@ def test_a_trained_checkpoint_ships_in_fp16_and_loads_by_name(trained, shelf, ti
     assert "tiny-scan" in capsys.readouterr().out
 
 
+def test_the_shipped_form_halves_the_weights_and_keeps_exact_buffers():
+    """float32 weights go to fp16; float64 buffers (MMCA's encoder fingerprint, checked to 1e-9 on load) and
+    integer ones stay as they are: an fp16 fingerprint made the first shipped MMCA model unloadable."""
+    state = {"w": torch.randn(3, 2), "fingerprint": torch.tensor([12345.678901234, 22e6], dtype=torch.float64),
+             "steps": torch.tensor(7)}
+    shipped = pretrained.fp16_weights(state)
+    assert shipped["w"].dtype == torch.float16 and torch.allclose(shipped["w"].float(), state["w"], atol=1e-3)
+    assert torch.equal(shipped["fingerprint"], state["fingerprint"]) and torch.equal(shipped["steps"], state["steps"])
+
+
 def test_nothing_is_shipped_over_the_size_limit_or_over_an_existing_name(trained, shelf, capsys):
     assert ship_main([str(trained), "too-big", "--out-root", str(shelf), "--max-mb", "0.01"]) == 1
     assert "over the 0.01 MB limit" in capsys.readouterr().err
@@ -87,13 +99,58 @@ def test_nothing_is_shipped_over_the_size_limit_or_over_an_existing_name(trained
     assert ship_main([str(trained), "Bad Name", "--out-root", str(shelf)]) == 1
 
 
-def test_no_model_is_shipped_yet_and_an_unknown_name_says_where_to_look(shelf, capsys):
-    assert not list(Path(pretrained.__file__).parent.glob("*/card.json"))  # the repository ships no weights yet
+def test_an_unknown_name_says_where_to_look(shelf, capsys):
     assert itmatch_main(["models", "--pretrained"]) == 0
-    assert "no pretrained model is shipped yet" in capsys.readouterr().out
+    assert "no pretrained model is shipped yet" in capsys.readouterr().out  # (an empty shelf)
     with pytest.raises(CheckpointError, match="no pretrained model named 'scan_i2t_lse-flickr8k'") as err:
         itmatch.load("scan_i2t_lse-flickr8k")
     assert "itmatch models --pretrained" in err.value.hint
+
+
+SHIPPED = sorted(pretrained.shipped())
+
+
+def test_the_package_ships_the_converged_models_listed_by_name(capsys):
+    assert SHIPPED, "the package ships no pretrained model"
+    assert itmatch_main(["models", "--pretrained"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shipped_model_is_its_results_row_within_the_size_limit(name):
+    """Each shipped model weighs at most 20 MB, and its card holds its row of the converged table as the bench
+    wrote it and the command that trained it."""
+    from itmatch.engine.results import read_rows
+
+    model = pretrained.shipped()[name]
+    assert sum(p.stat().st_size for p in model.path.iterdir()) <= pretrained.MAX_BYTES
+    rows = {r["name"]: r for r in read_rows(ROOT / "docs" / "results" / "flickr8k_gpu.csv")}
+    row = model.card["results"]
+    assert row == rows[row["name"]] and model.card["command"] == row["command"]
+    assert row["command"].startswith("python bench/flickr8k.py --config gpu")
+    assert itmatch.load(name).model.training is False  # (loads by name: weights, vocabulary, frozen parts)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::itmatch.data.captions.SkippedRowsWarning")  # (5 rows of a photo not in the set)
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shipped_model_finds_real_photos_by_their_captions(name):
+    """The shipped weights (fp16), loaded by name, read real Flickr8K test photos through the real CNN and rank
+    them by captions they have never been trained on: text-to-image R@5 over 100 test photos (chance: 5 %)."""
+    flickr = SHARED / "flickr8k"
+    if not (flickr / "images").is_dir():
+        pytest.skip(f"the Flickr8K photos are not at {flickr} (../shared beside the checkout)")
+    from itmatch.data.captions import read_flickr8k
+
+    table = read_flickr8k(flickr / "Flickr8k.token.txt")
+    ids, captions = table.precomp_rows("test")
+    ids, first = ids[:100], captions[:500:5]
+    matcher = itmatch.load(name)
+    scores = matcher.score([flickr / "images" / i for i in ids], first)  # [images, captions]
+    ranks = (scores > scores.diagonal().unsqueeze(0)).sum(0)  # per caption: images scored above its own
+    r5 = float((ranks < 5).float().mean())
+    assert r5 >= 0.5, f"{name}: text-to-image R@5 over 100 test photos is {r5:.2f}"
 
 
 def test_index_photos_with_a_pretrained_model_by_name(shelf, tmp_path):

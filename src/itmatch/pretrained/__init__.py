@@ -1,8 +1,8 @@
-"""Pretrained models shipped with the package, loadable by name: `itmatch.load("scan_i2t_lse-flickr8k")`,
-`itmatch index PHOTOS --model scan_i2t_lse-flickr8k`, listed by `itmatch models --pretrained`.
+"""Pretrained models shipped with the package, loadable by name: `itmatch.load("mmca_alpha0-flickr8k")`,
+`itmatch index PHOTOS --model mmca_alpha0-flickr8k`, listed by `itmatch models --pretrained`.
 
-The registry is the set of checkpoint directories `itmatch/pretrained/<name>/`; none is shipped yet. What a
-shipped model holds and how one is added: docs/training.md, 'Pretrained models by name'.
+The registry is the set of checkpoint directories `itmatch/pretrained/<name>/` (`itmatch models --pretrained`
+lists what is shipped). What a shipped model holds and how one is added: docs/training.md, 'Pretrained models by name'.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ class Pretrained:
     def describe(self) -> str:
         row = self.card.get("results") or {}
         score = f"rsum {row['rsum']} ({row.get('protocol', '')} {row.get('dataset', '')})" if "rsum" in row else ""
-        return f"{self.name:<28} {self.card.get('preset', ''):<16} {self.card.get('bytes', 0) / 1e6:5.1f} MB  {score}"
+        size = sum(f.stat().st_size for f in self.path.iterdir())  # (all its files, as the size limit counts)
+        return f"{self.name:<28} {self.card.get('preset', ''):<16} {size / 1e6:5.1f} MB  {score}"
 
 
 def shipped(root: Path | None = None) -> dict[str, Pretrained]:
@@ -68,9 +69,10 @@ def resolve_checkpoint(name_or_path: str | Path, root: Path | None = None) -> Pa
 
 
 def fp16_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The shipped form of a state dict: floating tensors in fp16 (loading casts them back to the model's
-    dtype), the others (counters, integer buffers) unchanged."""
-    return {k: (v.half() if v.is_floating_point() else v).detach().contiguous().cpu() for k, v in state.items()}
+    """The shipped form of a state dict: float32 tensors (the weights) in fp16, which loading casts back to the
+    model's dtype; the others unchanged: integer buffers (counters) and float64 ones, which the code keeps in
+    double on purpose (MMCA's fingerprint of its frozen text encoder is compared to 1e-9 when it loads)."""
+    return {k: (v.half() if v.dtype == torch.float32 else v).detach().contiguous().cpu() for k, v in state.items()}
 
 
 def ship(checkpoint: str | Path, name: str, *, root: Path | None = None, results: dict[str, str] | None = None,
