@@ -346,8 +346,8 @@ def require_cuda() -> None:
 
 
 def row_status(row: str, profile: Profile) -> str:
-    """Where a row stands: evaluated (its rsum), trained and not evaluated, training (epoch e of E), not started,
-    or a finished training whose checkpoint is missing."""
+    """Where a row stands: evaluated (its rsum), trained and not evaluated, training (epoch e of E), started
+    without a checkpoint yet, not started, or a finished training whose checkpoint is missing."""
     from itmatch.engine.results import read_rows
 
     done = {r["name"]: r for r in read_rows(ROOT / profile.results)}
@@ -364,6 +364,8 @@ def row_status(row: str, profile: Profile) -> str:
             state = json.loads((run_dir / "last" / "state.json").read_text())
             epochs = json.loads((run_dir / "config.json").read_text())["train"]["epochs"]
             states.append(f"{member}: training, epoch {state['epoch']} of {epochs} done")
+        elif (run_dir / "config.json").is_file():  # (the trainer writes its first checkpoint after a few batches)
+            states.append(f"{member}: started, no checkpoint yet")
         else:
             states.append(f"{member}: not started")
     return "not evaluated; " + "; ".join(states)

@@ -108,6 +108,10 @@ def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_pa
     _fake_run(bench, gpu, "scan_i2t_lse", epochs_done=30, with_best=False)  # finished, `best` lost
     assert "vsepp: training, epoch 7 of 30 done" in bench.row_status("vsepp", gpu)
     assert "CHECKPOINT MISSING" in bench.row_status("scan_i2t_lse", gpu)
+    (tmp_path / "runs" / "oan").mkdir()
+    (tmp_path / "runs" / "oan" / "config.json").write_text("{}")  # (killed before its first checkpoint)
+    assert bench.row_status("oan", gpu) == "not evaluated; oan: started, no checkpoint yet"
+    assert bench.row_status("sman", gpu) == "not evaluated; sman: not started"
     monkeypatch.setattr(bench, "DRY_RUN", True)
     bench.run_row("vsepp", 0, profile=gpu)
     train_line = next(line for line in capsys.readouterr().out.splitlines() if " train " in line)
@@ -120,8 +124,10 @@ def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_pa
 def test_the_docs_views_of_the_gpu_table_name_rows_the_bench_produces(bench):
     import re
 
+    from itmatch.engine.results import view_pages
+
     names = set()
-    for page in (ROOT / "docs").glob("*.md"):
+    for page in view_pages(ROOT / "docs"):
         for rows in re.findall(r"<!-- (?:results|versus): flickr8k_gpu ([\w.+ -]+?) -->", page.read_text()):
             names |= set(rows.split())
     assert names and names <= set(bench.GPU.rows)
