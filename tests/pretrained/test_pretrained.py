@@ -132,6 +132,20 @@ def test_a_shipped_model_is_its_results_row_within_the_size_limit(name):
     assert itmatch.load(name).model.training is False  # (loads by name: weights, vocabulary, frozen parts)
 
 
+def test_no_file_of_a_shipped_model_is_ignored_by_git():
+    """A shipped model's weights must reach a clone: `*.safetensors` is ignored everywhere else (run outputs)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = [str(f.relative_to(ROOT)) for m in SHIPPED for f in pretrained.shipped()[m].path.iterdir()]
+    # (--no-index: the patterns alone decide, so a file added by hand does not hide the trap)
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=ROOT, capture_output=True,
+                             text=True).stdout
+    assert files and not ignored, f"ignored by git, so missing from a clone: {ignored}"
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::itmatch.data.captions.SkippedRowsWarning")  # (5 rows of a photo not in the set)
 @pytest.mark.parametrize("name", SHIPPED)
