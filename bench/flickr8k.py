@@ -157,8 +157,8 @@ GPU_SINGLE = ["meanpool", "vsepp", "summax_t2i", "summax_i2t", *SCAN_ROWS, *OAN_
 GPU_SCHEDULES = {row: GPU_NO_WARMUP for row in ["meanpool", *MMCA_ROWS, *SMAN_ROWS]}
 GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"],
                  "scan_ensemble_t2i_avg+i2t_lse_seed1": ["scan_t2i_avg_seed1", "scan_i2t_lse_seed1"]}
-# two seeds for the headline rows (the spread is stated beside them)
-HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "save_dsa", "save_asa_ms3", "sman"]
+# two seeds for the headline rows (the spread is stated beside them), and for each shipped pretrained model
+HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "mmca_alpha0", "save_dsa", "save_asa_ms3", "sman"]
 # End to end (train.finetune_backbone): the converged frozen run continued from pixels for 10 epochs, the whole
 # model at the frozen run's final lr (the preset's lr / 10; the CNN included, BatchNorm frozen), beside a control
 # that continues the same checkpoint frozen for the same 10 epochs, so that the two differ in the CNN's training

@@ -277,18 +277,22 @@ def _cmd_search(args: argparse.Namespace) -> int:
     searcher = Searcher(Path(args.index), args.model, captions=captions, shortlist=args.shortlist,
                         shortlist_index=args.faiss, device=placement.device, precision=placement.precision,
                         trust_modified=args.trust_modified)
+    # --json prints one document shaped as the HTTP API's answer (docs/search.md), with escaped paths for urls
     if args.image is not None:
         results = searcher.search_image(Path(args.image), args.k)
         _report_unrankable_captions(searcher.captions_without_known_word, args.captions)
+        document = {"image": public_id(str(args.image)), "k": args.k,
+                    "captions_without_known_word": len(searcher.captions_without_known_word), "results": results}
     else:
         # ids and paths escaped (docs/search.md): a name need not be UTF-8 and may hold a newline
         results = [{**h.as_dict(), "path": public_id(str(searcher.path_of(h.id)))}
                    for h in searcher.search(args.query, args.k)]
         unknown = searcher.unknown_words(args.query)
-        if unknown:  # (stderr: --json output stays one JSON document)
+        if unknown:  # (stderr as well: a reader of the ranked lines sees it)
             print(f"note: not in the model's vocabulary, read as <unk>: {', '.join(unknown)}", file=sys.stderr)
+        document = {"query": args.query, "k": args.k, "unknown_words": unknown, "results": results}
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps(document, indent=2))
     else:
         for r in results:
             unknown = f"  [unknown: {', '.join(r['unknown_words'])}]" if r.get("unknown_words") else ""
@@ -517,7 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="caption collection for --image: a text file, one caption a line")
     s.add_argument("--model", type=checkpoint_ref,
                    help="checkpoint or pretrained name (default: the one the index was built with; must be the same)")
-    s.add_argument("--json", action="store_true", help="print the results as JSON")
+    s.add_argument("--json", action="store_true",
+                   help="print one JSON document, shaped as the HTTP API's answer: the query (or image), k, the "
+                        "query's unknown words (or the captions without a known word) and the results")
     _add_shortlist_arguments(s)
     _add_device_arguments(s, "auto")
     _add_trust_argument(s)

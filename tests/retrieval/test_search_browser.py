@@ -113,6 +113,14 @@ def _assert_photo_and_heatmaps_show_the_same_pixels(page) -> None:
         assert abs(drawn - natural) <= 0.02 * natural and abs(shown - natural) <= 0.02 * natural, geometry
 
 
+def _assert_thumbnails_show_whole_photos(page) -> None:
+    """Every result thumbnail shows the whole photo, letterboxed in its square cell: "cover" would crop a 2:1
+    photo to its middle half, "fill" would squash it."""
+    fits = page.evaluate("() => [...document.querySelectorAll('#results .result img')].map("
+                         "img => getComputedStyle(img).objectFit)")
+    assert fits and all(fit in ("contain", "scale-down") for fit in fits), fits
+
+
 def test_query_results_and_heatmaps_in_a_real_browser(server, page, tmp_path):
     page.goto(server + "/")
     _search(page, "a large red circle in the center")
@@ -166,6 +174,7 @@ def test_hostile_names_non_square_photos_and_a_deep_link(hostile_server, browser
     assert sorted(names) == sorted(HOSTILE_NAMES.values())  # every name, shown as text (escaped), not markup
     assert page.evaluate("window.pwned") is None and page.locator("#results script, #results .id img").count() == 0
     _assert_rank_name_score_apart(page)  # ranks 10 to 18, and a 255-byte name among them
+    _assert_thumbnails_show_whole_photos(page)  # the photos are 2:1
 
     page.locator("#results .result", has=page.get_by_text("caf\\xe9.png", exact=True)).click()
     page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)

@@ -164,7 +164,7 @@ def test_first_stage_shortlist_reranks_the_top_n(tiny_search_setup, tmp_path, ca
         Searcher(scan_index, shortlist=5)  # SCAN has none: exhaustive only
     # the CLI flag
     assert main(["search", str(out), query, "-k", "10", "--shortlist", "3", "--json"]) == 0
-    assert [r["id"] for r in json.loads(capsys.readouterr().out)] == [h.id for h in full[:3]]
+    assert [r["id"] for r in json.loads(capsys.readouterr().out)["results"]] == [h.id for h in full[:3]]
     assert main(["search", str(scan_index), query, "--shortlist", "3"]) == 2
     assert "no global embedding" in capsys.readouterr().err
 
@@ -254,12 +254,21 @@ def test_cli_index_and_search(tiny_search_setup, tmp_path, capsys):
                  "--out", str(out), "--quiet"]) == 0
     assert "12 images" in capsys.readouterr().out
     assert main(["search", str(out), "a red circle", "-k", "3", "--json"]) == 0
-    results = json.loads(capsys.readouterr().out)
+    document = json.loads(capsys.readouterr().out)
+    assert {k: document[k] for k in ("query", "k", "unknown_words")} == {"query": "a red circle", "k": 3,
+                                                                         "unknown_words": []}
+    results = document["results"]
     assert [r["rank"] for r in results] == [1, 2, 3] and results[0]["score"] >= results[2]["score"]
+    # a word the model does not know is in the document itself (and noted on stderr), not only on stderr
+    assert main(["search", str(out), "a red qwzx circle", "-k", "3", "--json"]) == 0
+    printed = capsys.readouterr()
+    assert json.loads(printed.out)["unknown_words"] == ["qwzx"] and "qwzx" in printed.err
     photo = tiny_search_setup["photos"] / "test_00004.png"
     assert main(["search", str(out), "--image", str(photo), "--captions", str(tiny_search_setup["captions"]),
                  "-k", "2", "--json"]) == 0
-    captions = json.loads(capsys.readouterr().out)
+    document = json.loads(capsys.readouterr().out)
+    assert document["image"] == str(photo) and document["captions_without_known_word"] == 0
+    captions = document["results"]
     assert len(captions) == 2 and all(isinstance(c["caption"], str) for c in captions)
     assert main(["search", str(out), "qwzx"]) == 2
     assert "vocabulary" in capsys.readouterr().err
@@ -382,7 +391,7 @@ def test_sman_index_search_and_serve_from_the_cli(tiny_search_setup, tmp_path, c
     assert main(["index", str(tiny_search_setup["photos"]), "--model", str(ckpt), "--out", str(out), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["search", str(out), "a red circle", "-k", "3", "--json"]) == 0
-    results = json.loads(capsys.readouterr().out)
+    results = json.loads(capsys.readouterr().out)["results"]
     assert len(results) == 3 and results[0]["score"] >= results[2]["score"]
     pytest.importorskip("httpx", reason="fastapi's TestClient needs httpx (dev extra)")
     from fastapi.testclient import TestClient

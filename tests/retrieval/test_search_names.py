@@ -99,7 +99,7 @@ def test_cli_prints_every_name_escaped(hostile_index, hostile_photos, capsys):
     assert len(lines) == len(HOSTILE_NAMES)  # no name broke a line
     assert any(line.endswith("/caf\\xe9.png") for line in lines)
     assert main(["search", str(hostile_index), QUERY, "-k", k, "--json"]) == 0
-    results = json.loads(capsys.readouterr().out)
+    results = json.loads(capsys.readouterr().out)["results"]
     assert sorted(r["id"] for r in results) == sorted(HOSTILE_NAMES.values())
     for r in results:
         assert r["path"] == public_id(str(hostile_photos.resolve() / os.fsdecode(_name_of(r["id"]))))
