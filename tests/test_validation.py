@@ -146,6 +146,29 @@ def test_crash_mid_epoch_resumes_to_the_same_run_and_same_seed_is_deterministic(
     assert epochs[1]["train_seconds"] >= state["epoch_seconds"]
 
 
+def test_a_run_killed_before_its_first_checkpoint_restarts_from_another_working_directory(tiny_precomp, tmp_path,
+                                                                                        monkeypatch):
+    """The run's config.json stores its data path from the run directory (as a checkpoint does), so --resume
+    from another directory finds the data; one written by an older itmatch (from the working directory of the
+    run) still restarts from that directory."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(tiny_precomp, project / "data" / "tiny")
+    monkeypatch.chdir(project)
+    cfg = resolve_config("vsepp", {**QUICK, "data": {"path": "data/tiny"}})
+    cfg.train.epochs, cfg.train.max_batches = 1, 3
+    ref = train(cfg, "runs/ref", progress=False)
+    saved = json.loads((project / "runs" / "ref" / "config.json").read_text())
+    assert saved["data"]["path"] == "../../data/tiny"  # from the run directory
+    for name, data_path, cwd in [("moved", "../../data/tiny", tmp_path), ("old", "data/tiny", project)]:
+        run = project / "runs" / name
+        run.mkdir(parents=True)
+        (run / "config.json").write_text(json.dumps({**saved, "data": {**saved["data"], "path": data_path}}))
+        monkeypatch.chdir(cwd)  # killed right after config.json; resumed from `cwd`
+        assert _untimed(train(cfg, run.relative_to(cwd), resume=True, progress=False)) == _untimed(ref), name
+
+
 def test_resume_before_first_checkpoint_restarts_and_force_drops_old_state(tiny_precomp, tmp_path):
     cfg = resolve_config("vsepp", {**QUICK, "data": {"path": str(tiny_precomp)}})
     cfg.train.epochs = 1

@@ -236,20 +236,30 @@ def _data_candidates(value: str, directory: Path, version: int) -> list[Path]:
     return list(dict.fromkeys(p.resolve() for p in places))
 
 
-def _resolve_data_paths(config: Config, directory: Path, version: int) -> dict[str, list[Path]]:
+def _resolve_data_paths(config: Config, directory: Path, *versions: int) -> dict[str, list[Path]]:
     """Set the config's relative data paths to where they were found (as paths from the current directory,
-    like any path the user gives); return every place looked at, per key."""
+    like any path the user gives), looking where a config written by each of `versions` stores them, in that
+    order; return every place looked at, per key."""
     searched = {}
     for key in DATA_PATH_KEYS:
         value = getattr(config.data, key)
         if not value:
             continue
-        candidates = _data_candidates(value, directory.resolve(), version)
+        candidates = list(dict.fromkeys(place for version in versions
+                                        for place in _data_candidates(value, directory.resolve(), version)))
         searched[key] = candidates
         if not Path(value).is_absolute():
             found = next((p for p in candidates if p.is_dir()), candidates[0])
             setattr(config.data, key, os.path.relpath(found, Path.cwd()))
     return searched
+
+
+def resolve_run_data_paths(config: Config, run_dir: Path) -> None:
+    """The data paths of a run's own config.json (what --resume restarts from when the run was killed before its
+    first checkpoint), as paths from the current directory. Written like a checkpoint's (from the run directory,
+    `config_for_checkpoint`), so a restart from another working directory finds the data; a config.json of an
+    older itmatch stored them from the run's working directory, and is read as an old checkpoint is."""
+    _resolve_data_paths(config, run_dir, MANIFEST_VERSION, 1)
 
 
 def load_checkpoint(path: str | Path, *, expect_arch: str | None = None, trust_modified: bool = False) -> Checkpoint:

@@ -35,11 +35,13 @@ from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import SPECIALS, TOKENIZERS, AnyVocab, Vocab, build_vocab, load_vocab
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import (
+    config_for_checkpoint,
     init_weights_from,
     load_checkpoint,
     load_optimizer_state,
     load_trainer_state,
     recover_checkpoint,
+    resolve_run_data_paths,
     save_checkpoint,
 )
 from itmatch.engine.evaluate import evaluate_models
@@ -369,6 +371,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         except (ValueError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot restart the run: its config.json is not valid JSON ({exc})",
                               path=saved) from None
+        resolve_run_data_paths(cfg, run_dir)
         resume, force = False, True
         apply_resume_overrides(cfg, resume_overrides or {})
     check_world(cfg)  # (before anything is written)
@@ -416,7 +419,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                     shutil.rmtree(old)
     finetune_backbone(cfg, model)  # (a resumed run's model is built frozen, like any loaded checkpoint)
     if main:
-        write_json_atomic(run_dir / "config.json", cfg.to_dict())  # first: --resume can restart from it
+        # first: --resume can restart from it (data paths from run_dir, as in a checkpoint: from any directory)
+        write_json_atomic(run_dir / "config.json", config_for_checkpoint(cfg, run_dir))
     if cfg.train.threads:  # the thread count changes float summation order: part of the config
         torch.set_num_threads(cfg.train.threads)
     model.to(placement.device)  # (before the optimizer: its state follows the parameters' device)
