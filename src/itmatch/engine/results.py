@@ -215,8 +215,8 @@ def versus_line(r: dict[str, str], reference: dict[str, str] | None) -> str:
 class _ViewKind:
     folder: str  # below the results directory
     header: list[str] | tuple[list[str], ...]  # (or any of several)
-    head: list[str]
-    line: Callable[[dict[str, str], dict[str, str] | None], str]  # (row, the view's first row)
+    head: Callable[[bool], list[str]]  # (whether the CSV has a device column)
+    line: Callable[[dict[str, str], dict[str, str] | None, bool], str]  # (row, the view's first row, device)
 
 
 #: Views inside any markdown page: `<!-- results: flickr8k row_a row_b ... -->`, the table, then
@@ -224,9 +224,11 @@ class _ViewKind:
 #: of each run in docs/results/training/flickr8k.csv). render_views fills them in the order named; a name not in
 #: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for. `versus:` shows the
 #: first named row of docs/results/<csv>.csv and every other row as its difference from it (versus_line).
-VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, TABLE_HEAD, lambda r, _: row_line(r, "device" in r)),
-              "training": _ViewKind("training", HISTORY_HEADER, HISTORY_HEAD, lambda r, _: history_line(r)),
-              "versus": _ViewKind("", RESULTS_HEADERS, VERSUS_HEAD, versus_line)}
+VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, table_head, lambda r, _, device: row_line(r, device)),
+              "training": _ViewKind("training", HISTORY_HEADER, lambda _: HISTORY_HEAD,
+                                    lambda r, _, __: history_line(r)),
+              "versus": _ViewKind("", RESULTS_HEADERS, lambda _: VERSUS_HEAD,
+                                  lambda r, first, _: versus_line(r, first))}
 VIEW = re.compile(rf"^<!-- (?P<kind>{'|'.join(VIEW_KINDS)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
                   r"<!-- (?P=kind): end -->$", re.MULTILINE | re.DOTALL)
 
@@ -263,14 +265,15 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
         for r in read_rows(csv_path, kind.header):
             by_name.setdefault(r["name"], []).append(r)
         # a results view of a table with a device column (flickr8k_gpu) shows where each row ran
-        head = table_head(True) if kind is VIEW_KINDS["results"] and read_header(csv_path) == DEVICE_HEADER \
-            else kind.head
+        device = read_header(csv_path) == DEVICE_HEADER
+        head = kind.head(device)
         blank = " |" * (head[1].count("|") - 3)  # the empty cells after the first two
         names = match["rows"].split()
         first = by_name.get(names[0], [None])[0]
         lines: list[str] = []
         for n in names:
-            lines += [kind.line(r, first) for r in by_name[n]] if n in by_name else [f"| {n} | not run yet |{blank}"]
+            lines += ([kind.line(r, first, device) for r in by_name[n]] if n in by_name
+                      else [f"| {n} | not run yet |{blank}"])
         return "\n".join([match.group(0).split("\n", 1)[0], *head, *lines, f"<!-- {match['kind']}: end -->"])
 
     return VIEW.sub(fill, text)
