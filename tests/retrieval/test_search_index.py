@@ -359,7 +359,10 @@ def test_sman_index_ranks_exactly_as_the_model_scores(tiny_search_setup, tmp_pat
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["image_extras"] == ["att1", "v0", "v1"]
     assert manifest["arrays"]["extra_v0"]["shape"] == [12, 8]
+    # SMAN's regions are the backbone's cells themselves: stored once, as the features
+    assert "regions" not in manifest["arrays"] and (manifest["regions_from"], manifest["version"]) == ("features", 2)
     index = load_index(out)
+    assert np.array_equal(index.regions, index.features())
     searcher = Searcher(out)
     query = "a red circle above two stars"
     hits = searcher.search(query, k=12)
@@ -375,6 +378,45 @@ def test_sman_index_ranks_exactly_as_the_model_scores(tiny_search_setup, tmp_pat
     with pytest.raises(QueryError, match="no per-word attention over regions") as err:
         searcher.explain(query, searcher.ids[0])  # one query-guided map per pair, not one per word
     assert err.value.status == 409
+
+
+def test_an_older_sman_index_with_a_second_copy_of_the_regions_is_read_and_compacted_by_the_next_run(
+        tiny_search_setup, tmp_path):
+    """An index written before the regions were stored as the features (version 1, a `regions` array equal to
+    the features) still searches the same; `itmatch index` over it again, with nothing changed, rewrites it
+    without the copy (the file goes) and the search is unchanged."""
+    ckpt = _untrained_sman(tiny_search_setup, tmp_path / "ckpt")
+    out = tmp_path / "index"
+    build_index(tiny_search_setup["photos"], ckpt, out, progress=False)
+    query = "a red circle above two stars"
+    reference = score_of(Searcher(out), query)
+    manifest = json.loads((out / MANIFEST).read_text())
+    features = manifest["arrays"]["features"]
+    old_copy = out / features["file"].replace("features-", "regions-", 1)
+    shutil.copy(out / features["file"], old_copy)  # as the older itmatch wrote it: a second file, same bytes
+    manifest["arrays"]["regions"] = {**features, "file": old_copy.name}
+    del manifest["regions_from"]
+    manifest["version"] = 1
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    assert torch.equal(score_of(Searcher(out), query), reference)
+    summary = build_index(tiny_search_setup["photos"], ckpt, out, progress=False)
+    assert (summary["encoded"], summary["reused"]) == (0, 12)  # nothing re-encoded: only the copy dropped
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert "regions" not in manifest["arrays"] and manifest["regions_from"] == "features"
+    assert not old_copy.exists()
+    assert torch.equal(score_of(Searcher(out), query), reference)
+
+
+def test_an_index_of_a_model_whose_regions_are_its_own_stays_version_1(tiny_search_setup, tmp_path):
+    """SCAN's regions are its FC layer's output, not the cells: stored as before, readable by older itmatch;
+    an index of a format version this itmatch does not know is refused, naming the versions it reads."""
+    out = tmp_path / "index"
+    build_index(tiny_search_setup["photos"], tiny_search_setup["checkpoint"], out, progress=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["version"] == 1 and "regions" in manifest["arrays"] and "regions_from" not in manifest
+    (out / MANIFEST).write_text(json.dumps({**manifest, "version": 3}))
+    with pytest.raises(DataError, match=r"index format version 3 is not one this itmatch reads \(1, 2\)"):
+        load_index(out)
 
 
 def score_of(searcher: Searcher, query: str) -> torch.Tensor:

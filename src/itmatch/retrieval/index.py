@@ -28,7 +28,7 @@ from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteErr
 from itmatch.features.pipeline import UnreadableImage, decode_image, grid_features, strict_decoding
 from itmatch.fingerprint import file_record
 from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
-from itmatch.models.base import ImageEmb
+from itmatch.models.base import ImageEmb, Matcher
 from itmatch.retrieval.names import public_id
 
 log = logging.getLogger("itmatch.retrieval")
@@ -36,7 +36,10 @@ log = logging.getLogger("itmatch.retrieval")
 MANIFEST = "manifest.json"
 PARTS = "parts"
 FORMAT = "itmatch-index"
-FORMAT_VERSION = 1
+# 2: the regions may be stored once, as the features (manifest "regions_from"; a model whose image encoder passes
+# the backbone's cells through, SMAN); an index without that is written as version 1, which older itmatch reads
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 ARRAYS = ("features", "regions", "vectors")
 EXTRA_PREFIX = "extra_"  # array name of an ImageEmb.extras entry: extra_<key>
@@ -123,8 +126,9 @@ def read_manifest(index_dir: Path) -> dict[str, Any]:
         raise DataError(f"corrupt index manifest ({exc})", path=path, hint=rebuild_hint(index_dir)) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError("not an itmatch index manifest", path=path, hint=rebuild_hint(index_dir))
-    if manifest.get("version") != FORMAT_VERSION:
-        raise DataError(f"index format version {manifest.get('version')} is not {FORMAT_VERSION}", path=path,
+    if manifest.get("version") not in READABLE_VERSIONS:
+        raise DataError(f"index format version {manifest.get('version')} is not one this itmatch reads "
+                        f"({', '.join(map(str, READABLE_VERSIONS))})", path=path,
                         hint=rebuild_hint(index_dir, manifest))
     return manifest
 
@@ -215,7 +219,7 @@ def load_index(index_dir: Path | str, verify: bool = True) -> ImageIndex:
     index_dir = Path(index_dir)
     manifest = read_manifest(index_dir)
     try:
-        regions = _open_array(index_dir, manifest, "regions", verify)
+        regions = _open_array(index_dir, manifest, manifest.get("regions_from", "regions"), verify)
         vectors = _open_array(index_dir, manifest, "vectors", verify) if "vectors" in manifest["arrays"] else None
         # (indexes built before the extras were stored have no `image_extras`: their models had none)
         extras = {key: _open_array(index_dir, manifest, extra_array(key), verify)
@@ -265,6 +269,15 @@ def _stored_fields(emb: ImageEmb) -> dict[str, np.ndarray]:
     arrays = {"regions": emb.regions, **({"vectors": emb.vector} if emb.vector is not None else {}),
               **{extra_array(key): value for key, value in emb.extras.items()}}
     return {name: value.float().cpu().numpy() for name, value in arrays.items()}
+
+
+def _regions_are_features(model: Matcher, k: int, dim: int, device: torch.device) -> bool:
+    """Whether the model's image encoder returns its input cells as its regions (exactly, in evaluation mode):
+    tried on random cells, which no other encoder returns unchanged."""
+    cells = torch.randn(2, k, dim, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.inference_mode():
+        regions = model.encode_image_fields(cells).regions
+    return regions.shape == cells.shape and torch.equal(regions.float(), cells)
 
 
 def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
@@ -321,6 +334,11 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                           f"encodings carry non-float parts ({', '.join(not_float)}) that the index cannot store",
                           path=checkpoint, hint="store them as float tensors in the image encoder's extras")
     row_shapes = {"features": (k, dim), **{name: arr.shape[1:] for name, arr in _stored_fields(probe).items()}}
+    # regions that are the backbone's cells themselves (SMAN's I_m) are stored once, as the features: half the
+    # bytes of such an index
+    regions_are_features = _regions_are_features(model, k, dim, on)
+    if regions_are_features:
+        del row_shapes["regions"]
 
     old: dict[str, Any] | None = None
     if (out_dir / MANIFEST).exists():
@@ -366,7 +384,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     records, unreadable = _hash_files(images_dir, paths, progress, None if rehash else old)
 
     # the old rows serve only when they hold every field this model's encoder returns
-    has_regions = all(name in old_arrays for name in row_shapes if name != "features")
+    has_regions = all(name in old_arrays for name in row_shapes if name != "features" or regions_are_features)
     todo = []  # unique contents with no encodings yet
     seen = set()
     for r in records:
@@ -415,6 +433,10 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                 f = torch.stack(feats).float()
                 with matcher.placement.autocast():
                     fields = _stored_fields(model.encode_image_fields(f.to(on)))
+                if regions_are_features:
+                    if not np.array_equal(fields["regions"], f.numpy()):  # (the probe said they would be)
+                        raise RuntimeError("the image encoder's regions differ from its input features")
+                    del fields["regions"]
                 chunk_data = {"sha256": np.array([r["sha256"] for r in good]), "features": f.numpy(),
                               **fields, "sizes": np.array(sizes, dtype=np.int64),
                               "weights_hash": np.array(identity["weights_hash"]),
@@ -449,6 +471,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     # (files that still cannot be read need no rewrite: they are listed in the old manifest already)
     unchanged = (old is not None and has_regions and not encoded and skipped == old.get("skipped") and not parts
                  and old["model"] == identity  # (else records this checkpoint: its vocabulary, its path)
+                 and set(old["arrays"]) == set(row_shapes)  # (else rewritten: an older index's second copy goes)
                  and old.get("images_root") == str(images_dir)
                  and [(e["id"], e["sha256"]) for e in old["images"]] == [(r["id"], r["sha256"]) for r in records])
     if unchanged:  # no array to rewrite (an up-to-date index of a large collection costs one stat per photo)
@@ -462,6 +485,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                             identity, row_shapes, images_dir)
     manifest["image_extras"] = sorted(name.removeprefix(EXTRA_PREFIX) for name in row_shapes
                                       if name.startswith(EXTRA_PREFIX))
+    if regions_are_features:
+        manifest["regions_from"], manifest["version"] = "features", FORMAT_VERSION
     manifest["skipped"] = skipped
     manifest["itmatch_version"] = _version()
     manifest["backbone"] = _backbone_meta(matcher.backbone)
@@ -520,7 +545,7 @@ def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarr
             e = old["images"][old_rows[sha]] if old else {}
             w, h = e.get("width"), e.get("height")
         images.append({**r, "width": w, "height": h})
-    return {"format": FORMAT, "version": FORMAT_VERSION, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    return {"format": FORMAT, "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "images_root": str(images_dir), "model": identity, "count": n, "arrays": arrays, "images": images}
 
 
