@@ -187,12 +187,23 @@ def _environment(processes: int = 1) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
 
 
+def work_copy(_: argparse.Namespace | None = None) -> int:
+    """Copy this checkout to DEVICE_ROOT/itmatch, beside shared/ (so that ../shared is found there), over an
+    earlier copy: its runs, features and results stay (each call replaces the checkout's own tracked files)."""
+    work = DEVICE_ROOT / "itmatch"
+    kept = ["results"] if work.exists() else []  # (docs/results: the rows written there so far)
+    shutil.copytree(ROOT, work, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(".device", ".git", "runs", ".venv", ".ci-venv", *kept))
+    print(f"working copy: {DEVICE_ROOT / 'itmatch'}")
+    return 0
+
+
 def start(args: argparse.Namespace) -> int:
-    """Copy this checkout to DEVICE_ROOT/itmatch (beside shared/, so that ../shared is found) and start, in a new
-    process session that outlives the call, the features' extraction and then the rows, `--parallel` at a time."""
+    """Make the working copy and start in it, in a new process session that outlives the call, the features'
+    extraction and then the rows, `--parallel` at a time."""
     work = DEVICE_ROOT / "itmatch"
     if not work.exists():
-        shutil.copytree(ROOT, work, ignore=shutil.ignore_patterns(".device", ".git", "runs", ".venv", ".ci-venv"))
+        work_copy()
     (DEVICE_ROOT / "logs").mkdir(parents=True, exist_ok=True)
     plan = {"rows": args.row, "parallel": args.parallel, "bench": args.bench_args, "started": time.time()}
     (DEVICE_ROOT / "logs" / "plan.json").write_text(json.dumps(plan))
@@ -288,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("receive", help="(there) unpack one carried bundle into DEVICE_ROOT")
     p.add_argument("bundle")
     p.set_defaults(func=receive)
+    sub.add_parser("workcopy", help="(there) copy the checkout to DEVICE_ROOT/itmatch, keeping its runs and results"
+                   ).set_defaults(func=work_copy)
     p = sub.add_parser("start", help="(there) extract the features, then train and evaluate rows in the background")
     p.add_argument("--row", action="append", required=True, help="a row of `bench/flickr8k.py --config gpu`")
     p.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
