@@ -243,6 +243,9 @@ def run_rows(_: argparse.Namespace) -> int:
 def poll(args: argparse.Namespace) -> int:
     """Wait up to --wait seconds for the rows, print where each stands, copy the results to $OUT."""
     logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
+    if not (logs / "plan.json").exists():
+        print(f"nothing started under {DEVICE_ROOT}: run `start --row ROW ...` first (a machine given back loses it)")
+        return 1
     plan = json.loads((logs / "plan.json").read_text())
     deadline = time.time() + args.wait
     while time.time() < deadline and not _all_done(logs, plan["rows"]):
