@@ -28,7 +28,7 @@ from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteErr
 from itmatch.features.pipeline import UnreadableImage, decode_image, grid_features, strict_decoding
 from itmatch.fingerprint import file_record
 from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
-from itmatch.models.base import ImageEmb, Matcher
+from itmatch.models.base import ImageEmb
 from itmatch.retrieval.names import public_id
 
 log = logging.getLogger("itmatch.retrieval")
@@ -271,15 +271,6 @@ def _stored_fields(emb: ImageEmb) -> dict[str, np.ndarray]:
     return {name: value.float().cpu().numpy() for name, value in arrays.items()}
 
 
-def _regions_are_features(model: Matcher, k: int, dim: int, device: torch.device) -> bool:
-    """Whether the model's image encoder returns its input cells as its regions (exactly, in evaluation mode):
-    tried on random cells, which no other encoder returns unchanged."""
-    cells = torch.randn(2, k, dim, generator=torch.Generator().manual_seed(0)).to(device)
-    with torch.inference_mode():
-        regions = model.encode_image_fields(cells).regions
-    return regions.shape == cells.shape and torch.equal(regions.float(), cells)
-
-
 def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as fh:  # a file object: np.savez would append ".npz" to a path
@@ -324,19 +315,21 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     model, backbone_name, on = matcher.model, matcher.backbone_name, matcher.device
     identity = model_identity(checkpoint, backbone_name)
     k, dim = matcher.backbone.grid ** 2, matcher.backbone.out_dim
+    # random cells, which no encoder but one that passes its cells through returns unchanged (below)
+    cells = torch.randn(2, k, dim, generator=torch.Generator().manual_seed(0)).to(on)
     with torch.inference_mode():
         # every field the image encoder returns is stored (SMAN: its v0, v1, att1 too), and only those: the
         # head's per-item parts are recomputed from them when the index is loaded (Searcher)
-        probe = model.encode_image_fields(torch.zeros(1, k, dim, device=on))
+        probe = model.encode_image_fields(cells)
     not_float = sorted(key for key, value in probe.extras.items() if not value.is_floating_point())
     if not_float:
         raise ConfigError(f"the {identity['preset'] or identity['arch']} model cannot be indexed: its image "
                           f"encodings carry non-float parts ({', '.join(not_float)}) that the index cannot store",
                           path=checkpoint, hint="store them as float tensors in the image encoder's extras")
     row_shapes = {"features": (k, dim), **{name: arr.shape[1:] for name, arr in _stored_fields(probe).items()}}
-    # regions that are the backbone's cells themselves (SMAN's I_m) are stored once, as the features: half the
-    # bytes of such an index
-    regions_are_features = _regions_are_features(model, k, dim, on)
+    # regions that are the backbone's cells themselves (SMAN's I_m, exactly, in evaluation mode) are stored once,
+    # as the features: half the bytes of such an index
+    regions_are_features = probe.regions.shape == cells.shape and torch.equal(probe.regions.float(), cells)
     if regions_are_features:
         del row_shapes["regions"]
 
@@ -486,7 +479,9 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     manifest["image_extras"] = sorted(name.removeprefix(EXTRA_PREFIX) for name in row_shapes
                                       if name.startswith(EXTRA_PREFIX))
     if regions_are_features:
-        manifest["regions_from"], manifest["version"] = "features", FORMAT_VERSION
+        manifest["regions_from"] = "features"
+    # version 2 only where its one addition is used: older itmatch reads every other index
+    manifest["version"] = FORMAT_VERSION if regions_are_features else 1
     manifest["skipped"] = skipped
     manifest["itmatch_version"] = _version()
     manifest["backbone"] = _backbone_meta(matcher.backbone)
@@ -545,7 +540,7 @@ def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarr
             e = old["images"][old_rows[sha]] if old else {}
             w, h = e.get("width"), e.get("height")
         images.append({**r, "width": w, "height": h})
-    return {"format": FORMAT, "version": 1, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    return {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "images_root": str(images_dir), "model": identity, "count": n, "arrays": arrays, "images": images}
 
 
