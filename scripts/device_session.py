@@ -117,7 +117,8 @@ def prepare(args: argparse.Namespace) -> int:
     files += [(f, f"shared/data/precomp-captions/{f.relative_to(captions).as_posix()}")
               for f in sorted(captions.rglob("*")) if f.is_file()]
     files += [(f, f"shared/data/flickr8k/images/{f.name}") for f in sorted(photos.glob("part*/*"))]
-    budget = CARRY_LIMIT - checkout_bytes() - HEADROOM
+    checkout = checkout_bytes()
+    budget = CARRY_LIMIT - checkout - HEADROOM
     carry = device_dir / "carry"
     if carry.exists():
         shutil.rmtree(carry)
@@ -125,7 +126,7 @@ def prepare(args: argparse.Namespace) -> int:
     for i, pieces in enumerate(bundles, 1):
         write_bundle(carry / f"{i:02d}", pieces)
     print(f"{len(bundles)} bundles of at most {budget / 2**20:.1f} MiB in {carry.relative_to(ROOT)} (the checkout "
-          f"itself carries {checkout_bytes() / 2**20:.1f} MiB a call). One device call each, back to back:")
+          f"itself carries {checkout / 2**20:.1f} MiB a call). One device call each, back to back:")
     for i in range(1, len(bundles) + 1):
         last = " && python3 scripts/device_session.py start --row ROW [--row ROW ...]" if i == len(bundles) else ""
         print(f"  carry [\".device/carry/{i:02d}\"]: "
@@ -194,7 +195,7 @@ def work_copy(_: argparse.Namespace | None = None) -> int:
     kept = ["results"] if work.exists() else []  # (docs/results: the rows written there so far)
     shutil.copytree(ROOT, work, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns(".device", ".git", "runs", ".venv", ".ci-venv", *kept))
-    print(f"working copy: {DEVICE_ROOT / 'itmatch'}")
+    print(f"working copy: {work}")
     return 0
 
 
