@@ -200,9 +200,7 @@ def section_train(args, placement: Placement) -> dict:
     rows = []
     for preset in args.presets:
         for precision in precisions:
-            model, cfg, vocab = make_model(preset, embed=args.embed, img_dim=args.img_dim)
-            if cfg.model.arch == "mmca":  # B^2 cross-attention pairs do not fit at B = 128 (docs/mmca.md)
-                model.head.train_negatives = 8
+            model, cfg, vocab = make_model(preset, embed=args.embed, img_dim=args.img_dim, training=True)
             model.to(device).train()
             run = Placement(device, precision)
             batch = pad_tokens([vocab.encode(c) for c in captions]).to(device)
