@@ -328,6 +328,35 @@ def test_extraction_killed_at_a_caption_update_or_between_renames_resumes_identi
     assert not list(run_dir.glob("*.captions-update.json")), moment
 
 
+@pytest.mark.parametrize("reverted", ["both", "one"])
+def test_an_edit_reverted_after_a_stopped_caption_update_is_not_recorded_as_a_change(tmp_path, reverted):
+    """Two images' captions edited, the caption-only update killed right after it rewrote the caption file, then
+    both edits (or one) undone before the next run: meta.json lists only the images whose captions still differ
+    from the extraction's (none: its entry is the extraction's, unchanged), and the caption file is the text."""
+    images, captions = _images(tmp_path, 8)
+    out = tmp_path / "features"
+    first = _run(_extract_code(images, captions, out))
+    assert first.wait() == 0, first.communicate()[1][-3000:]
+    extracted = json.loads((out / "meta.json").read_text())["splits"]["train"]
+    original = captions.read_text()
+    kept_edit = original.replace("picture 3 caption 1", "a caption still edited")
+    captions.write_text(kept_edit.replace("picture 2 caption 2", "an edit undone"))
+    for hook in (_MORE_KILLS["captions_rewritten"], ""):
+        if not hook:
+            captions.write_text(original if reverted == "both" else kept_edit)
+        proc = _run(_extract_code(images, captions, out, hook))
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == (-signal.SIGKILL if hook else 0), err[-3000:]
+    meta = json.loads((out / "meta.json").read_text())["splits"]["train"]
+    text = (out / "train_caps.txt").read_text()
+    assert "an edit undone" not in text and ("a caption still edited" in text) == (reverted == "one")
+    if reverted == "both":
+        assert meta == extracted
+    else:
+        assert meta["updated"]["captions_changed"] == ["im3.png"]
+    assert not list(out.glob("*.captions-update.json"))
+
+
 def _untimed_meta(info: dict) -> dict:
     """A split's meta.json entry without what depends on the run's timing (and how much it computed)."""
     skip = {"seconds_this_run", "images_per_second", "num_threads"}

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -251,22 +251,34 @@ class _SourceChanges:
     kept_ids: list[str]  # the split's rows (the listed images less those skipped as unreadable)
     kept_caps: list[str]
     records: dict[str, FileRecord | None] | None  # the image files' fingerprints now; None: none recorded
-    pending: dict[str, Any] | None = None  # an interrupted caption-only update's record (its marker)
+    pending: _PendingUpdate | None = None  # an interrupted caption-only update (its marker)
+    # the extraction's captions of each id in `captions`, kept in an update's marker: a run resumed after the
+    # update was stopped compares with them, since `{split}_caps.txt` then holds the update's
+    captions_before: dict[str, list[str]] = field(default_factory=dict)
 
 
-def _pending_caption_update(out_dir: Path, split: str, info: dict[str, Any]) -> dict[str, Any] | None:
-    """The `updated` record of a caption-only update that rewrote the split's captions but was stopped before
-    meta.json recorded it (its marker is there and meta.json's entry `info` does not hold that record); a
-    marker meta.json already records (stopped before removing it) is removed."""
+@dataclass
+class _PendingUpdate:
+    """A caption-only update stopped after rewriting the split's captions, before meta.json recorded it."""
+
+    record: dict[str, Any]  # its `updated` record, as meta.json would have held it
+    before: dict[str, list[str]]  # the extraction's captions of the ids it rewrote (empty: an older marker)
+
+
+def _pending_caption_update(out_dir: Path, split: str, info: dict[str, Any]) -> _PendingUpdate | None:
+    """The caption-only update that rewrote the split's captions but was stopped before meta.json recorded it
+    (its marker is there and meta.json's entry `info` does not hold its record); a marker meta.json already
+    records (stopped before removing it) is removed."""
     marker = caption_update_path(out_dir, split)
     if dist.is_main():  # (under torchrun rank 0 writes and removes it)
         remove_atomic_leftovers(marker)  # (a marker write killed half-way: its captions were not rewritten yet)
     try:
-        record = json.loads(marker.read_text(encoding="utf-8")).get("updated") if marker.exists() else None
+        content = json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else {}
+        record, before = content.get("updated"), content.get("captions_before") or {}
     except (OSError, ValueError, AttributeError):
-        record = None
+        record, before = None, {}
     if isinstance(record, dict) and record != info.get("updated"):
-        return record
+        return _PendingUpdate(record, before if isinstance(before, dict) else {})
     if dist.is_main():
         marker.unlink(missing_ok=True)
     return None
@@ -279,26 +291,30 @@ def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str],
     skipped = {s["image_id"] for s in info.get("skipped", [])}
     kept = [(i, caps[k * per:(k + 1) * per]) for k, i in enumerate(ids) if i not in skipped]
     kept_caps = [c for _, group in kept for c in group]
-    captions: list[str] = []
+    # the extraction's captions of every id whose captions may differ from them (None: not known any more)
+    before: dict[str, list[str] | None] = {}
     # compared with the file itself: edited captions, and a caption file changed by hand, are both seen
     stale = text_sha256(kept_caps) != file_sha256(captions_path(out_dir, split))
     if stale:
         # split on "\n" only: exactly the lines write_captions wrote (a caption may hold other line breaks)
         old = captions_path(out_dir, split).read_text(encoding="utf-8").split("\n")
-        captions = [i for r, (i, group) in enumerate(kept) if old[r * per:(r + 1) * per] != group]
+        written = {i: old[r * per:(r + 1) * per] for r, (i, _) in enumerate(kept)}
+        before = {i: written[i] for i, group in kept if written[i] != group}
     pending = _pending_caption_update(out_dir, split, info)
-    if pending is not None:  # changed since meta.json's extraction: those the stopped update rewrote, and these
-        before = set(pending.get("captions_changed") or ()) | set(captions)
-        captions = [i for i, _ in kept if i in before]
+    if pending is not None:  # the file holds the stopped update's captions of these ids, its marker the extraction's
+        before |= {i: pending.before.get(i) for i in pending.record.get("captions_changed") or ()}
+    # changed since meta.json's extraction: an edit reverted after a stopped update is not a change
+    captions = [i for i, group in kept if i in before and before[i] != group]
+    known = {i: before[i] for i in captions if before[i] is not None}
     old_files = info.get("image_files")
     if not isinstance(old_files, dict):
         log.warning("split %s in %s was extracted by an itmatch that did not record its image files' "
                     "fingerprints: whether a photo changed since cannot be told; pass --force to re-extract "
                     "it (the new manifest records them)", split, out_dir)
-        return _SourceChanges([], stale, captions, [i for i, _ in kept], kept_caps, None, pending)
+        return _SourceChanges([], stale, captions, [i for i, _ in kept], kept_caps, None, pending, known)
     records = file_records(images_dir, ids, None if rehash else old_files)
     return _SourceChanges(changed_files(old_files, records), stale, captions, [i for i, _ in kept], kept_caps,
-                          records, pending)
+                          records, pending, known)
 
 
 def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceChanges) -> dict[str, Any]:
@@ -311,21 +327,28 @@ def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceC
     info["captions_sha256"] = text_sha256(ch.kept_caps)
     if ch.records is not None:
         info["image_files"] = ch.records
+    record = ch.pending.record if ch.pending is not None and ch.captions else None
     if ch.captions_stale:
         _log_caption_changes(out_dir, split, ch)
-        record = _update_record(_changes(ch))
-        write_json_atomic(caption_update_path(out_dir, split), {"split": split, "updated": record})
-        _fsync_dir(out_dir)
+        record = _update_record(_changes(ch)) if ch.captions else None
+        if record is not None:
+            write_json_atomic(caption_update_path(out_dir, split),
+                              {"split": split, "updated": record, "captions_before": ch.captions_before})
+            _fsync_dir(out_dir)
         write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
+    if record is not None:
         info["updated"] = record
-    elif ch.pending is not None:
-        info["updated"] = ch.pending
     return info
 
 
 def _log_caption_changes(out_dir: Path, split: str, ch: _SourceChanges) -> None:
-    log.warning("split %s: the captions of %d image(s) changed since the extraction (%s): rewrote %s", split,
-                len(ch.captions), _examples(ch.captions), captions_path(out_dir, split).name)
+    name = captions_path(out_dir, split).name
+    if ch.captions:
+        log.warning("split %s: the captions of %d image(s) changed since the extraction (%s): rewrote %s", split,
+                    len(ch.captions), _examples(ch.captions), name)
+    else:  # a stopped update's edits, undone in the caption file before this run
+        log.warning("split %s: the captions are the extraction's again (the edits of a stopped update were "
+                    "reverted): rewrote %s", split, name)
 
 
 def _changes(ch: _SourceChanges) -> dict[str, Any]:
@@ -896,6 +919,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                     info.update(_sync_extra_captions(out_dir, split, table, ch.kept_ids, per, keep_extra))
                     if info == old_info:
                         log.info("split %s is complete and its sources are unchanged; kept", split)
+                        caption_update_path(out_dir, split).unlink(missing_ok=True)  # a reverted update's
                         continue
                     meta["splits"][split] = info
                     write_json_atomic(meta_file, meta)
