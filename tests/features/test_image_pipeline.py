@@ -131,6 +131,10 @@ def test_api_and_index_compute_the_reference_grids(tiny_search_setup, photo_fold
     np.testing.assert_array_equal(from_pil.numpy(), reference["grids"])
     from_bytes = matcher.image_features([(folder / n).read_bytes() for n in names], batch_size=len(names))
     np.testing.assert_array_equal(from_bytes.numpy(), reference["grids"])
+    from itmatch.retrieval.search import open_upload  # the service's uploads: decoded by the same pipeline
+
+    uploaded = [open_upload((folder / n).read_bytes()) for n in names]
+    np.testing.assert_array_equal(matcher.image_features(uploaded, batch_size=len(names)).numpy(), reference["grids"])
 
     build_index(folder, tiny_search_setup["checkpoint"], tmp_path / "index", batch_size=len(names),
                 chunk=len(names), progress=False)

@@ -1,7 +1,8 @@
 """The one image pipeline: a file, its bytes or a PIL image -> upright RGB -> the backbone's input pixels ->
 grid features on the host.
 
-Extraction, the index, the Python API and models that read pixels (`data/images.py`) all go through it, so
+Extraction, the index, the Python API, the service's uploads and models that read pixels (`data/images.py`) all
+go through it, so
 one photo gives the same numbers everywhere (bit for bit at the same batch size: tests/features/test_image_pipeline.py;
 where it sits: docs/architecture.md).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -63,18 +64,22 @@ def upright_rgb(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def decode_image(source: str | Path | bytes) -> Image.Image:
+def decode_image(source: str | Path | bytes, admit: Callable[[Image.Image], None] | None = None) -> Image.Image:
     """An image file (a path) or its bytes, decoded to upright RGB (`upright_rgb`); the file is closed on
-    return. A missing file or one PIL cannot decode raises UnreadableImage naming it."""
+    return. A missing file or one PIL cannot decode raises UnreadableImage naming it (caused by PIL's error).
+    `admit`, if given, sees the opened image before its pixels are decoded (its header: format, size) and
+    raises to refuse it (the service's upload limits)."""
     path = "<bytes>" if isinstance(source, bytes) else source
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
+            if admit is not None:
+                admit(im)
             im.load()
             return upright_rgb(im)
     except FileNotFoundError:
         raise UnreadableImage("image file not found", path, missing=True) from None
     except DECODE_ERRORS as exc:
-        raise UnreadableImage(f"cannot read image: {exc}", path, missing=False) from None
+        raise UnreadableImage(f"cannot read image: {exc}", path, missing=False) from exc
 
 
 def to_pixels(image: Image.Image, size: int) -> torch.Tensor:

@@ -8,7 +8,6 @@ status), and unknown words are reported, never dropped silently: docs/search.md,
 
 from __future__ import annotations
 
-import io
 import re
 import threading
 import warnings
@@ -22,6 +21,7 @@ from PIL import Image
 
 from itmatch.data.vocab import WordCoverage
 from itmatch.errors import ConfigError, DataError, ItmatchError
+from itmatch.features.pipeline import UnreadableImage, decode_image
 from itmatch.inference import score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
@@ -50,31 +50,32 @@ def check_k(k: int) -> int:
 
 
 def open_upload(data: bytes, max_bytes: int = MAX_UPLOAD_BYTES, max_pixels: int = MAX_PIXELS) -> Image.Image:
-    """Bytes of an uploaded photo -> a decoded RGB PIL image, or QueryError (413 too large, 415 not an
-    image). The pixel count is read from the header and checked before anything is decoded."""
+    """Bytes of an uploaded photo -> upright RGB through the one image pipeline (`decode_image`), or
+    QueryError (413 too large, 415 not an image). The format and pixel count are read from the header and
+    checked before anything is decoded."""
     if not data:
         raise QueryError("empty upload", status=400, hint="send the photo's bytes as the request body")
     if len(data) > max_bytes:
         raise QueryError(f"upload of {len(data)} bytes exceeds the limit of {max_bytes}", status=413)
+    formats = "send a JPEG, PNG, GIF, BMP, WebP or TIFF photo"
+
+    def admit(im: Image.Image) -> None:
+        if im.format not in IMAGE_FORMATS:
+            raise QueryError(f"unsupported image format {im.format}", status=415, hint=formats)
+        w, h = im.size
+        if w * h > max_pixels:
+            raise QueryError(f"image of {w}x{h} pixels exceeds the limit of {max_pixels} pixels", status=413)
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))
-            if im.format not in IMAGE_FORMATS:
-                raise QueryError(f"unsupported image format {im.format}", status=415,
-                                 hint="send a JPEG, PNG, GIF, BMP, WebP or TIFF photo")
-            w, h = im.size
-            if w * h > max_pixels:
-                raise QueryError(f"image of {w}x{h} pixels exceeds the limit of {max_pixels} pixels", status=413)
-            im.load()
-    except QueryError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            return decode_image(data, admit)
+    except Image.DecompressionBombWarning as exc:
         raise QueryError(f"image refused as a decompression bomb ({exc})", status=413) from None
-    except (OSError, ValueError, SyntaxError) as exc:  # UnidentifiedImageError, truncated files
-        raise QueryError(f"not a readable image ({exc})", status=415,
-                         hint="send a JPEG, PNG, GIF, BMP, WebP or TIFF photo") from None
-    return im.convert("RGB")
+    except UnreadableImage as exc:  # PIL's limit above max_pixels, undecodable bytes, truncated files
+        if isinstance(exc.__cause__, Image.DecompressionBombError):
+            raise QueryError(f"image refused as a decompression bomb ({exc.__cause__})", status=413) from None
+        raise QueryError(f"not a readable image ({exc.__cause__})", status=415, hint=formats) from None
 
 
 def read_captions_file(path: Path | str) -> list[str]:
