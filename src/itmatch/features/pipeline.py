@@ -2,9 +2,8 @@
 grid features on the host.
 
 Extraction, the index, the Python API, the service's uploads and models that read pixels (`data/images.py`) all
-go through it, so
-one photo gives the same numbers everywhere (bit for bit at the same batch size: tests/features/test_image_pipeline.py;
-where it sits: docs/architecture.md).
+go through it, so one photo gives the same numbers everywhere (bit for bit at the same batch size:
+tests/features/test_image_pipeline.py; where it sits: docs/architecture.md).
 """
 
 from __future__ import annotations
