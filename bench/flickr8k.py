@@ -382,10 +382,11 @@ _RUN_ONLY = {"model.vocab_size", "model.img_dim", "model.save.c3_dim", "model.sa
 
 def unread_settings(config: dict) -> set[str]:
     """Keys of a flattened config that its model does not read. An i-t SAVE model reads its lambdas from
-    model.scan.i2t_lambda_* (model.lambda_* are its t-i ones): SAVE runs trained before both directions' lambdas
-    were kept hold the i-t values in model.lambda_* as well, without any difference in the model."""
+    model.scan.i2t_lambda_* (model.scan.lambda_* are its t-i ones): SAVE runs trained before both directions'
+    lambdas were kept hold the i-t values in model.lambda_* (now model.scan.lambda_*) as well, without any
+    difference in the model."""
     if config.get("model.arch") == "save" and config.get("model.direction") == "i2t":
-        return {"model.lambda_softmax", "model.lambda_lse"}
+        return {"model.scan.lambda_softmax", "model.scan.lambda_lse"}
     return set()
 
 

@@ -60,7 +60,7 @@ def test_gpu_rows_keep_their_papers_schedules(bench):
     assert config("scan_t2i_avg_no_warmup").loss.warmup_epochs == 0
     assert config("vsepp_warmup_seed1").train.seed == config("vsepp_seed1").train.seed == 1
     both = config("save_asa_ms3_both").model
-    assert both.direction == "both" and (both.lambda_softmax, both.scan.i2t_lambda_softmax) == (9.0, 4.0)
+    assert both.direction == "both" and (both.scan.lambda_softmax, both.scan.i2t_lambda_softmax) == (9.0, 4.0)
     ft = config("scan_i2t_lse_ft").train
     assert ft.finetune_backbone and ft.lr == 2e-5 and ft.init_from.endswith("flickr8k_gpu/scan_i2t_lse/best")
     assert config("scan_i2t_lse_ft").model.pixels  # as the trainer records it: a resumed row's run matches
@@ -137,10 +137,13 @@ def test_the_docs_views_of_the_gpu_table_name_rows_the_bench_produces(bench):
 
 
 def test_a_save_run_from_before_both_lambdas_were_kept_still_matches_its_row(bench, tmp_path):
-    """CPU SAVE runs trained before the presets kept both directions' lambdas hold the i-t 4 / 5 in model.lambda_*;
-    an i-t SAVE model does not read those, so the bench resumes / evaluates them; a real difference still stops it."""
+    """CPU SAVE runs trained before the presets kept both directions' lambdas hold the i-t 4 / 5 in model.lambda_*
+    (where SCAN's options were, before model.scan); an i-t SAVE model does not read those, so the bench resumes /
+    evaluates them; a real difference still stops it."""
     schedule = bench.SCHEDULES["save_dsa"]
     old = bench.row_config("save_dsa", schedule, []).to_dict()
+    for key in ("lambda_softmax", "lambda_lse", "raw_feature_norm", "clip_slope"):  # their place then
+        old["model"][key] = old["model"]["scan"].pop(key)
     old["model"]["lambda_softmax"], old["model"]["lambda_lse"] = 4.0, 5.0
     (tmp_path / "config.json").write_text(json.dumps(old))
     bench.check_run_matches(str(tmp_path), "save_dsa", schedule, [])  # no exit

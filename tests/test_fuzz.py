@@ -215,7 +215,7 @@ def test_precomp_reader_on_arbitrary_files(features, caps, ids, caps_bytes):
 
 # ------------------------------------------------------------------------------------- config and CLI
 KEYS = ["model.embed_size", "model.pool", "model.arch", "train.lr", "train.epochs", "loss.margin", "train.seed",
-        "model", "train", "name", "data.path", "train.batch_size", "model.raw_feature_norm", "loss.hardest",
+        "model", "train", "name", "data.path", "train.batch_size", "model.scan.raw_feature_norm", "loss.hardest",
         "nope", "model.nope", "train.lr.x", ""]
 values = st.sampled_from(["1", "-1", "0", "2e-4", ".nan", "[1, 2]", "{a: 1}", "true", "avg", "mean", "",
                           "!!python/object:os.system", "'x", "1e999", "2**40"]) | st.text(max_size=10)

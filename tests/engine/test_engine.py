@@ -35,7 +35,7 @@ def test_presets_named_as_papers():
     for expected in ("scan_t2i_avg", "scan_i2t_lse", "vsepp", "summax_t2i", "summax_i2t", "scan_i2t_lse_coco"):
         assert expected in names
     cfg = resolve_config("scan_i2t_lse")
-    assert (cfg.model.lambda_softmax, cfg.model.lambda_lse, cfg.train.lr) == (4.0, 5.0, 2e-4)
+    assert (cfg.model.scan.lambda_softmax, cfg.model.scan.lambda_lse, cfg.train.lr) == (4.0, 5.0, 2e-4)
 
 
 def test_unknown_model_and_key_are_errors():
@@ -273,7 +273,7 @@ def test_checkpoint_of_an_older_version_finds_its_working_directory_relative_dat
 def test_evaluate_refuses_an_edited_checkpoint_unless_trusted(tiny_precomp, tmp_path, capsys, caplog):
     ckpt = _untrained_checkpoint(quick_config("scan_t2i_avg", tiny_precomp), tmp_path / "ck")
     config = json.loads((ckpt / "config.json").read_text())
-    config["model"]["lambda_softmax"] = 4.0
+    config["model"]["scan"]["lambda_softmax"] = 4.0
     (ckpt / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     assert main(["evaluate", str(ckpt), "--quiet"]) == 2
     err = capsys.readouterr().err

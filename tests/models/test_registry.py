@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from itmatch.config import config_from_dict, new_model_config
+from itmatch.config import ModelConfig, config_from_dict, new_model_config, parse_overrides
 from itmatch.errors import ConfigError
 from itmatch.models.base import ImageEmb, Matcher, SimilarityHead, TextEmb
 from itmatch.models.registry import ARCHS, PRESETS, Arch, build_model, register_arch, resolve_config
@@ -50,6 +50,20 @@ def test_a_moved_key_loads_at_its_new_place():
     assert not hasattr(cfg.model.save, "i2t_lambda_softmax")
     with pytest.raises(ConfigError, match="both set"):
         config_from_dict({"model": {"save": {"i2t_lambda_lse": 3.0}, "scan": {"i2t_lambda_lse": 4.0}}})
+
+
+def test_scan_options_of_older_configs_and_commands_load_in_model_scan():
+    """SCAN's lambdas and raw-dot normalisation were ModelConfig's (model.lambda_softmax, ...) before they moved
+    to model.scan: a checkpoint's config.json of then, and an old --set, still give the same model."""
+    old = {"arch": "scan", "direction": "i2t", "lambda_softmax": 4.0, "lambda_lse": 5.0,
+           "raw_feature_norm": "l2norm", "clip_slope": 0.0}
+    sc = config_from_dict({"model": old}).model.scan
+    assert (sc.lambda_softmax, sc.lambda_lse, sc.raw_feature_norm, sc.clip_slope) == (4.0, 5.0, "l2norm", 0.0)
+    assert resolve_config("scan_t2i_avg", parse_overrides(["model.lambda_softmax=7"])).model.scan.lambda_softmax == 7
+    head = build_model(resolve_config("scan_i2t_lse", {"model": {"raw_feature_norm": "l2norm",
+                                                                 "vocab_size": 10, "img_dim": 8}}).model).head
+    assert (head.lambda_softmax, head.lambda_lse, head.norm) == (4.0, 5.0, "l2norm")  # the preset's, and the old key's
+    assert not {"lambda_softmax", "raw_feature_norm"} & {f.name for f in dataclasses.fields(ModelConfig)}
 
 
 def test_a_head_without_its_memory_contract_is_refused():

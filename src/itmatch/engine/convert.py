@@ -7,6 +7,7 @@ SCAN / VSE++ checkpoints".
 from __future__ import annotations
 
 import argparse
+import functools
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,9 @@ OPT_TO_CONFIG: dict[str, tuple[str, Any]] = {
     "no_txtnorm": ("model.txt_norm", lambda v: not v),
     "cross_attn": ("model.direction", str),
     "agg_func": ("model.pool", lambda v: {"LogSumExp": "lse", "Mean": "avg", "Max": "max", "Sum": "sum"}[v]),
-    "lambda_softmax": ("model.lambda_softmax", float),
-    "lambda_lse": ("model.lambda_lse", float),
-    "raw_feature_norm": ("model.raw_feature_norm", str),
+    "lambda_softmax": ("model.scan.lambda_softmax", float),
+    "lambda_lse": ("model.scan.lambda_lse", float),
+    "raw_feature_norm": ("model.scan.raw_feature_norm", str),
     "margin": ("loss.margin", float),
     "max_violation": ("loss.hardest", bool),
     "num_epochs": ("train.epochs", int),
@@ -114,8 +115,8 @@ def config_from_opt(opt: dict[str, Any], path: Path) -> tuple[Config, list[str]]
             except (KeyError, ValueError, TypeError):
                 raise CheckpointError(f"opt.{key}={value!r} has no equivalent here", path=path,
                                       hint="see docs/reliability.md for the supported options") from None
-            section, name = target.split(".")
-            setattr(getattr(cfg, section), name, converted)
+            *sections, name = target.split(".")
+            setattr(functools.reduce(getattr, sections, cfg), name, converted)
         elif key in REQUIRED_OPT:
             if value not in REQUIRED_OPT[key]:
                 raise CheckpointError(f"opt.{key}={value!r} is not supported (only {REQUIRED_OPT[key]})", path=path)

@@ -209,7 +209,8 @@ def test_direction_both_reaches_the_two_way_head_through_the_config():
 
 @pytest.mark.parametrize(("sets", "expected"), [((), ("i2t", 4.0, 5.0)),  # the preset: i-t AVG (Tables 4/5)
                                                 (("model.direction=t2i",), ("t2i", 9.0, 6.0)),  # Table 4 t-i
-                                                (("model.direction=t2i", "model.lambda_softmax=7"), ("t2i", 7.0, 6.0))])
+                                                (("model.direction=t2i", "model.scan.lambda_softmax=7"),
+                                                 ("t2i", 7.0, 6.0))])
 def test_a_save_direction_override_scores_with_that_directions_lambdas(sets, expected):
     assert _lambdas(_save_head_through_config("save_dsa", *sets)) == expected
 

@@ -74,10 +74,10 @@ def save_presets() -> dict[str, Preset]:
     """SAVE Tables 4-5 (the ablations, all in the i-t AVG setting): self-attention variants on c5, fusion of
     c4+c5 / c3+c4+c5, NL-ms2; the paper gives no schedule beyond SCAN's "same settings": F30K's.
     model.direction=both gives Table 1's averaged i-t/t-i scores (footnote 1). Both directions' lambdas are
-    set (SCAN Table 1): t-i in model.lambda_*, i-t in model.scan.i2t_lambda_*, so `--set model.direction=t2i`
-    or `=both` scores t-i with 9 / 6, not with the i-t 4 / 5."""
-    model = {"arch": "save", "direction": "i2t", "pool": "avg", **SCAN_LAMBDAS[("f30k", "t2i")],
-             "scan": {f"i2t_{k}": v for k, v in SCAN_LAMBDAS[("f30k", "i2t")].items()}}
+    set (SCAN Table 1): t-i in model.scan.lambda_*, i-t in model.scan.i2t_lambda_*, so `--set
+    model.direction=t2i` or `=both` scores t-i with 9 / 6, not with the i-t 4 / 5."""
+    i2t = {f"i2t_{k}": v for k, v in SCAN_LAMBDAS[("f30k", "i2t")].items()}
+    model = {"arch": "save", "direction": "i2t", "pool": "avg", "scan": {**SCAN_LAMBDAS[("f30k", "t2i")], **i2t}}
     variants = {
         "save_nosa": {"attention": "none", "scales": "c5"},
         "save_dsa": {"attention": "dsa", "scales": "c5"},

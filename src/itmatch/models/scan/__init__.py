@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from itmatch.config import ModelConfig, option, register_options
+from itmatch.config import NORMS, ModelConfig, option, register_options
 from itmatch.models.base import Matcher, SimilarityHead
 from itmatch.models.encoders import RegionEncoder, RNNTextEncoder
 from itmatch.models.registry import Arch, Preset, register_arch, register_presets
@@ -27,25 +27,35 @@ SCAN_LAMBDAS = {
 }
 
 
-@register_options("scan", moved_from={"model.save.i2t_lambda_softmax": "i2t_lambda_softmax",
+@register_options("scan", moved_from={"model.lambda_softmax": "lambda_softmax", "model.lambda_lse": "lambda_lse",
+                                      "model.raw_feature_norm": "raw_feature_norm", "model.clip_slope": "clip_slope",
+                                      "model.save.i2t_lambda_softmax": "i2t_lambda_softmax",
                                       "model.save.i2t_lambda_lse": "i2t_lambda_lse"})
 @dataclass
 class ScanConfig:
-    """The i-t head's lambdas of a model scoring both directions (model.direction=both, and SAVE in any
-    direction), model.lambda_* being then the t-i ones (SCAN Table 1, Flickr30K: i-t 4 / 5). A one-way SCAN
-    model reads only model.lambda_* (the scan_i2t_* presets set 4 / 5 there)."""
+    """SCAN's attention head, also SAVE's: lambda_1 (inverse softmax temperature) and lambda_2 (LSE pooling) of
+    the t-i head, or of a one-way model's only head (the scan_i2t_* presets set SCAN Table 1's i-t 4 / 5 there);
+    the i-t head's lambdas of a model scoring both directions (model.direction=both, and SAVE in any direction);
+    and the normalisation of the raw region-word dots. Configs written before these moved here (model.lambda_*,
+    model.raw_feature_norm, model.clip_slope) still load."""
 
+    lambda_softmax: float = option(9.0, above=0)  # lambda_1
+    lambda_lse: float = option(6.0, above=0)  # lambda_2
     i2t_lambda_softmax: float = option(4.0, above=0)
     i2t_lambda_lse: float = option(5.0, above=0)
+    raw_feature_norm: str = option("clipped_l2norm", choices=NORMS)
+    clip_slope: float = option(0.1, min=0, max=1)  # LeakyReLU slope of the "clipped" norms; 0 gives the paper's ReLU
 
 
 def scan_head(mc: ModelConfig, i2t_lambdas: tuple[float, float]) -> SimilarityHead:
-    """SCAN's head in mc.direction (t-i with model.lambda_*, i-t with `i2t_lambdas`); "both" averages the
+    """SCAN's head in mc.direction (t-i with model.scan.lambda_*, i-t with `i2t_lambdas`); "both" averages the
     two."""
-    def head(direction: str, lambdas: tuple[float, float]) -> ScanHead:
-        return ScanHead(direction, mc.pool, *lambdas, mc.raw_feature_norm, mc.clip_slope)
+    sc = mc.scan
 
-    t2i = (mc.lambda_softmax, mc.lambda_lse)
+    def head(direction: str, lambdas: tuple[float, float]) -> ScanHead:
+        return ScanHead(direction, mc.pool, *lambdas, sc.raw_feature_norm, sc.clip_slope)
+
+    t2i = (sc.lambda_softmax, sc.lambda_lse)
     if mc.direction == "both":
         return TwoWayScanHead(head("t2i", t2i), head("i2t", i2t_lambdas))
     return head(mc.direction, t2i if mc.direction == "t2i" else i2t_lambdas)
@@ -92,7 +102,7 @@ class Scan(Arch):
     name = "scan"
 
     def build(self, mc: ModelConfig) -> Matcher:
-        i2t = two_way_lambdas(mc) if mc.direction == "both" else (mc.lambda_softmax, mc.lambda_lse)
+        i2t = two_way_lambdas(mc) if mc.direction == "both" else (mc.scan.lambda_softmax, mc.scan.lambda_lse)
         return region_rnn_matcher(mc, scan_head(mc, i2t))
 
 
@@ -110,6 +120,6 @@ def scan_presets() -> dict[str, Preset]:
             for pool in ("avg", "lse", "max", "sum"):
                 presets[f"scan_{direction}_{pool}{suffix}"] = {
                     "model": {"arch": "scan", "direction": direction, "pool": pool,
-                              **SCAN_LAMBDAS[(dataset, direction)]},
+                              "scan": dict(SCAN_LAMBDAS[(dataset, direction)])},
                     "train": schedule}
     return presets
