@@ -131,7 +131,7 @@ def test_the_docs_views_of_the_gpu_table_name_rows_the_bench_produces(bench):
 
     names = set()
     for page in view_pages(ROOT / "docs"):
-        for rows in re.findall(r"<!-- (?:results|versus): flickr8k_gpu ([\w.+ -]+?) -->", page.read_text()):
+        for rows in re.findall(r"<!-- (?:results|versus|curves): flickr8k_gpu ([\w.+ -]+?) -->", page.read_text()):
             names |= set(rows.split())
     assert names and names <= set(bench.GPU.rows)
 

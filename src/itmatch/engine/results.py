@@ -224,6 +224,7 @@ class _ViewKind:
 #: of each run in docs/results/training/flickr8k.csv). render_views fills them in the order named; a name not in
 #: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for. `versus:` shows the
 #: first named row of docs/results/<csv>.csv and every other row as its difference from it (versus_line).
+#: (`curves:` views, a figure of dev rsum per epoch drawn from a training history: analysis/curves.py.)
 VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, table_head, lambda r, _, device: row_line(r, device)),
               "training": _ViewKind("training", HISTORY_HEADER, lambda _: HISTORY_HEAD,
                                     lambda r, _, __: history_line(r)),
