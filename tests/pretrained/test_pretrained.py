@@ -76,7 +76,7 @@ def test_a_trained_checkpoint_ships_in_fp16_and_loads_by_name(trained, shelf, ti
     shipped_scores = by_name.score(torch.from_numpy(feats), captions)
     assert (shipped_scores - original.score(torch.from_numpy(feats), captions)).abs().max() < 1e-2  # fp16 rounding
     assert itmatch_main(["models", "--pretrained"]) == 0
-    assert "tiny-scan" in capsys.readouterr().out
+    assert "tiny-scan" in (listed := capsys.readouterr().out) and "rsum 300.0 (1k tiny, row tiny)" in listed
 
 
 def test_the_shipped_form_halves_the_weights_and_keeps_exact_buffers():

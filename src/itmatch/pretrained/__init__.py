@@ -36,7 +36,9 @@ class Pretrained:
 
     def describe(self) -> str:
         row = self.card.get("results") or {}
-        score = f"rsum {row['rsum']} ({row.get('protocol', '')} {row.get('dataset', '')})" if "rsum" in row else ""
+        # (the results row it is: docs/results/flickr8k_gpu.csv, the command that trained it in its card)
+        score = (f"rsum {row['rsum']} ({row.get('protocol', '')} {row.get('dataset', '')}, row {row.get('name', '?')})"
+                 if "rsum" in row else "")
         size = sum(f.stat().st_size for f in self.path.iterdir())  # (all its files, as the size limit counts)
         return f"{self.name:<28} {self.card.get('preset', ''):<16} {size / 1e6:5.1f} MB  {score}"
 
