@@ -67,7 +67,7 @@ def test_committed_curves_views_are_filled_and_their_figures_exist():
         text = page.read_text(encoding="utf-8")
         for match in CURVES.finditer(text):
             found += 1
-            png = figure_path(DOCS / "results" / "training" / f"{match['csv']}.csv", match["runs"].split())
+            png = figure_path(DOCS / "results" / "training" / f"{match['csv']}.csv", match["rows"].split())
             assert png.is_file(), f"{png} is missing: run python scripts/render_results.py"
             assert f"({png.relative_to(page.parent).as_posix()})" in match.group(0), (
                 f"the curves view in {page} is stale: run python scripts/render_results.py")

@@ -13,11 +13,9 @@ import os
 import re
 from pathlib import Path
 
-from itmatch.engine.results import HISTORY_HEADER, read_rows
-from itmatch.errors import DataError
+from itmatch.engine.results import HISTORY_HEADER, read_rows, view_csv, view_pattern
 
-CURVES = re.compile(r"^<!-- curves: (?P<csv>[\w.-]+) (?P<runs>[\w.+ -]+?) -->\n(?:.*?\n)??<!-- curves: end -->$",
-                    re.MULTILINE | re.DOTALL)
+CURVES = view_pattern("curves")  # (its `rows` are the runs drawn)
 
 
 def figure_path(history: Path, runs: list[str]) -> Path:
@@ -75,12 +73,8 @@ def render_curve_views(text: str, page: Path, results_dir: Path) -> tuple[str, d
     folder = Path(results_dir) / "training"
 
     def fill(match: re.Match) -> str:
-        history = folder / f"{match['csv']}.csv"
-        if not history.is_file():
-            line = text.count("\n", 0, match.start()) + 1
-            raise DataError(f"curves view names {history.name}, which does not exist", path=page, line=line,
-                            hint=f"one of: {', '.join(sorted(p.stem for p in folder.glob('*.csv')))}")
-        runs = match["runs"].split()
+        history = view_csv(folder, match, text, page)
+        runs = match["rows"].split()
         rows = read_rows(history, HISTORY_HEADER)
         trained = {r["name"] for r in rows}
         png = figure_path(history, runs)

@@ -230,8 +230,26 @@ VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, table_head, lambda r, _,
                                     lambda r, _, __: history_line(r)),
               "versus": _ViewKind("", RESULTS_HEADERS, lambda _: VERSUS_HEAD,
                                   lambda r, first, _: versus_line(r, first))}
-VIEW = re.compile(rf"^<!-- (?P<kind>{'|'.join(VIEW_KINDS)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
-                  r"<!-- (?P=kind): end -->$", re.MULTILINE | re.DOTALL)
+
+
+def view_pattern(*kinds: str) -> re.Pattern:
+    """A view of one of `kinds` in a page: its opening comment (groups kind, csv, rows), what is between, its end."""
+    return re.compile(rf"^<!-- (?P<kind>{'|'.join(kinds)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
+                      r"<!-- (?P=kind): end -->$", re.MULTILINE | re.DOTALL)
+
+
+def view_csv(folder: Path, match: re.Match, text: str, page: Path) -> Path:
+    """The CSV a view `match` of `text` (the page `page`) names in `folder`; a missing one is an error naming the
+    page's line and the CSVs there."""
+    csv_path = folder / f"{match['csv']}.csv"
+    if not csv_path.is_file():
+        line = text.count("\n", 0, match.start()) + 1
+        raise DataError(f"{match['kind']} view names {csv_path.name}, which does not exist", path=page, line=line,
+                        hint=f"one of: {', '.join(sorted(p.stem for p in folder.glob('*.csv')))}")
+    return csv_path
+
+
+VIEW = view_pattern(*VIEW_KINDS)
 
 
 def markdown_tables(results_dir: str | Path) -> list[tuple[Path, Callable[[str | Path], str]]]:
@@ -256,12 +274,7 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
 
     def fill(match: re.Match) -> str:
         kind = VIEW_KINDS[match["kind"]]
-        folder = Path(results_dir) / kind.folder
-        csv_path = folder / f"{match['csv']}.csv"
-        if not csv_path.is_file():
-            line = text.count("\n", 0, match.start()) + 1
-            raise DataError(f"{match['kind']} view names {csv_path.name}, which does not exist", path=page,
-                            line=line, hint=f"one of: {', '.join(sorted(p.stem for p in folder.glob('*.csv')))}")
+        csv_path = view_csv(Path(results_dir) / kind.folder, match, text, page)
         by_name: dict[str, list[dict[str, str]]] = {}
         for r in read_rows(csv_path, kind.header):
             by_name.setdefault(r["name"], []).append(r)
