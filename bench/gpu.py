@@ -27,11 +27,13 @@ Writes a JSON report (--out) and prints one line per measurement; nothing here i
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -82,6 +84,22 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, tf32
         torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+@contextlib.contextmanager
+def mode_arithmetic(device: torch.device, mode: str) -> Iterator[None]:
+    """A timed mode's arithmetic: fp32 and bf16 as itmatch runs them (Placement.arithmetic: fp32 exact, TF32 off);
+    tf32 is float32 with TensorFloat-32 allowed in cuBLAS and cuDNN, which no itmatch precision turns on."""
+    if mode != "tf32":
+        with Placement(device, mode).arithmetic():
+            yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
 def section_eval(args, placement: Placement) -> dict:
     from scan_reference import _xattn
 
@@ -104,12 +122,9 @@ def section_eval(args, placement: Placement) -> dict:
         reference = score_matrix(model, img, buckets)  # the plain head in float32: what every row is compared with
     rows = []
     for mode in (["fp32", "tf32", "bf16"] if device.type == "cuda" else ["fp32", "bf16"]):
-        run = Placement(device, "bf16" if mode == "bf16" else "fp32")
-        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-        with run.autocast(), fused.switched(False):
+        with mode_arithmetic(device, mode), fused.switched(False):
             seconds = timed(lambda: score_matrix(model, img, buckets), device, args.repeats)
             scores = score_matrix(model, img, buckets)
-        torch.backends.cuda.matmul.allow_tf32 = False
         peak = peaks.get(mode, peaks["fp32"])
         row = {"mode": mode, "images": n, "captions": m, "seconds": round(seconds, 4), "tflop": flops / 1e12,
                "tflops": flops / seconds / 1e12, "peak_tflops": peak, "fraction_of_peak": flops / seconds / 1e12 / peak,
@@ -154,15 +169,12 @@ def section_fused(model, img, buckets, reference: torch.Tensor, plain_rows: list
     rows = []
     for plain_row in plain_rows:
         mode = plain_row["mode"]
-        run = Placement(device, "bf16" if mode == "bf16" else "fp32")
-        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-        with run.autocast(), fused.switched(True):
+        with mode_arithmetic(device, mode), fused.switched(True):
             seconds = timed(lambda: score_matrix(model, img, buckets), device, repeats)
             before = fused.launches
             scores = score_matrix(model, img, buckets)
             launched = fused.launches - before
             why = None if launched else fused.unusable_reason("clipped_l2norm", "avg", *_probe(device))
-        torch.backends.cuda.matmul.allow_tf32 = False
         plain = plain_row["seconds"]
         row = {"mode": mode, "seconds": round(seconds, 4), "plain_seconds": plain, "speedup": plain / seconds,
                "kernel_launches": launched, "kernel_off_because": why,
@@ -181,7 +193,7 @@ def _probe(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def training_step(model, cfg, feats: torch.Tensor, batch, optimizer, scaler, placement: Placement) -> None:
-    with placement.autocast():
+    with placement.arithmetic():
         loss = model.training_loss(model.encode_images(feats), model.encode_texts(batch.tokens, batch.lengths),
                                    cfg.loss.margin, hardest=True)
     optimizer.zero_grad(set_to_none=True)

@@ -45,9 +45,11 @@ from itmatch.models.base import ImageEmb, TextEmb, l2norm  # noqa: E402
 from itmatch.models.registry import PRESETS, build_model, image_inputs, preset_config, resolve_config  # noqa: E402
 from itmatch.models.scan.head import ScanHead  # noqa: E402
 
-SHARED = ROOT.parents[1] / "shared" / "data" / "precomp-captions"
-if not SHARED.is_dir():  # a worktree of /work/wt/<name>
-    SHARED = Path("/work/shared/data/precomp-captions")
+# ../shared beside the checkout, or beside a folder above it (a worktree of /work/wt/<name>); nothing absolute, so
+# the bench finds the captions on a GPU machine too (/root/device/shared beside /root/device/itmatch)
+SHARED = next((folder / "shared" / "data" / "precomp-captions" for folder in ROOT.parents
+               if (folder / "shared" / "data" / "precomp-captions").is_dir()),
+              ROOT.parent / "shared" / "data" / "precomp-captions")
 F30K = (SHARED / "f30k_precomp" / "test_caps.txt", SHARED / "vocab" / "f30k_precomp_vocab.json")
 COCO = (SHARED / "coco_precomp" / "testall_caps.txt", SHARED / "vocab" / "coco_precomp_vocab.json")
 FLICKR8K_DATA = ROOT / "runs" / "data" / "flickr8k_lite0"  # bench/flickr8k.py's features and runs

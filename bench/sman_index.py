@@ -3,7 +3,7 @@ untrained SMAN at the preset's sizes (and SCAN t-i AVG for comparison), then rep
 bytes per photo by array, the indexing and loading seconds, one query's seconds and the largest difference
 between the searcher's scores and `itmatch.load(CKPT).score` of the same stored features (0 = identical).
 
-    python bench/sman_index.py [--images 200] [--data /work/shared/data/flickr8k]
+    python bench/sman_index.py [--images 200] [--data ../shared/data/flickr8k]
 
 Untrained weights: the figures are costs and exactness, not quality. The photos are copied to a temporary
 folder (never into the repository); the script exits with a message when the data is absent.
@@ -66,7 +66,8 @@ def measure(preset: str, photos: Path, work: Path) -> dict[str, float | dict[str
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=200)
-    parser.add_argument("--data", type=Path, default=Path("/work/shared/data/flickr8k"))
+    parser.add_argument("--data", type=Path,
+                        default=Path(__file__).resolve().parents[2] / "shared" / "data" / "flickr8k")
     parser.add_argument("--presets", nargs="+", default=["sman", "scan_t2i_avg"])
     args = parser.parse_args()
     ids_file = args.data / "Flickr_8k.testImages.txt"

@@ -31,6 +31,7 @@ copy), the runs and features inside it, the logs in logs/. This script itself ne
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -44,6 +45,10 @@ SHARED = ROOT.parent / "shared"
 DEVICE_ROOT = Path(os.environ.get("DEVICE_ROOT", "/root/device"))
 CARRY_LIMIT = 64 * 2**20  # what one call may carry, the checkout's own files included
 HEADROOM = 2 * 2**20  # files the session adds to the checkout before the last call (notes, small edits)
+# what the tool counts beyond a file's bytes: on 2026-11-26, beside the 19.7 MiB checkout (~640 files), a bundle of
+# 42.6 MB in 4,872 photos was refused as over 64 MiB while one of 42.5 MB in 2,077 files went through, which puts it
+# between ~330 and ~700 bytes a file (a tar header is 512); 1 KiB leaves room
+FILE_OVERHEAD = 1024
 # What the GPU machine's Python lacks for the bench (its image has torch, numpy, PIL, yaml, safetensors, tqdm,
 # filelock, matplotlib, sentence-transformers; device README, KINDS.md): the CNN and its weights, the word
 # tokenizer. Optional groups: MMCA's frozen MiniLM (83 MB: split over two calls), the Lite2 rows' CNN, the spaCy
@@ -62,24 +67,25 @@ def checkout_bytes() -> int:
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                             check=True, capture_output=True).stdout.split(b"\0")
     paths = [ROOT / os.fsdecode(name) for name in listed if name]
-    return sum(path.stat().st_size for path in paths if path.is_file())
+    return sum(path.stat().st_size + FILE_OVERHEAD for path in paths if path.is_file())
 
 
 def plan_bundles(files: list[tuple[Path, str]], budget: int) -> list[list[tuple[Path, str, int, int]]]:
-    """Files (source, destination under DEVICE_ROOT) in bundles of at most `budget` bytes, in order; a file larger
-    than the budget is cut into pieces (source, destination, offset, size) that fill bundles of their own."""
+    """Files (source, destination under DEVICE_ROOT) in bundles of at most `budget` bytes (each file counted with
+    FILE_OVERHEAD), in order; a file larger than the budget is cut into pieces (source, destination, offset, size)
+    that fill bundles of their own."""
     bundles: list[list[tuple[Path, str, int, int]]] = [[]]
     used = 0
     for source, dest in files:
-        size = source.stat().st_size
-        pieces = [(offset, min(budget, size - offset)) for offset in range(0, size, budget)] or [(0, 0)]
+        size, room = source.stat().st_size, budget - FILE_OVERHEAD
+        pieces = [(offset, min(room, size - offset)) for offset in range(0, size, room)] or [(0, 0)]
         for offset, length in pieces:
-            if used + length > budget and bundles[-1]:
+            if used + length + FILE_OVERHEAD > budget and bundles[-1]:
                 bundles.append([])
                 used = 0
             bundles[-1].append((source, dest if len(pieces) == 1 else
-                                f"{dest}{CHUNK}{offset // budget + 1}-of-{len(pieces)}", offset, length))
-            used += length
+                                f"{dest}{CHUNK}{offset // room + 1}-of-{len(pieces)}", offset, length))
+            used += length + FILE_OVERHEAD
     return bundles
 
 
@@ -201,30 +207,45 @@ def work_copy(_: argparse.Namespace | None = None) -> int:
 
 def start(args: argparse.Namespace) -> int:
     """Make the working copy and start in it, in a new process session that outlives the call, the features'
-    extraction and then the rows, `--parallel` at a time."""
-    work = DEVICE_ROOT / "itmatch"
+    extraction (once: a later `start` waits for it or finds it done) and then the rows, `--parallel` at a time.
+    A later `start` adds its rows beside those running: its own driver, the same `poll`."""
+    work, logs = DEVICE_ROOT / "itmatch", DEVICE_ROOT / "logs"
     if not work.exists():
         work_copy()
-    (DEVICE_ROOT / "logs").mkdir(parents=True, exist_ok=True)
-    plan = {"rows": args.row, "parallel": args.parallel, "bench": args.bench_args, "started": time.time()}
-    (DEVICE_ROOT / "logs" / "plan.json").write_text(json.dumps(plan))
-    subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_run"], cwd=work, env=_environment(),
-                     stdout=(DEVICE_ROOT / "logs" / "driver.log").open("ab"), stderr=subprocess.STDOUT,
+    logs.mkdir(parents=True, exist_ok=True)
+    earlier = json.loads((logs / "plan.json").read_text()) if (logs / "plan.json").exists() else None
+    plan = {"rows": [*(earlier["rows"] if earlier else []), *args.row],
+            "started": earlier["started"] if earlier else time.time()}
+    (logs / "plan.json").write_text(json.dumps(plan))
+    driver = {"rows": args.row, "parallel": args.parallel, "bench": args.bench_args}
+    subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_run", json.dumps(driver)], cwd=work,
+                     env=_environment(), stdout=(logs / "driver.log").open("ab"), stderr=subprocess.STDOUT,
                      start_new_session=True)
-    print(f"started {len(args.row)} rows, {args.parallel} at a time; logs in {DEVICE_ROOT / 'logs'}")
+    print(f"started {len(args.row)} rows, {args.parallel} at a time; logs in {logs}")
     return 0
 
 
-def run_rows(_: argparse.Namespace) -> int:
-    """(the background driver) extraction as the README writes it, on the GPU, then the bench's rows."""
-    plan = json.loads((DEVICE_ROOT / "logs" / "plan.json").read_text())
-    logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
+def extract_once(logs: Path, work: Path) -> None:
+    """The features' extraction as the README writes it, on the GPU, by the first driver; a driver started meanwhile
+    waits on the lock for it, one started later finds it done."""
     flickr = "../shared/data/flickr8k"
     extract = ["-m", "itmatch", "extract", f"{flickr}/images", f"{flickr}/Flickr8k.token.txt",
                "--out", "runs/data/flickr8k_lite0", "--batch-size", "128"]
-    with (logs / "extract.log").open("ab") as log:
-        subprocess.run([sys.executable, *extract], cwd=work, env=_environment(), stdout=log, stderr=subprocess.STDOUT,
-                       check=True)
+    with (logs / "extract.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (logs / "extract.done").exists():
+            with (logs / "extract.log").open("ab") as log:
+                subprocess.run([sys.executable, *extract], cwd=work, env=_environment(), stdout=log,
+                               stderr=subprocess.STDOUT, check=True)
+            (logs / "extract.done").touch()
+
+
+def run_rows(args: argparse.Namespace) -> int:
+    """(a background driver) the features once, then this driver's rows of the bench."""
+    plan = json.loads(args.driver)
+    logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
+    extract_once(logs, work)
+    started = json.loads((logs / "plan.json").read_text())["started"]
     waiting, running = list(plan["rows"]), {}
     while waiting or running:
         while waiting and len(running) < plan["parallel"]:
@@ -236,7 +257,7 @@ def run_rows(_: argparse.Namespace) -> int:
         time.sleep(5)
         for row, proc in list(running.items()):
             if proc.poll() is not None:
-                print(f"{row}: exit {proc.returncode} after {time.time() - plan['started']:.0f} s", flush=True)
+                print(f"{row}: exit {proc.returncode} after {time.time() - started:.0f} s", flush=True)
                 del running[row]
     return 0
 
@@ -310,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
     p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
     p.set_defaults(func=start)
-    sub.add_parser("_run").set_defaults(func=run_rows)
+    p = sub.add_parser("_run")
+    p.add_argument("driver", help="(JSON) this driver's rows, parallel and bench arguments")
+    p.set_defaults(func=run_rows)
     p = sub.add_parser("poll", help="(there) wait for the rows, report them, copy the results to $OUT")
     p.add_argument("--wait", type=float, default=540, help="seconds to wait at most (default 540: inside a call)")
     p.set_defaults(func=poll)

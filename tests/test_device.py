@@ -5,6 +5,7 @@ block is retried smaller. The GPU itself is exercised by tests/test_cuda.py (mar
 from __future__ import annotations
 
 import ast
+import threading
 import warnings
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from itmatch.cli import main
 from itmatch.data.datasets import PairBatch, pad_tokens
 from itmatch.data.precomp import read_precomp
 from itmatch.data.vocab import Vocab
-from itmatch.device import Placement, check_precision, default_device, resolve, resolve_device
+from itmatch.device import Placement, check_precision, default_device, exact_fp32, resolve, resolve_device
 from itmatch.errors import ConfigError
 from itmatch.inference import (
     encode_caption_buckets,
@@ -69,11 +70,63 @@ def test_fp16_needs_cuda_bf16_runs_on_the_cpu_and_fp32_is_no_autocast():
     with pytest.raises(ConfigError, match="'fp64' is not a precision"):
         check_precision("fp64", cpu)
     assert check_precision("bf16", cpu) == torch.bfloat16
-    with Placement(cpu, "fp32").autocast():
+    with Placement(cpu, "fp32").arithmetic():
         assert not torch.is_autocast_enabled("cpu")
-    with Placement(cpu, "bf16").autocast():
+    with Placement(cpu, "bf16").arithmetic():
         assert torch.is_autocast_enabled("cpu")
     assert not Placement(cpu, "bf16").grad_scaler().is_enabled()
+
+
+def _tf32() -> tuple[bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+@pytest.fixture
+def tf32_on():
+    """Both TF32 flags on for the test (torch's matmul flag is a property monkeypatch cannot set), then as before."""
+    before = _tf32()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_fp32_on_a_gpu_turns_tf32_off_in_cublas_and_cudnn_and_restores_it(tf32_on):
+    """PyTorch lets cuDNN use TF32 by default: fp32 on a GPU (an H200) then moved SCAN's scores by > 1e-4 from the
+    CPU's through the GRU. The flags are plain process settings, so this runs without a GPU."""
+    gpu_fp32 = Placement(torch.device("cuda"), "fp32")
+    with gpu_fp32.arithmetic():
+        assert _tf32() == (False, False)
+        with gpu_fp32.arithmetic():  # nested (evaluation inside training's validation)
+            assert _tf32() == (False, False)
+        assert _tf32() == (False, False)  # the inner scope's exit leaves the outer one exact
+    assert _tf32() == (True, True)  # what the user had set comes back
+    with Placement(torch.device("cpu"), "fp32").arithmetic():
+        assert _tf32() == (True, True)  # the CPU has no TF32: nothing to switch
+
+
+def test_exact_fp32_scopes_in_threads_stay_exact_until_the_last_closes(tf32_on):
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def first():
+        with exact_fp32():
+            first_in.set()
+            second_in.wait(5)
+        first_out.set()
+
+    def second():
+        first_in.wait(5)
+        with exact_fp32():
+            second_in.set()
+            first_out.wait(5)
+            seen.append(torch.backends.cudnn.allow_tf32)  # the first scope closed meanwhile
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == [False]
+    assert torch.backends.cudnn.allow_tf32 is True
 
 
 def test_bf16_on_a_gpu_without_it_is_refused(monkeypatch):

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,8 @@ def session(tmp_path, monkeypatch):
     return module
 
 
-def test_bundles_stay_within_budget_and_rejoin_large_files_byte_for_byte(session, tmp_path):
+def test_bundles_stay_within_budget_and_rejoin_large_files_byte_for_byte(session, tmp_path, monkeypatch):
+    monkeypatch.setattr(session, "FILE_OVERHEAD", 0)  # bytes alone here; the overhead has its own test
     source = tmp_path / "here"
     source.mkdir()
     sizes = {"whl/big.whl": 2500, "whl/small.whl": 300, "shared/a.txt": 0, "shared/images/p1.jpg": 999,
@@ -66,3 +70,52 @@ def test_poll_reports_each_rows_epochs_and_knows_when_all_are_done(session, tmp_
     assert not session._all_done(logs, ["vsepp", "scan_i2t_lse"])
     (logs / "driver.log").write_text("vsepp: exit 0 after 300 s\nscan_i2t_lse: exit 1 after 400 s\n")
     assert session._all_done(logs, ["vsepp", "scan_i2t_lse"])
+
+
+def test_each_file_counts_its_overhead_against_a_calls_budget(session, tmp_path, monkeypatch):
+    """The tool counts more than the bytes (a 42.6 MB bundle of 4,872 photos was refused beside a 19.7 MiB
+    checkout): three 500-byte files with 100 bytes each of overhead fill a 1200-byte budget two at a time."""
+    monkeypatch.setattr(session, "FILE_OVERHEAD", 100)
+    files = []
+    for i in range(3):
+        (tmp_path / f"p{i}").write_bytes(os.urandom(500))
+        files.append((tmp_path / f"p{i}", f"images/p{i}.jpg"))
+    assert [len(pieces) for pieces in session.plan_bundles(files, 1200)] == [2, 1]
+    (tmp_path / "big").write_bytes(os.urandom(2500))  # pieces leave room for their own overhead
+    pieces = session.plan_bundles([(tmp_path / "big", "whl/big.whl")], 1200)
+    assert all(length + 100 <= 1200 for bundle in pieces for *_, length in bundle)
+
+
+def test_the_features_are_extracted_once_by_the_drivers_started_side_by_side(session, tmp_path, monkeypatch):
+    """A second `start` adds rows while the first driver extracts: its driver waits for that extraction instead of
+    running another one into the same folder."""
+    logs = tmp_path / "device" / "logs"
+    logs.mkdir(parents=True)
+    extractions = []
+
+    def extract(*args, **kwargs):
+        extractions.append(args)
+        time.sleep(0.3)  # long enough for the second driver to arrive while the first extracts
+
+    monkeypatch.setattr(session.subprocess, "run", extract)
+    drivers = [threading.Thread(target=session.extract_once, args=(logs, tmp_path)) for _ in range(2)]
+    for driver in drivers:
+        driver.start()
+    for driver in drivers:
+        driver.join(10)
+    session.extract_once(logs, tmp_path)  # a driver started after it finished
+    assert len(extractions) == 1 and (logs / "extract.done").exists()
+
+
+def test_a_later_start_adds_its_rows_to_what_poll_waits_for(session, tmp_path, monkeypatch):
+    (tmp_path / "device" / "itmatch").mkdir(parents=True)  # the working copy is there already
+    started = []
+    monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: started.append(json.loads(argv[-1])))
+    main = session.main
+    main(["start", "--row", "scan_t2i_avg", "--row", "scan_i2t_lse", "--parallel", "2"])
+    first = json.loads((tmp_path / "device" / "logs" / "plan.json").read_text())
+    main(["start", "--row", "oan"])
+    plan = json.loads((tmp_path / "device" / "logs" / "plan.json").read_text())
+    assert plan == {"rows": ["scan_t2i_avg", "scan_i2t_lse", "oan"], "started": first["started"]}
+    assert [driver["rows"] for driver in started] == [["scan_t2i_avg", "scan_i2t_lse"], ["oan"]]
+    assert [driver["parallel"] for driver in started] == [2, 6]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -84,15 +85,44 @@ class Placement:
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """Autocast to the precision's dtype; fp32: nothing at all (exact, the default)."""
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=PRECISIONS[self.precision])
+    def arithmetic(self) -> contextlib.AbstractContextManager:
+        """The precision's arithmetic for a block of work: bf16/fp16 autocast to that dtype; fp32 no autocast at
+        all, and on a GPU TensorFloat-32 off in cuBLAS and cuDNN (exact_fp32), so fp32 is exact everywhere."""
+        if self.precision != "fp32":
+            return torch.autocast(self.device.type, dtype=PRECISIONS[self.precision])
+        return exact_fp32() if self.is_cuda else contextlib.nullcontext()
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         """A loss scaler, enabled for fp16 only (bf16 has fp32's exponent range and needs none)."""
         return torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
+
+
+# exact_fp32 scopes open now in this process, and the TF32 flags they found on entering the first
+_exact_lock = threading.Lock()
+_exact_open = 0
+_tf32_before: tuple[bool, bool] = (False, True)
+
+
+@contextlib.contextmanager
+def exact_fp32() -> Iterator[None]:
+    """Within the block float32 matrix products and cuDNN's convolutions and RNNs run in IEEE float32, not
+    TensorFloat-32. PyTorch lets cuDNN use TF32 by default (torch.backends.cudnn.allow_tf32 is True), which rounds
+    the GRU's and the CNN's inputs to 10-bit mantissas: on an H200 that moved SCAN's scores by more than 1e-4 from
+    the CPU's. The flags are process-wide, so the scopes are counted: the first to open switches TF32 off and the
+    last to close restores what it found, which keeps concurrent scopes (the server's threads) exact throughout."""
+    global _exact_open, _tf32_before
+    with _exact_lock:
+        if _exact_open == 0:
+            _tf32_before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        _exact_open += 1
+    try:
+        yield
+    finally:
+        with _exact_lock:
+            _exact_open -= 1
+            if _exact_open == 0:
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = _tf32_before
 
 
 def resolve(device: str | torch.device | None = "auto", precision: str = "fp32", *,

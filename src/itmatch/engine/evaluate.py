@@ -198,7 +198,7 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
             model.eval()
             if two_staged and not dist.is_main():
                 continue
-            with Placement(module_device(model), precision).autocast():
+            with Placement(module_device(model), precision).arithmetic():
                 if two_staged:
                     scores, info = (pruned_split_scores(model, vocab, fold, progress) if prune else
                                     rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress))

@@ -503,7 +503,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             batch = batch.to(placement.device, non_blocking=True)
             if resident is not None:  # the images gathered by image_index, on the device
                 batch = resident.fill(batch)
-            with placement.autocast():  # (fp32: no autocast at all)
+            with placement.arithmetic():  # (fp32: no autocast at all)
                 loss = step(batch, hardest)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # (scale, unscale_, step, update: plain calls unless fp16)

@@ -424,7 +424,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                     feats[i] = out[j]
             if good:
                 f = torch.stack(feats).float()
-                with matcher.placement.autocast():
+                with matcher.placement.arithmetic():
                     fields = _stored_fields(model.encode_image_fields(f.to(on)))
                 if regions_are_features:
                     if not np.array_equal(fields["regions"], f.numpy()):  # (the probe said they would be)

@@ -96,16 +96,16 @@ class ImageTextMatcher:
         if isinstance(images, torch.Tensor):
             images = images.detach().cpu().numpy()
         if isinstance(images, np.ndarray):
-            with self.placement.autocast():
+            with self.placement.arithmetic():
                 return encode_images(self.model, np.asarray(images, dtype=np.float32))
         feats = self.image_features(list(images))
-        with self.placement.autocast():
+        with self.placement.arithmetic():
             return encode_images(self.model, feats if isinstance(feats, MultiScaleArray) else feats.numpy())
 
     def encode_texts(self, texts: Sequence[str]) -> TextEmb:
         if isinstance(texts, str):
             texts = [texts]
-        with self.placement.autocast():
+        with self.placement.arithmetic():
             return encode_captions(self.model, list(texts), self.vocab)
 
     def score(self, images: ImageEmb | Sequence[ImageInput] | torch.Tensor,
@@ -113,7 +113,7 @@ class ImageTextMatcher:
         """Scores [n_images, n_texts] (embeddings from encode_* or raw inputs)."""
         img = images if isinstance(images, ImageEmb) else self.encode_images(images)
         txt = texts if isinstance(texts, TextEmb) else self.encode_texts(texts)
-        with self.placement.autocast():
+        with self.placement.arithmetic():
             return score_matrix(self.model, img, txt)
 
     def rerank_scores(self, images: ImageEmb | Sequence[ImageInput] | torch.Tensor,
@@ -132,7 +132,7 @@ class ImageTextMatcher:
                                 hint="pass paths / features and strings")
             img_vec, txt_vec = first_stage_vectors(first_stage.encode_images(images),
                                                    first_stage.encode_texts(texts))
-        with self.placement.autocast():
+        with self.placement.arithmetic():
             return two_stage_scores(self.model, img, txt, k, img_vec, txt_vec, index)
 
     def unknown_words(self, text: str) -> list[str]:

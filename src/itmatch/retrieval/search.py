@@ -208,7 +208,7 @@ class Searcher:
                 return []
             # all rows: score the stored embeddings as they are (take() would copy them per query)
             images = self.images if len(rows) == len(self.ids) else self.images.take(rows)
-            with self.matcher.placement.autocast():
+            with self.matcher.placement.arithmetic():
                 scores = score_matrix(self.model, images, txt)[:, 0]
         top = torch.topk(scores, min(k, len(rows)))
         return [Hit(self.ids[int(rows[i])], float(s), r + 1)
@@ -229,7 +229,7 @@ class Searcher:
             if self._caption_emb is None:
                 self._caption_emb = self.matcher.encode_texts(self.captions)
             img = self.matcher.encode_images([image])
-            with self.matcher.placement.autocast():
+            with self.matcher.placement.arithmetic():
                 scores = score_matrix(self.model, img, self._caption_emb)[0]
         top = torch.topk(scores.masked_fill(~self._rankable.to(scores.device), -torch.inf), min(k, rankable))
         return [{"rank": r + 1, "caption": self.captions[int(i)], "score": round(float(s), 6),
@@ -275,7 +275,7 @@ class Searcher:
                              hint="explanations need a SCAN, SAVE or OAN (with inter-modal attention) model; "
                                   "see docs/search.md")
         img = self.images.take(slice(row, row + 1))
-        with self._lock, torch.inference_mode(), self.matcher.placement.autocast():
+        with self._lock, torch.inference_mode(), self.matcher.placement.arithmetic():
             txt = self.encode_query(query)
             alpha, normalised_over = head.word_attention(img, txt)
             alpha = alpha.float().cpu()  # [k, L]
