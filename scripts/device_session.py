@@ -106,9 +106,6 @@ def prepare(args: argparse.Namespace) -> int:
     if "/.device/" not in ignored:  # never committed, never carried unless a call names it
         with exclude.open("a") as f:
             f.write("/.device/\n")
-    photos = device_dir / "f8k"
-    if not (photos / "meta").is_dir():
-        subprocess.run([sys.executable, str(SHARED / "tools" / "pack_for_device.py"), str(photos)], check=True)
     wheels = device_dir / "whl"
     groups = ["core", *[g for g in args.with_groups.split(",") if g]]
     for group in groups:
@@ -117,12 +114,15 @@ def prepare(args: argparse.Namespace) -> int:
                         "--platform", "manylinux2014_x86_64", "-d", str(wheels), *WHEELS[group]], check=True)
     wanted = {name.replace("-", "_") for group in groups for name in WHEELS[group]}
     files = [(w, f"whl/{w.name}") for w in sorted(wheels.glob("*.whl")) if w.name.split("-")[0].lower() in wanted]
-    files += [(f, f"shared/data/flickr8k/{f.name}") for f in sorted((photos / "meta").glob("*.txt"))]
+    flickr = SHARED / "data" / "flickr8k"
+    files += [(f, f"shared/data/flickr8k/{f.name}") for f in sorted(flickr.glob("*.txt"))]
     # the Flickr30K / COCO caption files (3 MB) of bench/gpu.py's evaluation at Flickr30K scale
     captions = SHARED / "data" / "precomp-captions"
     files += [(f, f"shared/data/precomp-captions/{f.relative_to(captions).as_posix()}")
               for f in sorted(captions.rglob("*")) if f.is_file()]
-    files += [(f, f"shared/data/flickr8k/images/{f.name}") for f in sorted(photos.glob("part*/*"))]
+    # the photos byte for byte, so that the GPU's features are the CPU's: the WebP copies (quality 70) of
+    # ../shared/tools/pack_for_device.py save a call but cost JPEG-trained VSE++ 7.1-7.6 test rsum (docs/gpu.md)
+    files += [(f, f"shared/data/flickr8k/images/{f.name}") for f in sorted((flickr / "images").glob("*.jpg"))]
     checkout = checkout_bytes()
     budget = CARRY_LIMIT - checkout - HEADROOM
     carry = device_dir / "carry"
