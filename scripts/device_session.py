@@ -1,4 +1,4 @@
-"""Make the most of a lent GPU machine (30 minutes of device time a session, 10 minutes a command, 64 MiB carried
+"""Make the most of a lent GPU machine (15 minutes of device time a session, 10 minutes a command, 64 MiB carried
 per call, nothing shared with this machine; docs/gpu.md, "A lent GPU session, step by step").
 
 Here, once per session (packs the photos and the wheels the GPU machine lacks into bundles that fit one call):
@@ -10,8 +10,11 @@ work in the background and returns:
 
     python3 scripts/device_session.py receive .device/carry/01
     ...
-    python3 scripts/device_session.py receive .device/carry/03 && \\
-        python3 scripts/device_session.py start --row vsepp --row scan_i2t_lse ...
+    python3 scripts/device_session.py receive .device/carry/05 && \\
+        python3 scripts/device_session.py kickoff --row scan_t2i_avg --row scan_i2t_lse ...
+
+(`kickoff`: the timed benches on the idle GPU, then `start` of the rows, then the CUDA tests; `start --row ROW`
+alone adds rows later)
 
 then calls that wait for the rows and bring back what they wrote (results CSVs, training histories, the logs'
 last lines) through $OUT, until every row is done:
@@ -134,7 +137,7 @@ def prepare(args: argparse.Namespace) -> int:
     print(f"{len(bundles)} bundles of at most {budget / 2**20:.1f} MiB in {carry.relative_to(ROOT)} (the checkout "
           f"itself carries {checkout / 2**20:.1f} MiB a call). One device call each, back to back:")
     for i in range(1, len(bundles) + 1):
-        last = " && python3 scripts/device_session.py start --row ROW [--row ROW ...]" if i == len(bundles) else ""
+        last = " && python3 scripts/device_session.py kickoff --row ROW [--row ROW ...]" if i == len(bundles) else ""
         print(f"  carry [\".device/carry/{i:02d}\"]: "
               f"python3 scripts/device_session.py receive .device/carry/{i:02d}{last}")
     return 0
@@ -223,6 +226,46 @@ def start(args: argparse.Namespace) -> int:
                      start_new_session=True)
     print(f"started {len(args.row)} rows, {args.parallel} at a time; logs in {logs}")
     return 0
+
+
+# the timed benches of a session's first minutes on the idle GPU (docs/gpu.md, "Speed"), each with the seconds it
+# may take: the evaluation compiles the fused kernel three times and times the public loop on 50 images
+KICKOFF_BENCHES = [("gpu_eval", ["eval", "--reference-images", "50"], 150), ("gpu_train", ["train"], 60)]
+KICKOFF_TESTS = ["tests/test_cuda.py", "tests/models/scan/test_fused.py"]
+
+
+def kickoff(args: argparse.Namespace) -> int:
+    """(there, in the last bundle's call) the order a session's device time is best spent in: the timed benches
+    while the GPU is idle (their figures are the accelerator issue's), then the rows in the background (`start`),
+    then the CUDA tests beside the features' extraction (correctness only, so sharing the GPU is harmless). The
+    benches' and the tests' output goes to $OUT; each is bounded, so one that hangs cannot eat the session."""
+    work_copy()
+    work, out = DEVICE_ROOT / "itmatch", Path(os.environ.get("OUT") or DEVICE_ROOT / "out")
+    out.mkdir(parents=True, exist_ok=True)
+    smoke = ["--smoke"] if args.smoke else []
+    for name, section, seconds in KICKOFF_BENCHES:
+        presets = ["--presets", args.train_presets] if section[0] == "train" else []
+        _bounded(out / f"{name}.txt", ["bench/gpu.py", *section, "--device", args.device, *presets, *smoke,
+                                       "--out", str(out / f"{name}.json")], seconds, work)
+    start(args)
+    _bounded(out / "cuda_tests.txt", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *KICKOFF_TESTS],
+             170, work)
+    for name in ("gpu_eval", "gpu_train", "cuda_tests"):
+        print((out / f"{name}.txt").read_text(errors="replace")[-1500:])
+    return 0
+
+
+def _bounded(log: Path, argv: list[str], seconds: float, cwd: Path) -> None:
+    """Run python `argv` in `cwd` with its output in `log`, stopped after `seconds`; the last line says how it ended."""
+    with log.open("wb") as out:
+        try:
+            code = subprocess.run([sys.executable, *argv], cwd=cwd, env=_environment(), stdout=out,
+                                  stderr=subprocess.STDOUT, timeout=seconds).returncode
+            ending = f"exit {code}"
+        except subprocess.TimeoutExpired:
+            ending = f"stopped after {seconds:.0f} s"
+    with log.open("a") as out:
+        out.write(f"\n[{' '.join(argv[:2])}: {ending}]\n")
 
 
 def extract_once(logs: Path, work: Path) -> None:
@@ -331,6 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
     p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
     p.set_defaults(func=start)
+    p = sub.add_parser("kickoff", help="(there, in the last bundle's call) the timed benches on the idle GPU, then "
+                                       "`start` of the rows, then the CUDA tests beside the extraction")
+    p.add_argument("--row", action="append", required=True, help="a row of `bench/flickr8k.py --config gpu`")
+    p.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
+    p.add_argument("--device", default="cuda", help="of the benches (cpu: a rehearsal here, with --smoke)")
+    p.add_argument("--smoke", action="store_true", help="the benches at their smoke sizes (a CPU rehearsal)")
+    p.add_argument("--train-presets", default="vsepp,scan_t2i_avg,scan_i2t_lse,oan,sman,save_dsa",
+                   help="presets of the training bench (mmca needs --with mmca's MiniLM)")
+    p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
+    p.set_defaults(func=kickoff)
     p = sub.add_parser("_run")
     p.add_argument("driver", help="(JSON) this driver's rows, parallel and bench arguments")
     p.set_defaults(func=run_rows)

@@ -119,3 +119,27 @@ def test_a_later_start_adds_its_rows_to_what_poll_waits_for(session, tmp_path, m
     assert plan == {"rows": ["scan_t2i_avg", "scan_i2t_lse", "oan"], "started": first["started"]}
     assert [driver["rows"] for driver in started] == [["scan_t2i_avg", "scan_i2t_lse"], ["oan"]]
     assert [driver["parallel"] for driver in started] == [2, 6]
+
+
+def test_kickoff_times_the_benches_before_the_rows_start_and_tests_beside_them(session, tmp_path, monkeypatch):
+    """The order that keeps the timings clean: both benches on the idle GPU, then the rows, then the tests; each
+    bounded, and one that runs over its time is reported, not waited for."""
+    monkeypatch.setattr(session, "ROOT", tmp_path / "checkout")
+    (tmp_path / "checkout").mkdir()
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    events = []
+
+    def run(argv, timeout, **kwargs):
+        events.append(("run", argv[1] if argv[1] != "-m" else "pytest", timeout))
+        if argv[1] == "-m":
+            raise session.subprocess.TimeoutExpired(argv, timeout)
+        return session.subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(session.subprocess, "run", run)
+    monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: events.append(("start", argv[-1])))
+    session.main(["kickoff", "--row", "scan_t2i_avg", "--parallel", "2"])
+    assert [e[:2] for e in events] == [("run", "bench/gpu.py"), ("run", "bench/gpu.py"),
+                                       ("start", json.dumps({"rows": ["scan_t2i_avg"], "parallel": 2, "bench": []})),
+                                       ("run", "pytest")]
+    assert "[-m pytest: stopped after 170 s]" in (tmp_path / "out" / "cuda_tests.txt").read_text()
+    assert "exit 0" in (tmp_path / "out" / "gpu_eval.txt").read_text()
