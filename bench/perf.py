@@ -122,8 +122,9 @@ def make_model(preset: str, vocab_file: Path = F30K[1], embed: int | None = None
     """A preset's untrained model (seed 0) on 1024-d region features, at its own joint dimension D unless
     `embed` is given, with the tokenizer it trains with: the dataset's word vocabulary, or the WordPiece of its
     frozen pretrained text encoder (MMCA). `training`: with the bench's TRAINING_BUDGET for its arch."""
-    arch = PRESETS[preset]["model"].get("arch")
-    cfg = resolve_config(preset, parse_overrides(TRAINING_BUDGET.get(arch, []) if training else []))
+    cfg = resolve_config(preset)  # (an unknown preset: the registry's error, naming the presets there are)
+    if training and cfg.model.arch in TRAINING_BUDGET:
+        cfg = resolve_config(preset, parse_overrides(TRAINING_BUDGET[cfg.model.arch]))
     if cfg.data.tokenizer == "word":
         cfg.data.vocab = str(vocab_file)
     vocab = make_vocab(cfg, [])
