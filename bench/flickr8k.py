@@ -190,6 +190,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     "scan_t2i_avg_no_warmup": ("scan_t2i_avg", ["loss.warmup_epochs=0"]),
     **{f"vsepp_warmup{seed}": ("vsepp", [*sets, "loss.warmup_epochs=1"])
        for seed, sets in (("", []), ("_seed1", ["train.seed=1"]))},
+    # the accelerator issue's precision check: the same schedule and seed in bf16 autocast beside the fp32 row (it
+    # asks for at most 1 rsum lost; one pair cannot show that alone, two seeds of one model differ by more)
+    **{f"{p}_bf16": (p, ["train.precision=bf16"]) for p in ("scan_t2i_avg", "scan_i2t_lse", "oan")},
     # SMAN's paper optimizer (Adadelta 0.05 under clip 0.1) barely moved in the CPU schedule (docs/sman.md):
     # the CPU schedule's Adam 5e-4 without L2 beside it
     "sman_adam5e-4": ("sman", ["train.optimizer=adam", "train.lr=0.0005", "train.weight_decay=0.0"]),
