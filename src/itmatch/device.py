@@ -108,8 +108,9 @@ def exact_fp32() -> Iterator[None]:
     """Within the block float32 matrix products and cuDNN's convolutions and RNNs run in IEEE float32, not
     TensorFloat-32. PyTorch lets cuDNN use TF32 by default (torch.backends.cudnn.allow_tf32 is True), which rounds
     the GRU's and the CNN's inputs to 10-bit mantissas: with those defaults an H200 gave SCAN scores more than 1e-4
-    from the CPU's (docs/gpu.md; not yet re-run with them off). The flags are process-wide, so the scopes are counted: the first to open switches TF32 off and the
-    last to close restores what it found, which keeps concurrent scopes (the server's threads) exact throughout."""
+    from the CPU's (docs/gpu.md; not yet re-run with them off). The flags are process-wide, so the scopes are
+    counted: the first to open switches TF32 off and the last to close restores what it found, which keeps
+    concurrent scopes (the server's threads) exact throughout."""
     global _exact_open, _tf32_before
     with _exact_lock:
         if _exact_open == 0:
