@@ -72,18 +72,6 @@ def timed(fn, device: torch.device, repeats: int = 3) -> float:
     return best
 
 
-def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, tf32: bool = False) -> float:
-    """The device's dense GEMM peak as measured here: best of a few size^3 products in `dtype`."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    try:
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        return 2 * size**3 / timed(lambda: a @ b, device, 5) / 1e12
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
-
-
 @contextlib.contextmanager
 def mode_arithmetic(device: torch.device, mode: str) -> Iterator[None]:
     """A timed mode's arithmetic: fp32 and bf16 as itmatch runs them (Placement.arithmetic: fp32 exact, TF32 off);
@@ -98,6 +86,14 @@ def mode_arithmetic(device: torch.device, mode: str) -> Iterator[None]:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, tf32: bool = False) -> float:
+    """The device's dense GEMM peak as measured here: best of a few size^3 products in `dtype`."""
+    with mode_arithmetic(device, "tf32" if tf32 else "fp32"):  # (a bf16 product is bf16 either way)
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        return 2 * size**3 / timed(lambda: a @ b, device, 5) / 1e12
 
 
 def section_eval(args, placement: Placement) -> dict:

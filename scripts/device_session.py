@@ -228,9 +228,6 @@ def start(args: argparse.Namespace) -> int:
     return 0
 
 
-# the timed benches of a session's first minutes on the idle GPU (docs/gpu.md, "Speed"), each with the seconds it
-# may take: the evaluation compiles the fused kernel three times and times the public loop on 50 images
-KICKOFF_BENCHES = [("gpu_eval", ["eval", "--reference-images", "50"], 150), ("gpu_train", ["train"], 60)]
 KICKOFF_TESTS = ["tests/test_cuda.py", "tests/models/scan/test_fused.py"]
 
 
@@ -242,11 +239,14 @@ def kickoff(args: argparse.Namespace) -> int:
     work_copy()
     work, out = DEVICE_ROOT / "itmatch", Path(os.environ.get("OUT") or DEVICE_ROOT / "out")
     out.mkdir(parents=True, exist_ok=True)
-    smoke = ["--smoke"] if args.smoke else []
-    for name, section, seconds in KICKOFF_BENCHES:
-        presets = ["--presets", args.train_presets] if section[0] == "train" else []
-        _bounded(out / f"{name}.txt", ["bench/gpu.py", *section, "--device", args.device, *presets, *smoke,
-                                       "--out", str(out / f"{name}.json")], seconds, work)
+    # the timed benches (docs/gpu.md, "Speed"), each with the seconds it may take: the evaluation compiles the fused
+    # kernel three times and times the public loop on 50 images
+    benches = [("gpu_eval", ["eval", "--reference-images", "50"], 150),
+               ("gpu_train", ["train", "--presets", args.train_presets], 60)]
+    for name, section, seconds in benches:
+        _bounded(out / f"{name}.txt", ["bench/gpu.py", *section, "--device", args.device,
+                                       *(["--smoke"] if args.smoke else []), "--out", str(out / f"{name}.json")],
+                 seconds, work)
     start(args)
     _bounded(out / "cuda_tests.txt", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *KICKOFF_TESTS],
              170, work)
@@ -357,6 +357,13 @@ def ship(args: argparse.Namespace) -> int:
                           cwd=work, env=_environment()).returncode
 
 
+def _row_arguments(parser: argparse.ArgumentParser) -> None:
+    """The rows `start` (and `kickoff`, through it) runs, how many at once, and what the bench gets besides."""
+    parser.add_argument("--row", action="append", required=True, help="a row of `bench/flickr8k.py --config gpu`")
+    parser.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
+    parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True)
@@ -370,19 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("workcopy", help="(there) copy the checkout to DEVICE_ROOT/itmatch, keeping its runs and results"
                    ).set_defaults(func=work_copy)
     p = sub.add_parser("start", help="(there) extract the features, then train and evaluate rows in the background")
-    p.add_argument("--row", action="append", required=True, help="a row of `bench/flickr8k.py --config gpu`")
-    p.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
-    p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
+    _row_arguments(p)
     p.set_defaults(func=start)
     p = sub.add_parser("kickoff", help="(there, in the last bundle's call) the timed benches on the idle GPU, then "
                                        "`start` of the rows, then the CUDA tests beside the extraction")
-    p.add_argument("--row", action="append", required=True, help="a row of `bench/flickr8k.py --config gpu`")
-    p.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
     p.add_argument("--device", default="cuda", help="of the benches (cpu: a rehearsal here, with --smoke)")
     p.add_argument("--smoke", action="store_true", help="the benches at their smoke sizes (a CPU rehearsal)")
     p.add_argument("--train-presets", default="vsepp,scan_t2i_avg,scan_i2t_lse,oan,sman,save_dsa",
                    help="presets of the training bench (mmca needs --with mmca's MiniLM)")
-    p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
+    _row_arguments(p)  # (last: --bench-args takes the rest of the line)
     p.set_defaults(func=kickoff)
     p = sub.add_parser("_run")
     p.add_argument("driver", help="(JSON) this driver's rows, parallel and bench arguments")

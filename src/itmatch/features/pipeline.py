@@ -113,8 +113,8 @@ def grid_features(backbone: nn.Module, pixels: torch.Tensor, placement: Placemen
 
     With stages, one pass computes them all (`Backbone.stage_maps`; its c5 is the same map `forward` flattens)."""
     # without a placement the caller's own autocast (if any) applies
-    autocast = placement.arithmetic() if placement is not None else contextlib.nullcontext()
-    with torch.inference_mode(), autocast:
+    arithmetic = placement.arithmetic() if placement is not None else contextlib.nullcontext()
+    with torch.inference_mode(), arithmetic:
         x = pixels.to(module_device(backbone))
         if not stages:
             return {"c5": backbone(x).float().cpu()}
