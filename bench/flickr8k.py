@@ -199,6 +199,8 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     **{f"{p}_ft": (p, [*continue_from(p, p), *FINETUNE]) for p in FINETUNED},
     **{f"{p}_frozen_more": (p, continue_from(p, p)) for p in FINETUNED},
     "scan_i2t_lse_lite2": ("scan_i2t_lse", []),
+    # the same on the CPU's budget: MMCA alpha = 0 trains its schedule in about an hour on two cores
+    "mmca_alpha0_lite2": ("mmca_alpha0", []),
     "scan_i2t_lse_lite2_ft": ("scan_i2t_lse", [*continue_from("scan_i2t_lse_lite2", "scan_i2t_lse"), *FINETUNE,
                                                "model.backbone=lite2"]),
 }
@@ -211,7 +213,7 @@ GPU_PREREQUISITES = {**{f"{p}_{kind}": p for p in FINETUNED for kind in ("ft", "
                      "scan_i2t_lse_lite2_ft": "scan_i2t_lse_lite2"}
 GPU_ROW_DATA = {**{row: DATA_MS for row in ("save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_dsa_ms2",
                                             "save_asa_ms3_both", "save_asa_ms3_seed1")},
-                "scan_i2t_lse_lite2": DATA_LITE2, "scan_i2t_lse_lite2_ft": DATA_LITE2}
+                **{row: DATA_LITE2 for row in ("scan_i2t_lse_lite2", "scan_i2t_lse_lite2_ft", "mmca_alpha0_lite2")}}
 GPU = Profile("gpu", GPU_SCHEDULE, GPU_SCHEDULES, GPU_OVERRIDES, GPU_CONTROLS, GPU_ENSEMBLES,
               GPU_SINGLE + list(GPU_CONTROLS) + list(GPU_ENSEMBLES), GPU_RUNS, "docs/results/flickr8k_gpu.csv",
               "docs/results/training/flickr8k_gpu.csv", 100, prerequisites=GPU_PREREQUISITES, row_data=GPU_ROW_DATA,
