@@ -199,7 +199,7 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     **{f"{p}_ft": (p, [*continue_from(p, p), *FINETUNE]) for p in FINETUNED},
     **{f"{p}_frozen_more": (p, continue_from(p, p)) for p in FINETUNED},
     "scan_i2t_lse_lite2": ("scan_i2t_lse", []),
-    # the same on the CPU's budget: MMCA alpha = 0 trains its schedule in about an hour on two cores
+    # the same on the CPU's budget: MMCA alpha = 0 trains its schedule in about an hour and a half on two cores
     "mmca_alpha0_lite2": ("mmca_alpha0", []),
     "scan_i2t_lse_lite2_ft": ("scan_i2t_lse", [*continue_from("scan_i2t_lse_lite2", "scan_i2t_lse"), *FINETUNE,
                                                "model.backbone=lite2"]),
