@@ -69,7 +69,7 @@ def evaluation_costs(model, vocab, split, ks: list[int]) -> dict:
                               "matches_exhaustive": same,
                               "test_1000x5000_hours_upper_bound": round(test_pairs / (pairs / t_k) / 3600, 2)}
     out["test_1000x5000_exhaustive_hours"] = round(1000 * 5000 / (n * m / t_full) / 3600, 1)
-    pruned, t_pruned = timed(lambda: pruned_scores(model, img, txt, split.per_image))
+    pruned, t_pruned = timed(lambda: pruned_scores([(model, img, txt)], split.per_image))
     out["pruned"] = {"pairs": pruned.pairs_scored, "fraction_scored": round(pruned.fraction, 4),
                      "seconds": round(t_pruned, 1), "speed_up": round(t_full / t_pruned, 2),
                      "same_metrics": retrieval_metrics(pruned.scores, split.per_image)

@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prune", action="store_true",
                    help="safe pruning: the exhaustive metrics, scoring exactly only the pairs whose score the "
                         "head's bound around its global cosine leaves on either side of a query's ground truth "
-                        "(MMCA: |S - i0.c0| <= alpha)")
+                        "(MMCA: |S - i0.c0| <= alpha); an ensemble's bound is its members' mean")
     s.add_argument("--first-stage", type=existing_dir, metavar="CKPT",
                    help="checkpoint whose global embedding proposes the candidates (e.g. VSE++ trained on "
                         "the same data); default: the evaluated model's own, if it has one")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,13 +145,18 @@ def rerank_split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, k:
     return result.scores, {"k": k, "index": index, **_two_stage_info(result)}
 
 
-def pruned_split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, progress: bool = False
-                        ) -> tuple[torch.Tensor, dict]:
-    """Safe-pruned scores of a split (retrieval.two_stage.pruned_scores): exhaustive ranks, fewer pairs."""
-    img = encode_images(model, split.images, progress=progress)
-    txt = encode_captions(model, split.captions, vocab, progress=progress)
-    result = pruned_scores(model, img, txt, split.per_image, progress)
-    return result.scores, {"pruned": True, "bound": model.head.score_bound, **_two_stage_info(result)}
+def pruned_split_scores(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit, progress: bool = False,
+                        precision: str = "fp32") -> tuple[torch.Tensor, dict]:
+    """Safe-pruned scores of a split by one model or an ensemble (retrieval.two_stage.pruned_scores): the
+    exhaustive ranks, fewer pairs. Each model encodes and scores where it lives, in `precision`."""
+    with ExitStack() as arithmetic:
+        for model, _ in models:
+            arithmetic.enter_context(Placement(module_device(model), precision).arithmetic())
+        members = [(model.eval(), encode_images(model, split.images, progress=progress),
+                    encode_captions(model, split.captions, vocab, progress=progress)) for model, vocab in models]
+        result = pruned_scores(members, split.per_image, progress)
+    bounds = [model.head.score_bound for model, _ in models]
+    return result.scores, {"pruned": True, "bound": sum(bounds) / len(bounds), **_two_stage_info(result)}
 
 
 def _two_stage_info(result: TwoStageResult) -> dict:
@@ -166,7 +171,8 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
                     resume_dir: str | Path | None = None, prune: bool = False, precision: str = "fp32") -> dict:
     """Metrics of one model, or of an ensemble (score matrices averaged before ranking). With
     `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model.
-    With `prune`: safe pruning (exhaustive metrics, only the pairs the head's score bound leaves open).
+    With `prune`: safe pruning (exhaustive metrics, only the pairs the head's score bound leaves open), of one
+    model or an ensemble.
 
     With `resume_dir`, exhaustive scoring keeps its finished blocks there and continues from those an
     interrupted run over the same inputs left (inference.score_cache); `eval_seconds` then adds the scoring
@@ -183,9 +189,10 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     if rerank and prune:
         raise ConfigError("--rerank K and --prune are two different scorings", hint="choose one of them")
     two_staged = bool(rerank or prune)
-    if two_staged and len(models) != 1:
-        raise ConfigError(f"{'safe pruning' if prune else 'two-stage re-ranking'} takes one model, not an ensemble",
-                          hint=f"evaluate one checkpoint with {'--prune' if prune else '--rerank'}, or drop it")
+    if rerank and len(models) != 1:
+        raise ConfigError("two-stage re-ranking takes one model, not an ensemble",
+                          hint="evaluate one checkpoint with --rerank, or score the ensemble exhaustively (or with "
+                               "--prune, where every member's head has a score bound)")
     sharded = dist.is_distributed()
     if sharded and (two_staged or not dist.is_main()):
         progress = False
@@ -193,6 +200,12 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     cache = ScoreCache(resume_dir) if resume_dir is not None and not two_staged else None
     folds, two_stage = [], []
     for fold in protocol_folds(split, protocol):
+        if prune:  # (the ensemble's members together: the bound is on their mean score)
+            if dist.is_main():
+                scores, info = pruned_split_scores(models, fold, progress, precision)
+                two_stage.append(info)
+                folds.append(retrieval_metrics(scores, fold.per_image))
+            continue
         total = None
         for model, vocab in models:
             model.eval()
@@ -200,8 +213,7 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
                 continue
             with Placement(module_device(model), precision).arithmetic():
                 if two_staged:
-                    scores, info = (pruned_split_scores(model, vocab, fold, progress) if prune else
-                                    rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress))
+                    scores, info = rerank_split_scores(model, vocab, fold, rerank, first_stage, index, progress)
                     two_stage.append(info)
                 else:
                     scores = split_scores(model, vocab, fold, budget_bytes, progress, sharded=sharded, cache=cache)

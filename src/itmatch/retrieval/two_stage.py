@@ -8,7 +8,9 @@ score stays within a known bound of its global cosine: every query gets the rank
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -87,8 +89,12 @@ def two_stage_scores(model: Matcher, img: ImageEmb, txt: TextEmb, k: int, img_ve
 PRUNING_SLACK = 1e-4
 
 
+#: one model of a (possibly one-model) ensemble with its encoded items: what pruned_scores scores
+Member = tuple[Matcher, ImageEmb, TextEmb]
+
+
 @torch.inference_mode()
-def pruned_scores(model: Matcher, img: ImageEmb, txt: TextEmb, per_image: int = 5, progress: bool = False,
+def pruned_scores(members: Sequence[Member], per_image: int = 5, progress: bool = False,
                   budget_bytes: float = DEFAULT_BUDGET) -> TwoStageResult:
     """A score matrix that ranks every query's ground truth exactly as exhaustive scoring does (so every
     metric equals the exhaustive one), with exact head scores only where the ranking needs them.
@@ -98,32 +104,52 @@ def pruned_scores(model: Matcher, img: ImageEmb, txt: TextEmb, per_image: int = 
     pair with s + b < G cannot count and one with s - b > G must; only pairs with |s - G| <= b, in the
     row of their image or the column of their caption, are scored exactly. The others keep s, which lies
     on the same side of both their targets as S does: one matrix serves both directions.
-    Caption j belongs to image j // per_image (the evaluation protocol's layout)."""
-    bound = model.head.score_bound
-    if bound is None:
-        raise ConfigError(f"{type(model.head).__name__} has no bound on its score around a global cosine, so "
-                          "no pair can be ruled out without scoring it",
-                          hint="evaluate it exhaustively, or two-stage with --rerank K")
-    img_vec, txt_vec = first_stage_vectors(img, txt)
-    n, m = len(img), len(txt)
+    Caption j belongs to image j // per_image (the evaluation protocol's layout).
+
+    `members` is one model or an ensemble (each model with its own encodings of the same items): the
+    ensemble's score is the mean of its members' scores (as exhaustive ensembles rank), so it lies within the
+    mean of their bounds of the mean of their cosines, and the same argument holds with s, S and b averaged."""
+    if not members:
+        raise ConfigError("safe pruning needs at least one model")
+    for model, _, _ in members:
+        if model.head.score_bound is None:
+            raise ConfigError(f"{type(model.head).__name__} has no bound on its score around a global cosine, so "
+                              "no pair can be ruled out without scoring it",
+                              hint="evaluate it exhaustively, or two-stage with --rerank K")
+    n, m = len(members[0][1]), len(members[0][2])
+    if any((len(img), len(txt)) != (n, m) for _, img, txt in members):
+        raise ConfigError("the ensemble's members encoded different items",
+                          hint="evaluate every member on the same split")
     if m != per_image * n:
         raise ConfigError(f"{m} captions for {n} images: safe pruning needs {per_image} captions per image")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    scores = (img_vec.float() @ txt_vec.float().T).to(HOST)  # s = i0 . c0, kept where the bound decides
+    scores = _mean(  # s = i0 . c0, kept where the bound decides
+        [(img_vec.float() @ txt_vec.float().T).to(HOST) for img_vec, txt_vec in
+         (first_stage_vectors(img, txt) for _, img, txt in members)])
     timings["search"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     free = budget_bytes - 5.0 * n * m  # the matrix and the undecided mask
+
+    def exact(images: torch.Tensor, captions: torch.Tensor) -> torch.Tensor:
+        return _mean([score_pairs(model, img, txt, images, captions, free, progress) for model, img, txt in members])
+
     captions = torch.arange(m, device=HOST)
     owners = captions // per_image
-    truth = score_pairs(model, img, txt, owners, captions, free, progress)  # G of each caption (text -> image)
+    truth = exact(owners, captions)  # G of each caption (text -> image)
     best = truth.view(n, per_image).amax(1)  # G of each image (image -> text): its best caption
-    margin = bound + PRUNING_SLACK
+    margin = _mean([model.head.score_bound for model, _, _ in members]) + PRUNING_SLACK
     undecided = ((scores - best[:, None]).abs() <= margin) | ((scores - truth[None, :]).abs() <= margin)
     undecided[owners, captions] = False  # scored above
     images, others = undecided.nonzero(as_tuple=True)
     del undecided
     scores[owners, captions] = truth
-    scores[images, others] = score_pairs(model, img, txt, images, others, free, progress)
+    scores[images, others] = exact(images, others)
     timings["rerank"] = time.perf_counter() - t0
     return TwoStageResult(scores, m + len(images), n * m, timings)
+
+
+
+def _mean(values: list) -> Any:
+    """The members' mean, summed in order and divided once, as evaluate_models averages an ensemble's scores."""
+    return sum(values[1:], values[0]) / len(values)

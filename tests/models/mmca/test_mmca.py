@@ -265,20 +265,14 @@ def _pruned_and_exhaustive(ckpt, data, split: str) -> tuple[torch.Tensor, torch.
     with torch.inference_mode():
         img = encode_images(ckpt.model.eval(), data_split.images)
         txt = encode_captions(ckpt.model, data_split.captions, ckpt.vocab)
-    return pruned_scores(ckpt.model, img, txt).scores, score_matrix(ckpt.model, img, txt)
+    return pruned_scores([(ckpt.model, img, txt)]).scores, score_matrix(ckpt.model, img, txt)
 
 
-@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.0])
-def test_safe_pruning_gives_the_exhaustive_ranks(vocab, alpha, monkeypatch):
-    torch.manual_seed(0)
-    model = build_model(small_config(vocab).model).eval()
-    img, txt = _spread_items(vocab, model, 12, alpha)
-    exhaustive = score_matrix(model, img, txt)
-    result = pruned_scores(model, img, txt)
+def assert_pruned_like_exhaustive(result, exhaustive: torch.Tensor, first: torch.Tensor) -> None:
+    """The reference from the definition of safe pruning, for 12 images x 60 captions: the metrics are the
+    exhaustive ones; a query's targets are its ground truth's exact scores, and every pair that kept its global
+    cosine s (`first`) lies, with its true score S, on the same side of both its targets; the others are exact."""
     assert retrieval_metrics(result.scores) == retrieval_metrics(exhaustive)
-    # reference from the definition: a query's targets are its ground truth's exact scores; every pair that
-    # kept its global cosine s lies, with its true score S, on the same side of both its targets
-    first = img.vector @ txt.vector.T
     owner = torch.arange(60) // 5
     own = exhaustive[owner, torch.arange(60)]
     best = exhaustive.masked_fill(owner[None, :] != torch.arange(12)[:, None], float("-inf")).amax(1)
@@ -288,13 +282,48 @@ def test_safe_pruning_gives_the_exhaustive_ranks(vocab, alpha, monkeypatch):
     scored = ~kept
     assert (result.scores[scored] - exhaustive[scored]).abs().max() <= 1e-5
     assert result.pairs_total == 720
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.0])
+def test_safe_pruning_gives_the_exhaustive_ranks(vocab, alpha, monkeypatch):
+    torch.manual_seed(0)
+    model = build_model(small_config(vocab).model).eval()
+    img, txt = _spread_items(vocab, model, 12, alpha)
+    exhaustive = score_matrix(model, img, txt)
+    result = pruned_scores([(model, img, txt)])
+    assert_pruned_like_exhaustive(result, exhaustive, img.vector @ txt.vector.T)
     if alpha == 0:
         assert result.pairs_scored == 60  # only the ground truth: S is the global cosine
     else:
         assert 60 < result.pairs_scored < 720
         # the bound is what makes it exact: one ten times too small leaves pairs on the wrong side
         monkeypatch.setattr(MMCAHead, "score_bound", alpha / 10)
-        assert retrieval_metrics(pruned_scores(model, img, txt).scores) != retrieval_metrics(exhaustive)
+        assert retrieval_metrics(pruned_scores([(model, img, txt)]).scores) != retrieval_metrics(exhaustive)
+
+
+def test_safe_pruning_of_an_ensemble_gives_its_exhaustive_ranks(vocab, monkeypatch):
+    """An ensemble ranks by its members' mean score, which lies within their mean bound of their mean cosine."""
+    members, exhaustive = [], []
+    for seed, alpha in ((0, 0.2), (1, 0.5), (2, 0.0)):
+        torch.manual_seed(seed)
+        model = build_model(small_config(vocab).model).eval()
+        img, txt = _spread_items(vocab, model, 12, alpha)
+        torch.manual_seed(10 + seed)  # each member its own global embedding (_spread_items reseeds)
+        img.vector = F.normalize(img.vector + 0.2 * torch.randn_like(img.vector), dim=1)
+        txt.vector = F.normalize(txt.vector + 0.2 * torch.randn_like(txt.vector), dim=1)
+        members.append((model, img, txt))
+        exhaustive.append(score_matrix(model, img, txt))
+    ensemble = sum(exhaustive[1:], exhaustive[0]) / 3  # (as evaluate_models averages an ensemble)
+    first = sum(img.vector @ txt.vector.T for _, img, txt in members) / 3
+    result = pruned_scores(members)
+    assert_pruned_like_exhaustive(result, ensemble, first)
+    assert 60 < result.pairs_scored < 720
+    # the mean bound is the one that holds: the smallest member's bound (0) leaves pairs on the wrong side
+    monkeypatch.setattr(MMCAHead, "score_bound", 0.0)
+    assert retrieval_metrics(pruned_scores(members).scores) != retrieval_metrics(ensemble)
+    with pytest.raises(ConfigError, match="different items"):
+        model, img, txt = members[1]
+        pruned_scores([members[0], (model, img, txt.take(slice(0, 10)))])
 
 
 def test_safe_pruning_needs_a_score_bound():
@@ -305,7 +334,7 @@ def test_safe_pruning_needs_a_score_bound():
         img = scan.encode_images(torch.randn(2, 6, 32))
         txt = scan.encode_texts(torch.randint(1, 20, (10, 4)), torch.full((10,), 4))
     with pytest.raises(ConfigError, match="no bound"):
-        pruned_scores(scan, img, txt)
+        pruned_scores([(scan, img, txt)])
 
 
 @pytest.mark.slow
@@ -393,6 +422,16 @@ def test_train_checkpoint_and_load_end_to_end(tiny_precomp, tmp_path, vocab):
     for direction in ("image_to_text", "text_to_image"):
         assert pruned[direction] == retrieval_metrics(scores)[direction]
     assert main(["evaluate", str(tmp_path / "run" / "best"), "--prune", "--rerank", "5", "--quiet"]) == 2
+    # an ensemble too: this checkpoint with a second one at alpha 0.5 (the bound is their mean, 0.35)
+    ckpt = load_checkpoint(tmp_path / "run" / "best")
+    ckpt.config.model.mmca.alpha = ckpt.model.head.alpha = 0.5
+    save_checkpoint(tmp_path / "alpha05", ckpt.model, ckpt.config, ckpt.vocab)
+    members = [str(tmp_path / "run" / "best"), str(tmp_path / "alpha05")]
+    assert main(["evaluate", *members, "--split", "test", "--prune", "--quiet", "--json",
+                 str(tmp_path / "ensemble.json")]) == 0
+    ensemble = json.loads((tmp_path / "ensemble.json").read_text())
+    assert ensemble["two_stage"]["pruned"] and ensemble["two_stage"]["bound"] == pytest.approx(0.35)
+    assert ensemble["two_stage"]["pairs_scored"] > pruned["two_stage"]["pairs_scored"]  # (a wider bound)
 
     # a (valid, manifest-consistent) checkpoint trained with another frozen encoder than the one installed
     # now is refused
