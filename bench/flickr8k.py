@@ -159,7 +159,14 @@ GPU_SCHEDULES = {row: GPU_NO_WARMUP for row in ["meanpool", "vsepp", *MMCA_ROWS,
 GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"],
                  "scan_ensemble_t2i_avg+i2t_lse_seed1": ["scan_t2i_avg_seed1", "scan_i2t_lse_seed1"],
                  # the best single model's two seeds averaged (safe pruning holds for an ensemble too)
-                 "mmca_alpha0_lite2_ensemble_seed0+seed1": ["mmca_alpha0_lite2", "mmca_alpha0_lite2_seed1"]}
+                 "mmca_alpha0_lite2_ensemble_seed0+seed1": ["mmca_alpha0_lite2", "mmca_alpha0_lite2_seed1"],
+                 # across families: MMCA alpha = 0 (MiniLM text encoder; Lite2 cells) with VSE++ (GRU; Lite0 cells,
+                 # each member reads its own features), seeds paired; Lite0's MMCA beside it (the backbone's share)
+                 "ensemble_mmca_alpha0_lite2+vsepp": ["mmca_alpha0_lite2", "vsepp"],
+                 "ensemble_mmca_alpha0_lite2+vsepp_seed1": ["mmca_alpha0_lite2_seed1", "vsepp_seed1"],
+                 "ensemble_mmca_alpha0+vsepp_seed1": ["mmca_alpha0_seed1", "vsepp_seed1"],
+                 "ensemble_mmca_alpha0_lite2+vsepp_2seeds": ["mmca_alpha0_lite2", "vsepp", "mmca_alpha0_lite2_seed1",
+                                                             "vsepp_seed1"]}
 # two seeds for the headline rows (the spread is stated beside them), and for each shipped pretrained model
 HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "mmca_alpha0", "save_dsa", "save_asa_ms3", "sman"]
 # End to end (train.finetune_backbone): the converged frozen run continued from pixels for 10 epochs, the whole
@@ -210,7 +217,10 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
 # MMCA: the paper's training (every pair of the batch through the cross module); dev and test metrics by safe
 # pruning, exact and cheaper than all pairs (docs/mmca.md)
 GPU_PRUNE = {row for row in [*MMCA_ROWS, *GPU_CONTROLS] if GPU_CONTROLS.get(row, (row,))[0] in MMCA_ROWS}
-GPU_PRUNE |= {row for row, members in GPU_ENSEMBLES.items() if set(members) <= GPU_PRUNE}
+# an ensemble is pruned where an MMCA member would make exhaustive scoring take hours and every member's head
+# bounds its score around a global cosine (VSE++: the cosine itself, bound 0)
+GPU_PRUNE |= {row for row, members in GPU_ENSEMBLES.items() if set(members) & GPU_PRUNE
+              and {GPU_CONTROLS.get(m, (m,))[0] for m in members} <= {*MMCA_ROWS, "vsepp", "meanpool"}}
 GPU_OVERRIDES = {row: [*GPU_CONTROLS.get(row, (row, []))[1], *(["train.val_prune=true"] if row in GPU_PRUNE else [])]
                  for row in [*GPU_SINGLE, *GPU_CONTROLS]}
 GPU_PREREQUISITES = {**{f"{p}_{kind}": p for p in FINETUNED for kind in ("ft", "frozen_more")},
@@ -281,15 +291,16 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
                else ["--resume-dir", f"runs/eval_blocks/{Path(profile.runs).name}/{row}"])
     members = profile.ensembles.get(preset, [preset])
     data = profile.row_data.get(base_preset(preset, profile), profile.row_data.get(preset, DATA))
-    ensure_features(data)
-    for member in members:
+    datas = [profile.row_data.get(member, data) for member in members]  # (an ensemble may mix features)
+    for member_data in dict.fromkeys(datas):
+        ensure_features(member_data)
+    for member, member_data in zip(members, datas, strict=True):
         before = profile.prerequisites.get(member)
         if before and not training_finished(ROOT / profile.runs / before):
             run_row(before, threads, train_only=True, profile=profile)  # the run this one continues
         out = f"{profile.runs}/{member}"
         member_preset = base_preset(member, profile)
         schedule = schedule_of(member, profile)
-        member_data = profile.row_data.get(member, data)
         check_run_matches(out, member_preset, schedule, profile.overrides.get(member, []))
         if not training_finished(ROOT / out):
             resume = ["--resume"] if (ROOT / out / "last").exists() else []
@@ -311,7 +322,8 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
     record = (["--json", result_json] if profile.device  # (the row, with the device, is written below)
               else ["--results", profile.results, "--name", row, "--dataset", "flickr8k", "--command", command,
                     "--force", "--json", result_json])
-    run(["itmatch", "evaluate", *checkpoints, "--data", data, "--split", "test", "--protocol", "1k", "--quiet",
+    data_args = ["--data", datas[0]] if len(set(datas)) == 1 else [a for d in datas for a in ("--data", d)]
+    run(["itmatch", "evaluate", *checkpoints, *data_args, "--split", "test", "--protocol", "1k", "--quiet",
          *record, *(["--threads", str(threads)] if threads else []), *scoring, *on_cpu(profile)],
         ranks=eval_ranks if "--resume-dir" in scoring else 1)  # (two-stage scoring runs on one process)
     if profile.device and not DRY_RUN:

@@ -417,7 +417,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("evaluate", help="evaluate one checkpoint, or an ensemble of several")
     s.add_argument("checkpoints", nargs="+", type=existing_dir, help="checkpoint directories (several = ensemble)")
-    s.add_argument("--data", type=existing_dir, help="precomp directory (default: the first checkpoint's)")
+    s.add_argument("--data", type=existing_dir, action="append", metavar="DIR",
+                   help="precomp directory: once for every checkpoint, or once per checkpoint in their order "
+                        "(default: each checkpoint's own, so an ensemble may mix features of the same photos, "
+                        "e.g. Lite0 and Lite2)")
     s.add_argument("--split", default="test", help="split to evaluate (default test)")
     s.add_argument("--images", type=existing_dir,
                    help="images folder, for models that read pixels (default: the checkpoint's data.images)")

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from itmatch.cli import main
 from itmatch.engine.checkpoint import save_checkpoint
 from itmatch.engine.evaluate import evaluate_run
-from itmatch.errors import ConfigError
+from itmatch.errors import ConfigError, DataError
 from itmatch.models.registry import resolve_config
 
 TIMINGS = ("eval_seconds",)  # wall-clock seconds differ between any two runs
@@ -90,3 +92,44 @@ def test_threads_are_restored_after_the_run(checkpoints):
     before = torch.get_num_threads()
     evaluate_run(checkpoints[:1], split="test", threads=1, progress=False, device="cpu")
     assert torch.get_num_threads() == before
+
+
+def test_each_member_of_an_ensemble_reads_its_own_features(checkpoints, tiny_precomp, tmp_path):
+    """Members trained on different features of the same items (another backbone: 9 cells of 24-d instead of
+    6 of 32-d) each read their own data directory; the ensemble ranks their averaged score matrices."""
+    from itmatch.data.precomp import read_precomp, write_features
+    from itmatch.engine.checkpoint import load_checkpoint
+    from itmatch.engine.evaluate import split_scores
+    from itmatch.engine.metrics import retrieval_metrics
+
+    other = tmp_path / "other_backbone"
+    shutil.copytree(tiny_precomp, other, ignore=shutil.ignore_patterns("*.npy"))
+    rng = np.random.default_rng(3)
+    for split in ("train", "dev", "test"):
+        n = read_precomp(tiny_precomp, split).n_images
+        write_features(other, split, rng.standard_normal((n, 9, 24)).astype(np.float32))
+    wide = _checkpoint("vsepp", other, tmp_path / "wide", 2)
+    run = evaluate_run([checkpoints[1], wide], split="test", progress=False, device="cpu")
+    assert [Path(d).name for d in run.metrics["data"]] == [tiny_precomp.name, other.name]
+    total = None
+    for ckpt, data in ((checkpoints[1], tiny_precomp), (wide, other)):
+        c = load_checkpoint(ckpt)
+        scores = split_scores(c.model.eval(), c.vocab, read_precomp(data, "test"))
+        total = scores if total is None else total + scores
+    expected = retrieval_metrics(total / 2)
+    assert {d: run.metrics[d] for d in expected} == expected
+    # --data: once for all (here the 32-d features do not fit the 24-d model), or once each
+    with pytest.raises(DataError, match="features here are 32-d but the checkpoint's model reads 24-d"):
+        evaluate_run([checkpoints[1], wide], split="test", data=tiny_precomp, progress=False, device="cpu")
+    again = evaluate_run([checkpoints[1], wide], split="test", data=[tiny_precomp, other], progress=False,
+                         device="cpu")
+    assert again.metrics["rsum"] == run.metrics["rsum"]
+    with pytest.raises(ConfigError, match="3 data directories for 2 checkpoints"):
+        evaluate_run([checkpoints[1], wide], data=[tiny_precomp, other, other], progress=False, device="cpu")
+    # splits of other items are refused, naming the first difference: the averaged scores would pair the wrong images
+    captions = (other / "test_caps.txt").read_text().splitlines()
+    captions[2] = "a caption of another photo"
+    (other / "test_caps.txt").write_text("\n".join(captions) + "\n")
+    with pytest.raises(DataError, match="caption 3 is .* in one and 'a caption of another photo' in the other"):
+        evaluate_run([checkpoints[1], wide], split="test", progress=False, device="cpu")
+    assert main(["evaluate", str(checkpoints[1]), str(wide), "--split", "test", "--quiet"]) == 2

@@ -17,7 +17,7 @@ from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import AnyVocab, unknown_word_report
 from itmatch.device import Placement, check_precision, module_device, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
-from itmatch.engine.inputs import open_split
+from itmatch.engine.inputs import check_image_dims, open_split
 from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.engine.results import result_row, upsert_row
 from itmatch.errors import ConfigError, DataError, refuse_overwrite
@@ -145,16 +145,18 @@ def rerank_split_scores(model: Matcher, vocab: AnyVocab, split: PrecompSplit, k:
     return result.scores, {"k": k, "index": index, **_two_stage_info(result)}
 
 
-def pruned_split_scores(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit, progress: bool = False,
-                        precision: str = "fp32") -> tuple[torch.Tensor, dict]:
+def pruned_split_scores(models: Sequence[tuple[Matcher, AnyVocab]], splits: Sequence[PrecompSplit],
+                        progress: bool = False, precision: str = "fp32") -> tuple[torch.Tensor, dict]:
     """Safe-pruned scores of a split by one model or an ensemble (retrieval.two_stage.pruned_scores): the
-    exhaustive ranks, fewer pairs. Each model encodes and scores where it lives, in `precision`."""
+    exhaustive ranks, fewer pairs. Each model reads its own copy of the split (`splits`, in the models' order: the
+    same items, perhaps other features), and encodes and scores where it lives, in `precision`."""
     with ExitStack() as arithmetic:
         for model, _ in models:
             arithmetic.enter_context(Placement(module_device(model), precision).arithmetic())
         members = [(model.eval(), encode_images(model, split.images, progress=progress),
-                    encode_captions(model, split.captions, vocab, progress=progress)) for model, vocab in models]
-        result = pruned_scores(members, split.per_image, progress)
+                    encode_captions(model, split.captions, vocab, progress=progress))
+                   for (model, vocab), split in zip(models, splits, strict=True)]
+        result = pruned_scores(members, splits[0].per_image, progress)
     bounds = [model.head.score_bound for model, _ in models]
     return result.scores, {"pruned": True, "bound": sum(bounds) / len(bounds), **_two_stage_info(result)}
 
@@ -165,11 +167,13 @@ def _two_stage_info(result: TwoStageResult) -> dict:
             "seconds": {key: round(v, 3) for key, v in result.timings.items()}}
 
 
-def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit, protocol: str = "full",
+def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSplit | Sequence[PrecompSplit],
+                    protocol: str = "full",
                     budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0,
                     first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat",
                     resume_dir: str | Path | None = None, prune: bool = False, precision: str = "fp32") -> dict:
-    """Metrics of one model, or of an ensemble (score matrices averaged before ranking). With
+    """Metrics of one model, or of an ensemble (score matrices averaged before ranking), on `split`: one for every
+    model, or one per model in their order (the same items, each model's own features: check_same_items). With
     `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model.
     With `prune`: safe pruning (exhaustive metrics, only the pairs the head's score bound leaves open), of one
     model or an ensemble.
@@ -186,6 +190,10 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     `precision` (fp32: exact, no autocast; bf16 / fp16: autocast, scores kept in float32 on the host)."""
     for model, _ in models:  # (before any work)
         check_precision(precision, module_device(model))
+    splits = [split] * len(models) if isinstance(split, PrecompSplit) else list(split)
+    if len(splits) != len(models):
+        raise ConfigError(f"{len(splits)} splits for {len(models)} models", hint="pass one split, or one per model")
+    check_same_items(splits)
     if rerank and prune:
         raise ConfigError("--rerank K and --prune are two different scorings", hint="choose one of them")
     two_staged = bool(rerank or prune)
@@ -199,15 +207,15 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     start = time.perf_counter()
     cache = ScoreCache(resume_dir) if resume_dir is not None and not two_staged else None
     folds, two_stage = [], []
-    for fold in protocol_folds(split, protocol):
+    for member_folds in zip(*(protocol_folds(s, protocol) for s in splits), strict=True):
         if prune:  # (the ensemble's members together: the bound is on their mean score)
             if dist.is_main():
-                scores, info = pruned_split_scores(models, fold, progress, precision)
+                scores, info = pruned_split_scores(models, member_folds, progress, precision)
                 two_stage.append(info)
-                folds.append(retrieval_metrics(scores, fold.per_image))
+                folds.append(retrieval_metrics(scores, member_folds[0].per_image))
             continue
         total = None
-        for model, vocab in models:
+        for (model, vocab), fold in zip(models, member_folds, strict=True):
             model.eval()
             if two_staged and not dist.is_main():
                 continue
@@ -220,7 +228,7 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
             if scores is not None:  # (None: a rank other than 0 of a sharded evaluation)
                 total = scores if total is None else total + scores
         if total is not None:
-            folds.append(retrieval_metrics(total / len(models), fold.per_image))
+            folds.append(retrieval_metrics(total / len(models), member_folds[0].per_image))
     resumed = (cache.resumed_blocks, cache.resumed_seconds) if cache is not None else (0, 0.0)
     if sharded:  # each rank resumed its share of the blocks (their seconds are already wall-time shares)
         per_rank = dist.gather_objects(resumed)
@@ -230,18 +238,36 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     result = dict(folds[0] if len(folds) == 1 else average_folds(folds))
     if rerank > 0:
         result["rerank"] = rerank
-    result.update(protocol=protocol, split=split.split, folds=len(folds),
-                  n_images=protocol_folds(split, protocol)[0].n_images,
+    result.update(protocol=protocol, split=splits[0].split, folds=len(folds),
+                  n_images=protocol_folds(splits[0], protocol)[0].n_images,
                   eval_seconds=round(time.perf_counter() - start + resumed[1], 2))
     if resumed[0]:
         result["resumed"] = {"blocks": resumed[0], "seconds": round(resumed[1], 2), "from": str(resume_dir)}
     if two_stage:
         result["two_stage"] = two_stage[0] if len(two_stage) == 1 else two_stage
     # after eval_seconds (comparable with earlier rows); the metrics are those of the model's own input
-    captions = [c for fold in protocol_folds(split, protocol) for c in fold.captions]
+    captions = [c for fold in protocol_folds(splits[0], protocol) for c in fold.captions]  # (the same in every split)
     reports = [unknown_word_report(vocab, captions) for _, vocab in models]
     result["unknown_words"] = reports[0] if len(reports) == 1 else reports
     return dist.broadcast_object(result)
+
+
+def check_same_items(splits: Sequence[PrecompSplit]) -> None:
+    """An ensemble's members may read different features (another backbone's extraction of the same photos), but
+    their splits must hold the same images and captions in the same order, or the averaged scores would pair
+    one model's image i with another's image j. A DataError names the two directories and the first difference."""
+    first = splits[0]
+    for other in splits[1:]:
+        for what, a, b in (("image", first.ids, other.ids), ("caption", first.captions, other.captions)):
+            if a == b:
+                continue
+            at = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            differ = (f"{what} {at + 1} is {a[at]!r} in one and {b[at]!r} in the other" if at < min(len(a), len(b))
+                      else f"one has {len(a)} {what}s and the other {len(b)}")
+            raise DataError(f"the ensemble's members read different {first.split!r} splits: {differ}",
+                            path=f"{first.root} and {other.root}",
+                            hint="evaluate models whose data directories were extracted from the same photos and "
+                                 "captions (the same split files), or pass one --data for all of them")
 
 
 def format_table(result: dict) -> str:
@@ -296,7 +322,7 @@ def _torch_threads(n: int) -> Iterator[None]:
 
 def _open_eval_split(checkpoint: Checkpoint, split: str, data: str | Path | None, images: str | Path | None
                      ) -> tuple[PrecompSplit, str]:
-    """The split the first checkpoint's model reads (features, or image files for a pixel model), from `data`
+    """The split a checkpoint's model reads (features, or image files for a pixel model), from `data`
     (default: the checkpoint's own data directory) and `images`; and the data directory it came from."""
     root = str(data) if data else checkpoint.data_path()  # (an error saying where it looked, if found nowhere)
     cfg = checkpoint.config
@@ -304,10 +330,23 @@ def _open_eval_split(checkpoint: Checkpoint, split: str, data: str | Path | None
         cfg.data.images = str(images)
     elif image_inputs(cfg.model) == ("pixels",):
         cfg.data.images = checkpoint.data_path("images")
-    return open_split(cfg, split, data_path=root), root
+    opened = open_split(cfg, split, data_path=root)
+    check_image_dims(cfg, opened)  # (before a shape error deep in the image encoder)
+    return opened, root
 
 
-def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test", data: str | Path | None = None,
+def per_member(data: str | Path | Sequence[str | Path] | None, n: int) -> list[str | Path | None]:
+    """`--data` for each of an ensemble's n checkpoints: none (each its own), one for all, or one each."""
+    if data is None or isinstance(data, (str, Path)):
+        return [data] * n
+    if len(data) not in (1, n):
+        raise ConfigError(f"{len(data)} data directories for {n} checkpoints",
+                          hint="give --data once (every checkpoint reads it) or once per checkpoint, in their order")
+    return list(data) if len(data) == n else [data[0]] * n
+
+
+def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test",
+                 data: str | Path | Sequence[str | Path] | None = None,
                  images: str | Path | None = None, protocol: str = "full", budget_gb: float = 4.0,
                  threads: int = 0, rerank: int = 0, prune: bool = False, first_stage: str | Path | None = None,
                  faiss: str = "flat", resume_dir: str | Path | None = None, json_path: str | Path | None = None,
@@ -319,7 +358,9 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test", data
     parses its arguments and calls this; docs/architecture.md).
 
     Loads the checkpoints onto `device` (in `precision`; both checked before any work), opens `split` of `data`
-    (default: the first checkpoint's data directory; `images` for models that read pixels), scores it
+    (one directory for every checkpoint, or one per checkpoint in their order; default: each checkpoint's own
+    data directory, so an ensemble's members may read different features of the same photos, e.g. Lite0 and
+    Lite2; `images` for models that read pixels), scores it
     exhaustively (or two-stage with `rerank` K and `first_stage`'s global embedding, or with safe `prune`-ing;
     `resume_dir` keeps finished score blocks so that a killed run continues) under `protocol`, and returns the
     metrics. With `json_path` they are also written there (an existing file is replaced only with `force`);
@@ -341,21 +382,21 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test", data
         raise ConfigError("no checkpoint to evaluate", hint="name one checkpoint directory, or several (an ensemble)")
     for c in loaded:
         c.model.to(placement.device)
-    inputs = {image_inputs(c.config.model) for c in loaded}
-    if len(inputs) > 1:
-        raise ConfigError(f"the ensemble's models read different image inputs ({sorted(inputs)})",
-                          hint="evaluate models that read the same features together")
-    eval_split, root = _open_eval_split(loaded[0], split, data, images)
+    opened = [_open_eval_split(c, split, member_data, images)
+              for c, member_data in zip(loaded, per_member(data, len(loaded)), strict=True)]
+    eval_splits, root = [s for s, _ in opened], opened[0][1]
     proposer = None
     if first_stage:
         fs = load_checkpoint(first_stage, trust_modified=trust_modified)
         proposer = (fs.model.to(placement.device), fs.vocab)
     dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
     with _torch_threads(threads):
-        metrics = evaluate_models([(c.model, c.vocab) for c in loaded], eval_split, protocol, budget_gb * 1024**3,
+        metrics = evaluate_models([(c.model, c.vocab) for c in loaded], eval_splits, protocol, budget_gb * 1024**3,
                                   progress=progress, rerank=rerank, first_stage=proposer, index=faiss,
                                   resume_dir=resume_dir, prune=prune, precision=placement.precision)
     metrics["checkpoints"] = [str(p) for p in checkpoints]
+    if len({r for _, r in opened}) > 1:
+        metrics["data"] = [r for _, r in opened]
     if first_stage:
         metrics["first_stage"] = str(first_stage)
     truncated = sum(getattr(c.vocab, "truncated", 0) for c in loaded)

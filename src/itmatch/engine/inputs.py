@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from itmatch.config import Config, get_key
 from itmatch.data.precomp import MultiScaleArray, PrecompSplit, read_precomp
-from itmatch.errors import ConfigError
+from itmatch.errors import ConfigError, DataError
 from itmatch.models.registry import arch, image_inputs, pixel_backbone
 
 
@@ -25,9 +25,9 @@ def open_split(cfg: Config, split: str, *, train: bool = False, data_path: str |
     return read_precomp(root, split, scales=inputs)
 
 
-def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
-    """Set the channel counts the model's config takes from the data (model.img_dim, and the config keys of
-    `Arch.feature_dims`, e.g. SAVE's c3/c4 channels); a conflicting override is an error."""
+def image_dims(cfg: Config, split: PrecompSplit) -> dict[str, int]:
+    """The channel counts of `split`'s image inputs, by the config key of the model of `cfg` that holds each
+    (model.img_dim, and the keys of `Arch.feature_dims`, e.g. SAVE's c3/c4 channels)."""
     images = split.images
     if isinstance(images, MultiScaleArray):
         dims = images.dims
@@ -38,12 +38,28 @@ def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
     else:
         dims = {"c5": int(images.shape[2])}
     wanted = arch(cfg.model).feature_dims(cfg.model)
-    for scale, dim in dims.items():
-        key = wanted[scale]
+    return {wanted[scale]: dim for scale, dim in dims.items()}
+
+
+def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
+    """Set the channel counts the model's config takes from the data (image_dims); a conflicting override is an
+    error."""
+    for key, dim in image_dims(cfg, split).items():
         parent, name = key.rsplit(".", 1)
         holder = get_key(cfg, parent)
         current = getattr(holder, name)
         if current and current != dim:
-            raise ConfigError(f"{key}={current} but the {scale} features are {dim}-d",
+            raise ConfigError(f"{key}={current} but the features are {dim}-d",
                               hint=f"drop the override; {key} is taken from the data")
         setattr(holder, name, dim)
+
+
+def check_image_dims(cfg: Config, split: PrecompSplit) -> None:
+    """A trained model's channel counts against the features of `split` (evaluation): a DataError naming both."""
+    for key, dim in image_dims(cfg, split).items():
+        wanted = get_key(cfg, key)
+        if wanted != dim:
+            raise DataError(f"the {split.split!r} features here are {dim}-d but the checkpoint's model reads "
+                            f"{wanted}-d ones ({key}): they come from another backbone or layer", path=split.root,
+                            hint="evaluate on the data directory the checkpoint was trained on (its data.path, the "
+                                 "default), or on an extraction with its data.backbone")
