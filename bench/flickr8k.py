@@ -346,7 +346,8 @@ def device_name(profile: Profile, threads: int) -> str:
     names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
              if line.startswith("model name")]
     cpu = names[0] if names else platform.processor() or "unknown"
-    return f"CPU {cpu}, {threads or torch.get_num_threads()} threads"
+    n = threads or torch.get_num_threads()
+    return f"CPU {cpu}, {n} thread{'s' if n != 1 else ''}"
 
 
 def write_device_row(row: str, model: str, result_json: Path, command: str, profile: Profile,
