@@ -177,6 +177,24 @@ def test_device_cpu_runs_a_paper_schedule_on_the_cpu_and_its_row_names_the_cpu(b
     assert "--device cpu --row vsepp" in row and ", 2 threads" in row and "CPU " in row
 
 
+def test_an_ensemble_of_members_on_different_features_gives_each_its_data(bench, tmp_path, monkeypatch, capsys):
+    """MMCA alpha = 0 on Lite2 cells with VSE++ on Lite0 cells: one --data per checkpoint, in the members' order,
+    and safe pruning (both heads bound their score around a global cosine); one family on one backbone: one --data."""
+    import dataclasses
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"), on_cpu=True)
+    for member in ("mmca_alpha0_lite2", "vsepp", "mmca_alpha0_lite2_seed1"):
+        _fake_run(bench, gpu, member, epochs_done=bench.row_config(
+            bench.base_preset(member, gpu), bench.schedule_of(member, gpu), []).train.epochs, with_best=True)
+    monkeypatch.setattr(bench, "DRY_RUN", True)
+    for row, data in (("ensemble_mmca_alpha0_lite2+vsepp", [bench.DATA_LITE2, bench.DATA]),
+                      ("mmca_alpha0_lite2_ensemble_seed0+seed1", [bench.DATA_LITE2])):
+        bench.run_row(row, 1, profile=gpu)
+        evaluate = next(line for line in capsys.readouterr().out.splitlines() if " evaluate " in line)
+        assert [part.split()[0] for part in evaluate.split("--data ")[1:]] == data
+        assert "--prune" in evaluate.split()
+
+
 def test_device_cpu_is_refused_for_the_cpu_schedule():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "flickr8k.py"), "--device", "cpu", "--status"],
                           capture_output=True, text=True, timeout=120)
