@@ -89,7 +89,7 @@ def two_stage_scores(model: Matcher, img: ImageEmb, txt: TextEmb, k: int, img_ve
 PRUNING_SLACK = 1e-4
 
 
-#: one model of a (possibly one-model) ensemble with its encoded items: what pruned_scores scores
+#: a model with its encodings of the items: the one model, or one member of an ensemble, that pruned_scores scores
 Member = tuple[Matcher, ImageEmb, TextEmb]
 
 
