@@ -166,7 +166,10 @@ GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse
                  "ensemble_mmca_alpha0_lite2+vsepp_seed1": ["mmca_alpha0_lite2_seed1", "vsepp_seed1"],
                  "ensemble_mmca_alpha0+vsepp_seed1": ["mmca_alpha0_seed1", "vsepp_seed1"],
                  "ensemble_mmca_alpha0_lite2+vsepp_2seeds": ["mmca_alpha0_lite2", "vsepp", "mmca_alpha0_lite2_seed1",
-                                                             "vsepp_seed1"]}
+                                                             "vsepp_seed1"],
+                 # the two best single models (SCAN i-t LSE, Lite0 cells, GPU; MMCA alpha = 0, Lite2 cells): the SCAN
+                 # run comes back from a GPU session with device_session.py's fetch / take
+                 "ensemble_mmca_alpha0_lite2+scan_i2t_lse": ["mmca_alpha0_lite2", "scan_i2t_lse"]}
 # two seeds for the headline rows (the spread is stated beside them), and for each shipped pretrained model
 HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "mmca_alpha0", "save_dsa", "save_asa_ms3", "sman"]
 # End to end (train.finetune_backbone): the converged frozen run continued from pixels for 10 epochs, the whole

@@ -2,6 +2,7 @@
 sizes (--smoke), which is how they are kept working without one.
 
   python bench/gpu.py eval  --device cuda            # SCAN t-i AVG, 1000 x 36 x 1024 vs the 5000 F30K test captions
+  python bench/gpu.py blocks --device cuda           # the same evaluation with caps of 4M..256M cells per block
   python bench/gpu.py train --device cuda            # training throughput per preset, fp32 vs bf16
   python bench/gpu.py train --device cuda --data runs/data/flickr8k_lite0 --epochs 20   # + recall of both
   python bench/gpu.py eval train --device cpu --smoke  # the CPU check (seconds)
@@ -15,6 +16,8 @@ embeddings in float32 and float64, with the largest difference from it. Those ro
 (ITMATCH_FUSED off); the `eval fused` rows then time the fused Triton kernel (models/scan/fused.py) in the same
 modes on the same embeddings, with its largest difference from the float32 plain head (CUDA + triton only; the
 CPU smoke run says it skips them).
+blocks: the same evaluation with each cap on a block's region-word cells (--cells): blocks made, seconds of the
+plain head (fp32) and the fused kernel (fp32, bf16), largest difference from the plain fp32 head at the default cap.
 train: images/s and seconds per Flickr8K epoch of every preset's training step (forward, loss, backward, Adam)
 at batch 128 in fp32 and bf16; with --data, the same schedule trained in both precisions and the 1K test
 rsum of each (issue 23: bf16 must not lose more than 1 rsum).
@@ -48,7 +51,14 @@ from perf import F30K, counted_flops, make_model, random_features, read_captions
 
 from itmatch.data.datasets import pad_tokens  # noqa: E402
 from itmatch.device import Placement, resolve  # noqa: E402
-from itmatch.inference import encode_caption_buckets, encode_images, score_matrix, unbucket_texts  # noqa: E402
+from itmatch.inference import (  # noqa: E402
+    default_block_cells,
+    encode_caption_buckets,
+    encode_images,
+    score_blocks,
+    score_matrix,
+    unbucket_texts,
+)
 from itmatch.models.scan import fused  # noqa: E402
 
 FLICKR8K_TRAIN_CAPTIONS = 30000  # 6000 images x 5: one epoch at batch 128 is 234 steps
@@ -96,16 +106,23 @@ def matmul_peak_tflops(device: torch.device, dtype: torch.dtype, size: int, tf32
         return 2 * size**3 / timed(lambda: a @ b, device, 5) / 1e12
 
 
-def section_eval(args, placement: Placement) -> dict:
-    from scan_reference import _xattn
-
-    device = placement.device
-    model, cfg, vocab = make_model("scan_t2i_avg")  # D = 1024, the paper's
+def eval_inputs(args, device: torch.device):
+    """SCAN t-i AVG at the paper's D = 1024 on `device`, and its embeddings of --images random region grids and the
+    first --captions Flickr30K test captions (in length buckets): what `eval` and `blocks` score."""
+    model, cfg, vocab = make_model("scan_t2i_avg")
     model.to(device)
     captions = read_captions(F30K[0], args.captions)
     with torch.inference_mode():
         img = encode_images(model, random_features(args.images))
         buckets = encode_caption_buckets(model, captions, vocab)
+    return model, cfg, img, buckets
+
+
+def section_eval(args, placement: Placement) -> dict:
+    from scan_reference import _xattn
+
+    device = placement.device
+    model, cfg, img, buckets = eval_inputs(args, device)
     n, m = len(img), sum(len(c) for c, _ in buckets)
     with fused.switched(False):  # the plain head's FLOPs (the kernel's elementwise work is not counted either way)
         flops = counted_flops(lambda: score_matrix(model, img.take(torch.arange(1)), buckets)) * n
@@ -180,6 +197,34 @@ def section_fused(model, img, buckets, reference: torch.Tensor, plain_rows: list
         print(f"eval fused {mode:<5} {seconds:8.3f} s  ({row['speedup']:.1f}x the plain head's {plain:.3f} s; {used})"
               f"  (max diff vs the fp32 plain head {row['max_abs_diff_vs_fp32_plain']:.1e})", flush=True)
     return {"modes": rows}
+
+
+def section_blocks(args, placement: Placement) -> dict:
+    """The evaluation of `eval` with each cap on a block's region-word cells (--cells): the blocks it makes, and the
+    seconds of the plain head in fp32 and of the fused kernel (where it runs) in fp32 and bf16, with the largest
+    difference from the plain head in fp32 at the device's default cap. The GPU's default cap
+    (inference.GPU_BLOCK_CELLS) was chosen from one such sweep's reasoning before it was measured: this measures it."""
+    device = placement.device
+    model, _, img, buckets = eval_inputs(args, device)
+    with fused.switched(False):
+        reference = score_matrix(model, img, buckets)
+    kernel = device.type == "cuda" and not fused.triton_missing()
+    modes = [("fp32", False), *([("fp32", True), ("bf16", True)] if kernel else [])]
+    rows = []
+    for cells in args.cells:
+        blocks = len(score_blocks(model, img, buckets, 2**40, cells))  # (the plan by the cap alone)
+        row = {"max_cells": cells, "blocks": blocks}
+        for mode, use_kernel in modes:
+            name = f"{'fused' if use_kernel else 'plain'}_{mode}"
+            with mode_arithmetic(device, mode), fused.switched(use_kernel):
+                row[f"{name}_seconds"] = round(timed(lambda c=cells: score_matrix(model, img, buckets, max_cells=c),
+                                                     device, args.repeats), 4)
+                scores = score_matrix(model, img, buckets, max_cells=cells)
+            row[f"{name}_max_diff"] = float((scores - reference).abs().max())
+        rows.append(row)
+        print(f"blocks {cells:>11,} cells {blocks:5d} blocks  " + "  ".join(
+            f"{k.removesuffix('_seconds')} {v:.3f} s" for k, v in row.items() if k.endswith("_seconds")), flush=True)
+    return {"preset": "scan_t2i_avg", "images": len(img), "default_cells": default_block_cells(device), "rows": rows}
 
 
 def _probe(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -293,7 +338,7 @@ def section_resident(args, placement: Placement) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sections", nargs="+", choices=["eval", "train", "resident"])
+    p.add_argument("sections", nargs="+", choices=["eval", "blocks", "train", "resident"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--smoke", action="store_true", help="small sizes (the CPU check: seconds)")
     p.add_argument("--images", type=int, help="images scored (default 1000; --smoke 4)")
@@ -301,6 +346,9 @@ def main() -> int:
     p.add_argument("--reference-images", type=int, help="images the public loop is timed on (default all; "
                                                          "--smoke 2), extrapolated to --images")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the best is kept)")
+    p.add_argument("--cells", default="4194304,16777216,67108864,268435456",
+                   help="`blocks`: comma list of caps on a block's region-word cells (default 4M to 256M; --smoke: "
+                        "1K, 4K)")
     p.add_argument("--presets", default="vsepp,scan_t2i_avg,scan_i2t_lse,oan,sman,save_dsa,mmca",
                    help="comma list of presets for `train`")
     p.add_argument("--embed", type=int, default=1024, help="joint dimension D for `train` (--smoke 32)")
@@ -321,9 +369,12 @@ def main() -> int:
         args.embed, args.batch, args.steps, args.repeats = 32, 16, 1, 1
         if args.presets == p.get_default("presets"):
             args.presets = "vsepp,scan_t2i_avg"
+        if args.cells == p.get_default("cells"):
+            args.cells = "1024,4096"
     args.images, args.captions = args.images or 1000, args.captions or 5000
     args.reference_images = args.reference_images or args.images
     args.presets = [s for s in args.presets.split(",") if s]
+    args.cells = [int(c) for c in args.cells.split(",") if c]
     device = placement.device
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
               "torch": torch.__version__, "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -331,7 +382,7 @@ def main() -> int:
     torch.manual_seed(0)
     np.random.seed(0)
     for section in args.sections:
-        report[section] = {"eval": section_eval, "train": section_train,
+        report[section] = {"eval": section_eval, "blocks": section_blocks, "train": section_train,
                            "resident": section_resident}[section](args, placement)
     out = Path(args.out or ROOT / "runs" / "bench_gpu" / f"{device.type}{'_smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,12 @@ and, for a model to ship, its fp16 package (scripts/ship_pretrained.py) into $OU
 
     python3 scripts/device_session.py ship oan oan-flickr8k
 
+and, for a checkpoint to keep (they leave with the machine: an ensemble or an analysis here needs them), the run
+directory in pieces through $OUT, one SCAN run (~43 MB) a call, joined here from the call's files_at:
+
+    python3 scripts/device_session.py fetch scan_i2t_lse          # there
+    python scripts/device_session.py take /work/.device/N          # here: runs/flickr8k_gpu/scan_i2t_lse
+
 On the GPU machine everything lives under /root/device (DEVICE_ROOT): the photos and captions where the bench
 expects ../shared (shared/data/flickr8k), the wheels installed in site/, a working copy of this checkout in
 itmatch/ (each call replaces the checkout's tracked files with this machine's, so results are written in the
@@ -240,8 +246,8 @@ def kickoff(args: argparse.Namespace) -> int:
     work, out = DEVICE_ROOT / "itmatch", Path(os.environ.get("OUT") or DEVICE_ROOT / "out")
     out.mkdir(parents=True, exist_ok=True)
     # the timed benches (docs/gpu.md, "Speed"), each with the seconds it may take: the evaluation compiles the fused
-    # kernel three times and times the public loop on 50 images
-    benches = [("gpu_eval", ["eval", "--reference-images", "50"], 150)]
+    # kernel three times and times the public loop on 50 images; `blocks` times it at four caps on a block's cells
+    benches = [("gpu_eval", ["eval", "--reference-images", "50"], 150), ("gpu_blocks", ["blocks"], 90)]
     if args.train_presets:  # (empty: the throughput was measured in an earlier session; its minute goes to the rows)
         benches.append(("gpu_train", ["train", "--presets", args.train_presets], 60))
     for name, section, seconds in benches:
@@ -358,6 +364,78 @@ def ship(args: argparse.Namespace) -> int:
                           cwd=work, env=_environment()).returncode
 
 
+OUT_FILE_LIMIT = 15 * 2**20  # a file back through $OUT may weigh 16 MiB (device README); a piece stays under it
+# what a fetched run leaves behind: the last epoch's weights and optimizer (best/ holds the model that is evaluated;
+# last/state.json stays, so that the bench here sees the run's training as finished)
+FETCH_SKIPS = {"last/model.safetensors", "last/optimizer.pt", "last/trainer.pt"}
+
+
+def fetch(args: argparse.Namespace) -> int:
+    """(there) A trained row's run directory (its `best` checkpoint, config, history, last state) into $OUT as
+    ROW.tar pieces of at most OUT_FILE_LIMIT bytes, so that the checkpoint outlives the machine: `take` joins them
+    here. One SCAN run at D = 1024 is ~43 MB, 3 pieces; a call brings back at most 64 MiB."""
+    import tarfile
+
+    run = DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / args.row
+    if not (run / "best" / "config.json").is_file():
+        print(f"no trained run at {run} (rows done so far: see `poll`)")
+        return 1
+    out = Path(os.environ["OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    archive = DEVICE_ROOT / f"{args.row}.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(run, arcname=args.row,
+                filter=lambda info: None if info.name.split("/", 1)[-1] in FETCH_SKIPS else info)
+    size = archive.stat().st_size
+    count = -(-size // OUT_FILE_LIMIT)
+    with archive.open("rb") as src:
+        for k in range(1, count + 1):
+            (out / f"{archive.name}{CHUNK}{k}-of-{count}").write_bytes(src.read(OUT_FILE_LIMIT))
+    archive.unlink()
+    print(f"{args.row}: {size / 2**20:.1f} MiB in {count} pieces in $OUT; here: python scripts/device_session.py "
+          f"take FILES_AT")
+    return 0
+
+
+def take(args: argparse.Namespace) -> int:
+    """(here) The run directories that `fetch` brought back (the pieces in `folder`, a call's files_at) joined and
+    unpacked into `--runs`; an existing run directory is kept unless --force."""
+    import tarfile
+
+    runs = Path(args.runs)
+    pieces = sorted(Path(args.folder).glob(f"*.tar{CHUNK}*-of-*"))
+    stems = dict.fromkeys(piece.name.rpartition(CHUNK)[0] for piece in pieces)
+    if not stems:
+        print(f"no fetched runs (*.tar{CHUNK}K-of-N) in {args.folder}")
+        return 1
+    for stem in stems:
+        total = int(next(p for p in pieces if p.name.startswith(stem + CHUNK)).name.split("-of-")[1])
+        parts = [Path(args.folder) / f"{stem}{CHUNK}{k}-of-{total}" for k in range(1, total + 1)]
+        if not all(part.exists() for part in parts):
+            print(f"{stem}: {sum(p.exists() for p in parts)} of {total} pieces here; fetch it again")
+            return 1
+        row = stem.removesuffix(".tar")
+        if (runs / row).exists() and not args.force:
+            print(f"{runs / row} exists: move it aside, or --force to replace it")
+            return 1
+        joined = runs / f".{stem}"
+        runs.mkdir(parents=True, exist_ok=True)
+        with joined.open("wb") as out:
+            for part in parts:
+                out.write(part.read_bytes())
+        with tarfile.open(joined) as tar:
+            if any(not m.name.startswith(row + "/") and m.name != row for m in tar.getmembers()):
+                joined.unlink()
+                print(f"{stem}: not a fetched run (its members are not all under {row}/)")
+                return 1
+            if (runs / row).exists():
+                shutil.rmtree(runs / row)
+            tar.extractall(runs, filter="data")
+        joined.unlink()
+        print(f"{row}: {runs / row}")
+    return 0
+
+
 def _row_arguments(parser: argparse.ArgumentParser) -> None:
     """The rows `start` (and `kickoff`, through it) runs, how many at once, and what the bench gets besides."""
     parser.add_argument("--row", action="append", required=True, help="a row of `bench/flickr8k.py --config gpu`")
@@ -398,6 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("row")
     p.add_argument("name")
     p.set_defaults(func=ship)
+    p = sub.add_parser("fetch", help="(there) a trained row's checkpoint and history into $OUT, in pieces")
+    p.add_argument("row")
+    p.set_defaults(func=fetch)
+    p = sub.add_parser("take", help="(here) join and unpack the runs `fetch` brought back")
+    p.add_argument("folder", help="the call's files_at")
+    p.add_argument("--runs", default=str(ROOT / "runs" / "flickr8k_gpu"), help="where the run directories go")
+    p.add_argument("--force", action="store_true", help="replace a run directory that exists")
+    p.set_defaults(func=take)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -386,8 +386,9 @@ def test_the_gpu_bench_runs_on_the_cpu_at_smoke_size(tmp_path):
 
     out = tmp_path / "report.json"
     bench = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
-    subprocess.run([sys.executable, str(bench), "eval", "train", "--device", "cpu", "--smoke", "--images", "2",
-                    "--captions", "20", "--reference-images", "1", "--presets", "vsepp", "--out", str(out)],
+    subprocess.run([sys.executable, str(bench), "eval", "blocks", "train", "--device", "cpu", "--smoke",
+                    "--images", "2", "--captions", "20", "--reference-images", "1", "--presets", "vsepp",
+                    "--out", str(out)],
                    check=True, capture_output=True, timeout=600)
     import json
 
@@ -395,6 +396,8 @@ def test_the_gpu_bench_runs_on_the_cpu_at_smoke_size(tmp_path):
     assert report["eval"]["public_loop"][0]["max_abs_diff_vs_engine"] < 1e-4
     assert "needs CUDA" in report["eval"]["fused"]["skipped"]  # the fused kernel's rows: CUDA + triton only
     assert {r["precision"] for r in report["train"]["steps"]} == {"fp32", "bf16"}
+    blocks = report["blocks"]["rows"]  # smaller caps, more blocks, the same scores
+    assert blocks[0]["blocks"] > blocks[1]["blocks"] and max(r["plain_fp32_max_diff"] for r in blocks) < 1e-5
 
 
 def test_a_gpu_schedule_on_a_cpu_only_machine_names_the_cpu_schedule(tmp_path, capsys, monkeypatch):

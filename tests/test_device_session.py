@@ -138,8 +138,45 @@ def test_kickoff_times_the_benches_before_the_rows_start_and_tests_beside_them(s
     monkeypatch.setattr(session.subprocess, "run", run)
     monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: events.append(("start", argv[-1])))
     session.main(["kickoff", "--row", "scan_t2i_avg", "--parallel", "2"])
-    assert [e[:2] for e in events] == [("run", "bench/gpu.py"), ("run", "bench/gpu.py"),
-                                       ("start", json.dumps({"rows": ["scan_t2i_avg"], "parallel": 2, "bench": []})),
-                                       ("run", "pytest")]
+    assert [e[:2] for e in events] == [("run", "bench/gpu.py")] * 3 + [
+        ("start", json.dumps({"rows": ["scan_t2i_avg"], "parallel": 2, "bench": []})), ("run", "pytest")]
     assert "[-m pytest: stopped after 170 s]" in (tmp_path / "out" / "cuda_tests.txt").read_text()
     assert "exit 0" in (tmp_path / "out" / "gpu_eval.txt").read_text()
+    events.clear()  # an empty --train-presets leaves the training bench out (its minute goes to the rows)
+    session.main(["kickoff", "--train-presets", "", "--row", "oan"])
+    assert [e[2] for e in events if e[:2] == ("run", "bench/gpu.py")] == [150, 90]
+
+
+def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(session, tmp_path, monkeypatch):
+    """`fetch` (there) cuts a trained run into pieces small enough for $OUT; `take` (here) joins them into the run
+    directory the bench reads: best/ byte for byte, last/state.json (training finished), without the last epoch's
+    weights and optimizer; an existing run directory is kept unless --force."""
+    monkeypatch.setattr(session, "OUT_FILE_LIMIT", 4096)
+    run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / "scan_i2t_lse"
+    files = {"config.json": b"{}", "metrics.jsonl": b"{}\n", "best/config.json": b"{}",
+             "best/model.safetensors": os.urandom(10_000), "last/state.json": b'{"epoch": 30}',
+             "last/model.safetensors": os.urandom(5000), "last/optimizer.pt": os.urandom(5000)}
+    for name, data in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(data)
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    assert session.main(["fetch", "scan_i2t_lse"]) == 0
+    pieces = sorted(out.iterdir())
+    assert len(pieces) >= 3 and all(p.stat().st_size <= 4096 for p in pieces)
+    assert session.main(["fetch", "oan"]) == 1  # not trained there: said, nothing written
+
+    here = tmp_path / "runs"
+    assert session.main(["take", str(out), "--runs", str(here)]) == 0
+    got = here / "scan_i2t_lse"
+    kept = {name for name in files if name not in session.FETCH_SKIPS}
+    assert {p.relative_to(got).as_posix() for p in got.rglob("*") if p.is_file()} == kept
+    assert all((got / name).read_bytes() == files[name] for name in kept)
+
+    (got / "best" / "model.safetensors").write_bytes(b"trained here")
+    assert session.main(["take", str(out), "--runs", str(here)]) == 1  # refused: the run here stays
+    assert (got / "best" / "model.safetensors").read_bytes() == b"trained here"
+    assert session.main(["take", str(out), "--runs", str(here), "--force"]) == 0
+    assert (got / "best" / "model.safetensors").read_bytes() == files["best/model.safetensors"]
+    pieces[0].unlink()
+    assert session.main(["take", str(out), "--runs", str(tmp_path / "elsewhere")]) == 1  # a piece missing: said

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from itmatch import inference
 from itmatch.data.vocab import Vocab
 from itmatch.engine.evaluate import (
     bucket_texts,
@@ -21,6 +22,7 @@ from itmatch.engine.evaluate import (
     unbucket_texts,
 )
 from itmatch.errors import ConfigError, DataError, ItmatchError
+from itmatch.inference import GPU_BLOCK_CELLS, MAX_BLOCK_CELLS, default_block_cells
 from itmatch.models.base import ImageEmb
 from itmatch.models.registry import PRESETS, build_model, image_inputs, preset_config
 
@@ -230,3 +232,26 @@ def test_a_heads_block_cap_bounds_every_block_and_changes_no_score(data):
         cells = (rows.stop - rows.start) * K * len(txt) * txt.words.shape[1]
         assert cells <= cap or (rows.stop - rows.start == 1 and len(txt) == 1), (rows, len(txt))
     assert (score_matrix(model, img, buckets) - uncapped).abs().max() <= 1e-5
+
+
+def test_the_cell_cap_follows_the_device_and_never_changes_the_scores(data):
+    """score_matrix's cap on a block's region-word cells is its model's device's (default_block_cells): the
+    cache-sized MAX_BLOCK_CELLS on a CPU, the larger GPU_BLOCK_CELLS on a GPU (docs/gpu.md, "Block size on a GPU").
+    Any cap gives the same scores, so the change of plan between devices is only one of speed."""
+    feats, captions, vocab = data
+    model = tiny_model("scan_t2i_avg")
+    img = encode_images(model, feats)
+    buckets = bucket_texts(encode_captions(model, captions, vocab), 6)
+    assert default_block_cells(torch.device("cpu")) == MAX_BLOCK_CELLS
+    assert default_block_cells(torch.device("cuda", 0)) == GPU_BLOCK_CELLS > MAX_BLOCK_CELLS
+
+    def scored(max_cells: int | None) -> tuple[torch.Tensor, int]:
+        blocks: list[int] = []
+        return inference.score_matrix(model, img, buckets, max_cells=max_cells, on_block=blocks.append), len(blocks)
+
+    default, n_default = scored(None)
+    cpu_cap, n_cpu_cap = scored(MAX_BLOCK_CELLS)
+    one_pair, n_one_pair = scored(1)  # a block of one image x one caption: the smallest a cap allows
+    assert n_default == n_cpu_cap == len(buckets) and n_one_pair == N_IMG * len(captions)
+    assert torch.equal(default, cpu_cap)
+    assert (one_pair - default).abs().max() <= 1e-5

@@ -82,7 +82,7 @@ def _advice(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, cache: Sc
 
 def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
                  budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
-                 captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS,
+                 captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int | None = None,
                  cache: ScoreCache | None = None) -> torch.Tensor:
     """inference.score_matrix, with the evaluator's advice when scoring without a cache will take long."""
     return _score_matrix(model, img, txt, budget_bytes, progress, captions_per_block, max_cells, cache,
@@ -91,7 +91,7 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
 
 def sharded_score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
                          budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
-                         captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS,
+                         captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int | None = None,
                          cache: ScoreCache | None = None) -> torch.Tensor | None:
     """inference.sharded_score_matrix, with the evaluator's advice (see score_matrix)."""
     return _sharded_score_matrix(model, img, txt, budget_bytes, progress, captions_per_block, max_cells, cache,

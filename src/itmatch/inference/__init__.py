@@ -60,6 +60,10 @@ def concat_images(parts: list[ImageEmb]) -> ImageEmb:
 #: Measured (`python bench/perf.py --sections blocks`): docs/performance.md, "Where the code's constants come from".
 CAPTIONS_PER_BLOCK = 128
 MAX_BLOCK_CELLS = 1 << 22
+#: The cap on a GPU, where there is no cache to stay in and each block pays its kernel launches and a GEMM: 4 M cells
+#: cut SCAN's 1000 x 5000 Flickr30K matrix into 717 blocks of ~7,000 pairs, which scored at 26 % of an H100's fp32
+#: peak; 64 M cells make it 62 blocks (docs/gpu.md, "Block size on a GPU"). The memory budget still bounds a block.
+GPU_BLOCK_CELLS = 1 << 26
 #: Largest copy of gathered captions per block (score_pairs): well under glibc's 32 MB mmap threshold, so
 #: block copies reuse heap memory; fresh large allocations page-fault on every call, which is much slower
 #: (measured: docs/performance.md, "Where the code's constants come from").
@@ -170,6 +174,12 @@ def images_per_block(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget
     return [max(1, min(n, int(free // b), max_cells // max(1, c))) for b, c in zip(per_image, cells, strict=True)]
 
 
+def default_block_cells(device: torch.device) -> int:
+    """score_matrix's cap on a block's region-word cells on `device`: the cache-sized one on a CPU, GPU_BLOCK_CELLS
+    on a GPU."""
+    return GPU_BLOCK_CELLS if device.type == "cuda" else MAX_BLOCK_CELLS
+
+
 def block_cells(model: Matcher, max_cells: int = MAX_BLOCK_CELLS) -> int:
     """The cap on a block's region-word cells: `max_cells`, or the head's own smaller one."""
     return min(max_cells, model.head.max_block_cells or max_cells)
@@ -216,13 +226,14 @@ def score_blocks(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_byt
 @torch.inference_mode()
 def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
                  budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
-                 captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS,
+                 captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int | None = None,
                  cache: ScoreCache | None = None, on_block: Callable[[int], None] | None = None) -> torch.Tensor:
     """All-pairs scores [n_img, n_txt] in float32, exact (the head's own numbers, block by block).
 
     Captions are bucketed by length so that a block is padded only to its own longest caption; every
     block is one batched call of the model's head; images per block follow from the memory budget
-    (see images_per_block). Uses torch's intra-op threads (all cores unless set otherwise); the
+    (see images_per_block) and the cap on a block's region-word cells (`max_cells`; default: the model's
+    device's, default_block_cells). Uses torch's intra-op threads (all cores unless set otherwise); the
     progress bar shows pairs/s. With a `cache`, finished blocks of a pair head are kept on disk and an
     interrupted run over the same inputs continues from them (inference.score_cache). `on_block(pairs)` is
     called after every block (the evaluator's advice on long runs)."""
@@ -235,7 +246,7 @@ def score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
 @torch.inference_mode()
 def sharded_score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets,
                          budget_bytes: float = DEFAULT_BUDGET, progress: bool = False,
-                         captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int = MAX_BLOCK_CELLS,
+                         captions_per_block: int = CAPTIONS_PER_BLOCK, max_cells: int | None = None,
                          cache: ScoreCache | None = None, on_block: Callable[[int], None] | None = None
                          ) -> torch.Tensor | None:
     """score_matrix shared by the ranks of a torchrun group: rank r scores blocks r, r + W, ... of the
@@ -246,14 +257,15 @@ def sharded_score_matrix(model: Matcher, img: ImageEmb, txt: TextEmb | TextBucke
 
 
 def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, budget_bytes: float,
-                  progress: bool, captions_per_block: int, max_cells: int, world: int,
+                  progress: bool, captions_per_block: int, max_cells: int | None, world: int,
                   cache: ScoreCache | None = None, on_block: Callable[[int], None] | None = None
                   ) -> torch.Tensor | None:
     _require_items(len(img), "images")
     buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
     n, m = len(img), sum(len(c) for c, _ in buckets)
-    budget_bytes = device_budget(module_device(model), budget_bytes, 4.0 * n * m)
-    blocks = score_blocks(model, img, buckets, budget_bytes, max_cells, world)
+    device = module_device(model)
+    budget_bytes = device_budget(device, budget_bytes, 4.0 * n * m)
+    blocks = score_blocks(model, img, buckets, budget_bytes, max_cells or default_block_cells(device), world)
     score_block = BlockScorer(model)
     # (a pair-independent head is one matrix product: nothing worth keeping)
     stored = cache.matrix(model, img, blocks, world) if cache is not None and not model.head.pair_independent else None
