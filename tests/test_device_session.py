@@ -121,6 +121,59 @@ def test_a_later_start_adds_its_rows_to_what_poll_waits_for(session, tmp_path, m
     assert [driver["parallel"] for driver in started] == [2, 6]
 
 
+def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_its_table(session, tmp_path,
+                                                                                       monkeypatch):
+    """`--perturb scan_t2i_avg` is one plan item that trains seven models: with --parallel 8 it starts beside one
+    row, the next row waits until a slot frees; poll counts each training's epochs and copies the study's table."""
+    device = tmp_path / "device"
+    (device / "itmatch").mkdir(parents=True)
+    drivers = []
+    monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: drivers.append(argv[-1]))
+    session.main(["start", "--perturb", "scan_t2i_avg", "--row", "oan", "--row", "vsepp", "--parallel", "8"])
+    plan = json.loads((device / "logs" / "plan.json").read_text())
+    assert plan["rows"] == ["oan", "vsepp", "perturb:scan_t2i_avg"]
+    assert session.bench_item("perturb:scan_t2i_avg", 8) == (["--perturb", "scan_t2i_avg", "--jobs", "7"], 7)
+    assert session.bench_item("perturb:vsepp", 4) == (["--perturb", "vsepp", "--jobs", "4"], 4)
+    assert session.bench_item("oan", 8) == (["--row", "oan"], 1)
+
+    launched, finished = [], set()
+
+    class Training:  # a bench process that ends once the test says so
+        def __init__(self, argv, **kwargs):
+            self.item, self.returncode = argv[argv.index("--config") + 2:][1], 0
+            launched.append((argv[argv.index("--config") + 2:], len(launched) - len(finished)))
+
+        def poll(self):
+            return 0 if self.item in finished else None
+
+    def sleep(_):  # each pause of the driver lets the earliest running item finish
+        running = [args[1] for args, _ in launched if args[1] not in finished]
+        finished.add(running[0])
+
+    monkeypatch.setattr(session.subprocess, "Popen", Training)
+    monkeypatch.setattr(session, "extract_once", lambda logs, work: None)
+    monkeypatch.setattr(session.time, "sleep", sleep)
+    session.run_rows(type("Args", (), {"driver": drivers[0]})())
+    # oan (1) + vsepp (1) run; the study (7) waits until only one training is left, then starts beside it
+    assert [(args[:2], busy) for args, busy in launched] == [
+        (["--row", "oan"], 0), (["--row", "vsepp"], 1), (["--perturb", "scan_t2i_avg"], 1)]
+
+    study = device / "itmatch" / "runs" / "flickr8k_gpu" / "perturb" / "scan_t2i_avg"
+    for kind, epochs in (("original", 3), ("nouns", 1)):
+        (study / kind).mkdir(parents=True)
+        (study / kind / "metrics.jsonl").write_text('{"epoch": 1, "val_rsum": 100.0}\n' * epochs)
+    table = device / "itmatch" / "docs" / "results" / "perturb" / "flickr8k_gpu_scan_t2i_avg.csv"
+    table.parent.mkdir(parents=True)
+    table.write_text("perturbation,r1\n")
+    (device / "logs" / "driver.log").write_text("oan: exit 0\nvsepp: exit 0\nperturb:scan_t2i_avg: exit 0\n")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert session.main(["poll", "--wait", "0"]) == 0
+    assert "== perturb:scan_t2i_avg: nouns 1 epochs, original 3 epochs" in (tmp_path / "out" / "poll.txt").read_text()
+    assert (tmp_path / "out" / "docs__results__perturb__flickr8k_gpu_scan_t2i_avg.csv").read_text() == table.read_text()
+    with pytest.raises(SystemExit):  # nothing to run is a usage error, not an empty driver
+        session.main(["start", "--parallel", "2"])
+
+
 def test_kickoff_times_the_benches_before_the_rows_start_and_tests_beside_them(session, tmp_path, monkeypatch):
     """The order that keeps the timings clean: both benches on the idle GPU, then the rows, then the tests; each
     bounded, and one that runs over its time is reported, not waited for."""
@@ -145,6 +198,12 @@ def test_kickoff_times_the_benches_before_the_rows_start_and_tests_beside_them(s
     events.clear()  # an empty --train-presets leaves the training bench out (its minute goes to the rows)
     session.main(["kickoff", "--train-presets", "", "--row", "oan"])
     assert [e[2] for e in events if e[:2] == ("run", "bench/gpu.py")] == [150, 90]
+    events.clear()  # --benches picks them: the block-cap sweep alone, or none
+    session.main(["kickoff", "--benches", "blocks", "--row", "oan"])
+    assert [e[2] for e in events if e[:2] == ("run", "bench/gpu.py")] == [90]
+    events.clear()
+    session.main(["kickoff", "--benches", "", "--perturb", "vsepp"])
+    assert [e[0] for e in events] == ["start", "run"]
 
 
 def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(session, tmp_path, monkeypatch):

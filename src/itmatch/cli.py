@@ -201,15 +201,25 @@ def _print_evaluation(result: dict) -> None:
               f"({100 * ts['fraction_scored']:.1f}%)")
 
 
+def _cmd_tags(args: argparse.Namespace) -> int:
+    from itmatch.data.perturb import tag_captions
+    from itmatch.data.precomp import read_precomp
+
+    captions = read_precomp(args.data, args.split).training_captions
+    tag_captions(captions, cache_dir=args.tag_cache, progress=not args.quiet)
+    print(f"tagged {len(captions)} {args.split} captions of {args.data} into {args.tag_cache} (pass it to "
+          "`analyze perturb --tag-cache` on a machine without spaCy)")
+    return 0
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from itmatch.analysis.perturb import run_perturbation_study
 
-    # only one analysis so far: `analyze perturb`
     _placement(args)
     cfg = _resolve_train_config(args)
     report = run_perturbation_study(cfg, Path(args.out), args.perturbations, split=args.split,
                                     protocol=args.protocol, seed=args.seed, force=args.force,
-                                    tag_cache=args.tag_cache, progress=not args.quiet)
+                                    tag_cache=args.tag_cache, progress=not args.quiet, jobs=args.jobs)
     print((Path(args.out) / "perturb.md").read_text(encoding="utf-8"))
     empty = {r["perturbation"]: r["empty_captions"] for r in report["rows"] if r["empty_captions"]}
     if empty:
@@ -480,9 +490,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory caching the POS tags of the training captions (default OUT/cache)")
     a.add_argument("--force", action="store_true",
                    help="retrain runs that exist (default: reuse finished runs, resume interrupted ones)")
+    a.add_argument("--jobs", type=positive_int, default=1,
+                   help="trainings at once, each in its own process (default 1; a GPU fits the whole study)")
     a.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_device_arguments(a, "train.device, auto")
     a.set_defaults(func=_cmd_analyze, resume=False)
+    a = analyses.add_parser("tags", help="POS-tag a precomp split's training captions into a tag cache, for "
+                            "`analyze perturb --tag-cache` on a machine without spaCy")
+    a.add_argument("--data", type=existing_dir, required=True, help="precomp directory")
+    a.add_argument("--split", default="train", help="the split whose captions are tagged (default train)")
+    a.add_argument("--tag-cache", type=output_dir, required=True, help="directory of the cache")
+    a.add_argument("--quiet", action="store_true", help="no progress bar")
+    a.set_defaults(func=_cmd_tags)
 
     s = sub.add_parser("convert", help="import an original SCAN/VSE++ .pth.tar checkpoint (no code is executed)")
     s.add_argument("source", type=existing_file, help="SCAN or VSE++ checkpoint file (e.g. model_best.pth.tar)")

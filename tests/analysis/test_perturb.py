@@ -10,7 +10,13 @@ import pytest
 
 from itmatch.cli import main
 from itmatch.data import perturb
-from itmatch.data.perturb import CaptionPerturbation, caption_tokens, prior_probabilities, tag_captions
+from itmatch.data.perturb import (
+    CaptionPerturbation,
+    caption_tokens,
+    prior_probabilities,
+    tag_cache_path,
+    tag_captions,
+)
 from itmatch.errors import ConfigError, DataError
 
 
@@ -94,6 +100,68 @@ def test_spacy_tags_the_vocabulary_tokens_once_and_caches(tmp_path):
     cache.write_text("{not json", encoding="utf-8")
     with pytest.raises(DataError, match="corrupt tag cache"):
         tag_captions(CAPTIONS, cache_dir=tmp_path)
+
+
+def _no_tagger(monkeypatch):
+    """This process as a machine without spaCy (a GPU machine): loading the tagger fails as it would there."""
+    def missing():
+        raise ConfigError("the perturbation study needs spaCy to tag parts of speech, and it is not installed")
+    monkeypatch.setattr(perturb, "load_tagger", missing)
+
+
+def _write_tag_cache(captions, cache_dir, tagged, tagger="elsewhere-1.0"):
+    path = tag_cache_path(captions, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"tagger": tagger, "n": len(tagged), "tagged": tagged}), encoding="utf-8")
+    return path
+
+
+def test_a_tag_cache_made_elsewhere_serves_a_machine_without_spacy(tmp_path, monkeypatch, capsys):
+    _no_tagger(monkeypatch)
+    with pytest.raises(ConfigError, match="needs spaCy"):  # nothing cached: the missing tagger is the error
+        tag_captions(CAPTIONS, cache_dir=tmp_path)
+    cache = _write_tag_cache(CAPTIONS, tmp_path, TAGGED)
+    assert tag_captions(CAPTIONS, cache_dir=tmp_path) == [tuple(t) for t in TAGGED]
+    assert f"tags from {cache} (made by elsewhere-1.0" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="needs spaCy"):  # a cache of other captions does not serve
+        tag_captions(CAPTIONS[:2], cache_dir=tmp_path)
+    cache.write_text(json.dumps({"tagged": TAGGED}), encoding="utf-8")
+    with pytest.raises(DataError, match="not a tag cache"):
+        tag_captions(CAPTIONS, cache_dir=tmp_path)
+
+
+@needs_spacy
+def test_the_installed_tagger_replaces_another_taggers_cache(tmp_path):
+    cache = _write_tag_cache(CAPTIONS, tmp_path, [(t, ["XX"] * len(t)) for t, _ in TAGGED])
+    tagged = tag_captions(CAPTIONS, cache_dir=tmp_path)
+    assert dict(zip(*tagged[0], strict=True))["dogs"] == "NNS"
+    assert json.loads(cache.read_text())["tagger"] != "elsewhere-1.0"
+
+
+@pytest.mark.slow
+def test_parallel_trainings_give_the_study_one_at_a_time_gives(tiny_precomp, tmp_path, monkeypatch):
+    """`--jobs 2` trains the perturbations in two spawned processes: the same runs, the same report; and the
+    study runs where no tagger is installed, from a tag cache made elsewhere."""
+    from itmatch.data.precomp import read_precomp
+
+    _no_tagger(monkeypatch)
+    captions = read_precomp(tiny_precomp, "train").training_captions
+    tags = [(caption_tokens(c), ["NN" if i % 2 else "JJ" for i, _ in enumerate(caption_tokens(c))])
+            for c in captions]
+    _write_tag_cache(captions, tmp_path / "tags", tags)
+    reports = []
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs{jobs}"
+        assert main(["analyze", "perturb", "--preset", "vsepp", "--data", str(tiny_precomp), "--out", str(out),
+                     "--protocol", "full", "--perturbations", "shuffle", "nouns", "--quiet", "--jobs", str(jobs),
+                     "--tag-cache", str(tmp_path / "tags"), "--set", "train.threads=1",
+                     "--set", "model.embed_size=32", "--set", "model.word_dim=16", "--set", "train.epochs=1",
+                     "--set", "train.batch_size=32", "--set", "train.lr=0.002", "--set", "train.val_images=40"]) == 0
+        reports.append(json.loads((out / "perturb.json").read_text()))
+        assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["nouns", "original", "shuffle"]
+    one, two = reports
+    assert one["rows"] == two["rows"]
+    assert one["rows"][2]["prior"] == pytest.approx(1.0)  # every caption has an "NN" word here
 
 
 @pytest.mark.slow

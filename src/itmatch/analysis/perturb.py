@@ -11,12 +11,24 @@ import copy
 import csv
 import io
 import json
+import os
+import sys
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from itmatch.config import Config, flatten
-from itmatch.data.perturb import PERTURBATIONS, POS_CLASSES, CaptionPerturbation, prior_probabilities, tag_captions
+from itmatch.config import Config, config_from_dict, flatten
+from itmatch.data.perturb import (
+    PERTURBATIONS,
+    POS_CLASSES,
+    CaptionPerturbation,
+    Tagged,
+    prior_probabilities,
+    tag_captions,
+)
 from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
 from itmatch.engine.checkpoint import load_checkpoint
@@ -44,15 +56,20 @@ STUDY_FILE = "study.json"  # in each run directory: the perturbation and its see
 
 def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence[str] = PERTURBATIONS, *,
                            split: str = "test", protocol: str = "1k", seed: int = 0, force: bool = False,
-                           tag_cache: str | Path | None = None, progress: bool = True) -> dict[str, Any]:
+                           tag_cache: str | Path | None = None, progress: bool = True,
+                           jobs: int = 1) -> dict[str, Any]:
     """Train `cfg` on each perturbation of its training captions, evaluate on the unperturbed `split`,
     write OUT/perturb.{json,csv,md,png}; returns the JSON report. `original` is always included (the
     reference of the deltas). force: retrain runs that exist. tag_cache: where the POS tags of the training
-    captions are cached (default OUT/cache; share one between studies of the same data)."""
+    captions are cached (default OUT/cache; share one between studies of the same data). jobs: trainings at
+    once, each in its own process (a GPU runs the seven small models of a study side by side; on a CPU they
+    share its cores: train.threads 0 becomes the cores / jobs each)."""
     unknown = [p for p in perturbations if p not in PERTURBATIONS]
     if unknown:
         raise ConfigError(f"unknown perturbation(s) {', '.join(unknown)}",
                           hint=f"choose from {', '.join(PERTURBATIONS)}")
+    if jobs < 1:
+        raise ConfigError(f"jobs must be at least 1, got {jobs}")
     kinds = ["original", *[p for p in dict.fromkeys(perturbations) if p != "original"]]
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
@@ -64,19 +81,14 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     test_split = read_precomp(cfg.data.path, split)
     tagged = tag_captions(train_split.training_captions, cache_dir=tag_cache or out / "cache", progress=progress)
     priors = prior_probabilities(tagged)
+    to_train = [kind for kind in kinds if force or not (out / kind / "best").exists()]
+    trainings = [_Training(_run_config(cfg, kind, jobs).to_dict(), out / kind, kind, seed, force,
+                           resume=(out / kind / "last").exists() and not force) for kind in to_train]
+    _train_all(trainings, train_split.training_captions, tagged, jobs, progress)
     rows = []
     for kind in kinds:
         transform = CaptionPerturbation(kind, train_split.training_captions, tagged, seed=seed)
-        run_dir = out / kind
-        if force or not (run_dir / "best").exists():
-            run_cfg = copy.deepcopy(cfg)
-            run_cfg.name = f"{cfg.name}-{kind}"
-            resume = (run_dir / "last").exists() and not force
-            if progress:
-                print(f"[perturb] {kind}: training into {run_dir}" + (" (resuming)" if resume else ""), flush=True)
-            train(run_cfg, run_dir, resume=resume, force=force, transform=transform, progress=progress)
-            write_json_atomic(run_dir / STUDY_FILE, {"perturbation": kind, "seed": seed})
-        result, best_epoch = _evaluate(run_dir, test_split, protocol, progress)
+        result, best_epoch = _evaluate(out / kind, test_split, protocol, progress)
         rows.append({"perturbation": kind, "label": LABELS[kind], "empty_captions": len(transform.empty),
                      "prior": priors.get(kind), "best_epoch": best_epoch,
                      **{d: {k: result[d][k] for k in KS} for d in DIRECTIONS}})
@@ -94,6 +106,68 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     write_text_atomic(out / "perturb.md", to_markdown(report))
     write_with(out / "perturb.png", lambda tmp: plot(report, tmp))
     return report
+
+
+@dataclass(frozen=True)
+class _Training:
+    """One perturbation's training: what a worker process needs besides the captions and their tags (the config
+    as a dict: its model class is built at run time, so a spawned process rebuilds it from its own registry)."""
+    config: dict[str, Any]
+    run_dir: Path
+    kind: str
+    seed: int
+    force: bool
+    resume: bool
+
+
+def _run_config(cfg: Config, kind: str, jobs: int) -> Config:
+    run_cfg = copy.deepcopy(cfg)
+    run_cfg.name = f"{cfg.name}-{kind}"
+    if jobs > 1 and not cfg.train.threads:  # (threads do not change what a run learns: UNCOMPARED)
+        run_cfg.train.threads = max(1, (os.cpu_count() or 1) // jobs)
+    return run_cfg
+
+
+def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, progress: bool) -> str:
+    transform = CaptionPerturbation(training.kind, captions, tagged, seed=training.seed)
+    train(config_from_dict(training.config), training.run_dir, resume=training.resume, force=training.force,
+          transform=transform, progress=progress)
+    write_json_atomic(training.run_dir / STUDY_FILE, {"perturbation": training.kind, "seed": training.seed})
+    return training.kind
+
+
+def _train_all(trainings: list[_Training], captions: Sequence[str], tagged: Tagged, jobs: int,
+               progress: bool) -> None:
+    """Every training, `jobs` at a time in spawned processes (in this one when jobs is 1, with progress bars).
+    A failed training does not stop the others (each is resumable); the first failure is raised at the end."""
+    def announce(training: _Training) -> None:
+        if progress:
+            print(f"[perturb] {training.kind}: training into {training.run_dir}"
+                  + (" (resuming)" if training.resume else ""), flush=True)
+
+    if jobs == 1 or len(trainings) <= 1:
+        for training in trainings:
+            announce(training)
+            _train_one(training, captions, tagged, progress)
+        return
+    for training in trainings:
+        announce(training)
+    failures: list[tuple[str, BaseException]] = []
+    with ProcessPoolExecutor(max_workers=min(jobs, len(trainings)), mp_context=get_context("spawn")) as pool:
+        futures = {pool.submit(_train_one, t, captions, tagged, False): t.kind for t in trainings}
+        for future in as_completed(futures):
+            kind = futures[future]
+            try:
+                future.result()
+            except BaseException as exc:  # (reported once every other training has ended)
+                failures.append((kind, exc))
+                continue
+            if progress:
+                print(f"[perturb] {kind}: trained", flush=True)
+    if failures:  # (an ItmatchError comes back from its process with its whole message: the CLI prints it)
+        print(f"[perturb] failed: {', '.join(kind for kind, _ in failures)}; the finished runs stay, a rerun "
+              "resumes the others", file=sys.stderr, flush=True)
+        raise failures[0][1]
 
 
 def _same_value(key: str, stored: Any, wanted: Any) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 from nltk.tokenize import NLTKWordTokenizer
 
 from itmatch.errors import ConfigError, DataError
-from itmatch.io import write_json_atomic
+from itmatch.io import write_text_atomic
 
 #: Penn Treebank tags dropped by each "drop one part of speech" perturbation (the paper's Table 1 rows;
 #: prepositions are the tag IN, which also covers subordinating conjunctions, as in the paper).
@@ -60,19 +60,23 @@ def caption_tokens(caption: str) -> list[str]:
 
 def tag_captions(captions: Sequence[str], cache_dir: str | Path | None = None, nlp: Any = None,
                  batch_size: int = 512, progress: bool = False) -> Tagged:
-    """(tokens, Penn tags) of every caption, tagged once: with `cache_dir`, the result is stored under a
-    key of the captions' content and the tagger's name and version, and reused by later calls."""
-    nlp = nlp if nlp is not None else load_tagger()
-    tagger_id = f"{nlp.meta.get('name', '?')}-{nlp.meta.get('version', '?')}"
-    digest = hashlib.sha1(("\n".join(captions) + "\0" + tagger_id).encode("utf-8")).hexdigest()[:16]
-    cache = Path(cache_dir) / f"pos_tags_{digest}.json" if cache_dir else None
-    if cache is not None and cache.is_file():
+    """(tokens, Penn tags) of every caption, tagged once: with `cache_dir`, the result is stored under a key of
+    the captions' content and reused by later calls made with the same tagger (name and version). Where no
+    tagger is installed, a cache of the same captions made elsewhere is used as it is (a GPU machine without
+    spaCy: `itmatch analyze tags` makes the cache beforehand), with a line naming the tagger that made it."""
+    cache = tag_cache_path(captions, cache_dir) if cache_dir else None
+    stored = _read_tag_cache(cache) if cache is not None and cache.is_file() else None
+    if nlp is None:
         try:
-            data = json.loads(cache.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"corrupt tag cache: {exc.msg}", path=cache, line=exc.lineno,
-                            hint="delete the file; it is rebuilt") from None
-        return [(tokens, tags) for tokens, tags in data["tagged"]]
+            nlp = load_tagger()
+        except ConfigError:
+            if stored is None:
+                raise
+            print(f"tags from {cache} (made by {stored['tagger']}; no tagger installed here)", flush=True)
+            return stored["tagged"]
+    tagger_id = f"{nlp.meta.get('name', '?')}-{nlp.meta.get('version', '?')}"
+    if stored is not None and stored["tagger"] == tagger_id:
+        return stored["tagged"]
     from spacy.tokens import Doc
     from tqdm.auto import tqdm
 
@@ -81,9 +85,30 @@ def tag_captions(captions: Sequence[str], cache_dir: str | Path | None = None, n
     tagged = [(t, [w.tag_ for w in doc]) for t, doc in zip(
         tokens, tqdm(nlp.pipe(docs, batch_size=batch_size), total=len(tokens), desc="POS tags",
                      disable=not progress, leave=False), strict=True)]
-    if cache is not None:
-        write_json_atomic(cache, {"tagger": tagger_id, "n": len(tagged), "tagged": tagged})
+    if cache is not None:  # (another tagger's cache is replaced: the tags follow the installed tagger)
+        # compact: a third of the indented size (4 MB for Flickr8K's 30,000 captions), carried to GPU machines
+        write_text_atomic(cache, json.dumps({"tagger": tagger_id, "n": len(tagged), "tagged": tagged},
+                                            separators=(",", ":")))
     return tagged
+
+
+def tag_cache_path(captions: Sequence[str], cache_dir: str | Path) -> Path:
+    """The file of `cache_dir` that caches the tags of `captions` (named by their content, whatever the tagger)."""
+    digest = hashlib.sha1("\n".join(captions).encode("utf-8")).hexdigest()[:16]
+    return Path(cache_dir) / f"pos_tags_{digest}.json"
+
+
+def _read_tag_cache(cache: Path) -> dict[str, Any]:
+    """A tag cache's tagger and (tokens, tags) per caption; a DataError naming the file when it is unreadable."""
+    try:
+        data = json.loads(cache.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"corrupt tag cache: {exc.msg}", path=cache, line=exc.lineno,
+                        hint="delete the file; it is rebuilt") from None
+    if not isinstance(data, dict) or not {"tagger", "tagged"} <= data.keys():
+        raise DataError("not a tag cache (no 'tagger' and 'tagged' keys)", path=cache,
+                        hint="delete the file; it is rebuilt")
+    return {"tagger": data["tagger"], "tagged": [(tokens, tags) for tokens, tags in data["tagged"]]}
 
 
 def prior_probabilities(tagged: Tagged) -> dict[str, float]:
