@@ -86,6 +86,24 @@ def test_lite0_shapes_and_stages(lite0):
     torch.testing.assert_close(regions, c5.flatten(2).transpose(1, 2))
 
 
+@pytest.mark.parametrize("family", ["efficientnet-lite", "resnet"])
+def test_the_host_normalisation_is_the_torch_formula_bit_for_bit(family):
+    """normalise_pixels runs in NumPy (the decode threads stay out of torch's OpenMP pool); the features must not
+    move by one bit: the same float32 formula in torch, as it was written before, gives the same numbers."""
+    from itmatch.features.pipeline import normalise_pixels, to_pixels
+
+    pixels = to_pixels(_image(3), 224)
+    t = torch.from_numpy(pixels)
+    if family == "efficientnet-lite":
+        expected = (t - 127.0) / 128.0
+    else:
+        expected = (t / 255.0 - torch.tensor((0.485, 0.456, 0.406)).view(3, 1, 1)) / torch.tensor(
+            (0.229, 0.224, 0.225)).view(3, 1, 1)
+    got = normalise_pixels(family, pixels)
+    assert got.dtype == np.float32 and got.shape == (3, 224, 224)
+    assert np.array_equal(got, expected.numpy())
+
+
 def test_preprocess_deterministic_and_normalised(lite0):
     im = _image(3, size=(97, 31))
     a, b = lite0.preprocess(im), lite0.preprocess(im.copy())

@@ -44,7 +44,13 @@ from itmatch.data.precomp import (
 from itmatch.device import Placement, module_device, resolve
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
 from itmatch.features.backbones import STAGE_NAMES, Backbone, load_backbone
-from itmatch.features.pipeline import UnreadableImage, decode_image, grid_features, strict_decoding
+from itmatch.features.pipeline import (
+    UnreadableImage,
+    decode_image,
+    decode_threads,
+    grid_features,
+    strict_decoding,
+)
 from itmatch.fingerprint import FileRecord, changed_files, file_records, text_sha256
 from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic, write_text_atomic
 
@@ -156,14 +162,14 @@ def _load_one(bb: Backbone, images_dir: Path, image_id: str) -> torch.Tensor:
         raise _Bad(image_id, path, exc.reason, missing=exc.missing) from None
 
 
-def _load_batch(bb: Backbone, images_dir: Path, ids: list[str], skip_bad: bool
-                ) -> tuple[list[torch.Tensor], list[_Bad]]:
-    """Decode and preprocess a batch; bad images raise unless skip_bad (then they are returned)."""
+def _collect_batch(decoding: list[Future], skip_bad: bool) -> tuple[list[torch.Tensor], list[_Bad]]:
+    """A batch's preprocessed images, in order, from their decoding futures; the first bad image raises unless
+    skip_bad (then the bad ones are returned)."""
     tensors: list[torch.Tensor] = []
     bad: list[_Bad] = []
-    for image_id in ids:
+    for future in decoding:
         try:
-            tensors.append(_load_one(bb, images_dir, image_id))
+            tensors.append(future.result())
         except _Bad as b:
             if not skip_bad:
                 raise
@@ -588,7 +594,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
         is_tty = progress and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
         bar = tqdm(total=n, initial=state["done"], unit="img", desc=f"extract {split}", disable=not progress,
                    mininterval=0.5 if is_tty else 30.0, dynamic_ncols=True)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="itmatch-decode")
+        pool = ThreadPoolExecutor(max_workers=decode_threads(), thread_name_prefix="itmatch-decode")
         starts = list(range(int(state["done"]), n, bs))
         try:
             last_save_images, last_save_time = state["done"], time.monotonic()
@@ -596,14 +602,14 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
             def to_decode(start: int) -> list[str]:
                 return [ids[k] for k in range(start, min(start + bs, n)) if k not in reuse]
 
-            def submit(k: int) -> Future:
-                return pool.submit(_load_batch, bb, images_dir, to_decode(starts[k]), skip_bad)
+            def submit(k: int) -> list[Future]:  # each photo its own task: a batch decodes on every thread
+                return [pool.submit(_load_one, bb, images_dir, image_id) for image_id in to_decode(starts[k])]
 
-            nxt: Future | None = submit(0) if starts else None
+            nxt: list[Future] = submit(0) if starts else []
             for j, start in enumerate(starts):
                 batch_ids = ids[start:start + bs]
                 try:
-                    tensors, bad = nxt.result()
+                    tensors, bad = _collect_batch(nxt, skip_bad)
                 except _Bad as b:
                     raise _bad_image_error(b, table, images_dir) from None
                 # Decode the next batch while the network runs on this one.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -55,6 +56,13 @@ def strict_decoding() -> Iterator[None]:
         ImageFile.LOAD_TRUNCATED_IMAGES = previous
 
 
+def decode_threads() -> int:
+    """Host threads that decode photos while the network runs on those before them (`itmatch extract`, `itmatch
+    index`): one a core, up to 8. PIL's decoder and resize release the GIL, the normalisation is NumPy's, and a
+    GPU backbone outruns one such thread by far."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def upright_rgb(image: Image.Image) -> Image.Image:
     """EXIF orientation applied (a phone photo stored sideways comes out as shown), then any mode (greyscale,
     CMYK, palette, alpha) converted to 3-channel RGB."""
@@ -81,28 +89,30 @@ def decode_image(source: str | Path | bytes, admit: Callable[[Image.Image], None
         raise UnreadableImage(f"cannot read image: {exc}", path, missing=False) from exc
 
 
-def to_pixels(image: Image.Image, size: int) -> torch.Tensor:
+def to_pixels(image: Image.Image, size: int) -> np.ndarray:
     """The resize rule of every backbone: upright RGB (`upright_rgb`), bilinear resize to size x size (the
     aspect ratio is not kept: every part of the photo stays in view) -> float32 [3, size, size] on 0..255."""
     image = upright_rgb(image)
     if image.size != (size, size):
         image = image.resize((size, size), Image.Resampling.BILINEAR)
-    arr = np.asarray(image, dtype=np.float32)  # [H, W, 3]
-    return torch.from_numpy(arr.transpose(2, 0, 1).copy())
+    return np.ascontiguousarray(np.asarray(image, dtype=np.float32).transpose(2, 0, 1))  # [3, H, W]
 
 
-def normalise_pixels(family: str, pixels: torch.Tensor) -> torch.Tensor:
-    """0..255 RGB [..., 3, H, W] -> the input a backbone family ("efficientnet-lite" | "resnet") was trained on."""
+def normalise_pixels(family: str, pixels: np.ndarray) -> np.ndarray:
+    """0..255 RGB float32 [..., 3, H, W] -> the input a backbone family ("efficientnet-lite" | "resnet") was
+    trained on, in float32. NumPy, not torch: this runs on the threads that decode photos beside the network,
+    where a torch op would start an OpenMP team of its own for 150,000 numbers and wait on the cores the
+    network holds (16 ms a photo instead of 0.6 on two busy cores; bench/decode_speed.py)."""
     if family == "efficientnet-lite":
-        return (pixels - _LITE_MEAN) / _LITE_STD
-    mean = torch.tensor(_IMAGENET_MEAN).view(3, 1, 1)
-    std = torch.tensor(_IMAGENET_STD).view(3, 1, 1)
-    return (pixels / 255.0 - mean) / std
+        return (pixels - np.float32(_LITE_MEAN)) / np.float32(_LITE_STD)
+    mean = np.asarray(_IMAGENET_MEAN, dtype=np.float32).reshape(3, 1, 1)
+    std = np.asarray(_IMAGENET_STD, dtype=np.float32).reshape(3, 1, 1)
+    return (pixels / np.float32(255.0) - mean) / std
 
 
 def preprocess(image: Image.Image, family: str, size: int) -> torch.Tensor:
     """One PIL image -> the normalised float32 input [3, size, size] of a backbone of `family` (deterministic)."""
-    return normalise_pixels(family, to_pixels(image, size))
+    return torch.from_numpy(normalise_pixels(family, to_pixels(image, size)))
 
 
 def grid_features(backbone: nn.Module, pixels: torch.Tensor, placement: Placement | None = None,

@@ -15,6 +15,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,13 @@ from numpy.lib.format import open_memmap
 from tqdm import tqdm
 
 from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
-from itmatch.features.pipeline import UnreadableImage, decode_image, grid_features, strict_decoding
+from itmatch.features.pipeline import (
+    UnreadableImage,
+    decode_image,
+    decode_threads,
+    grid_features,
+    strict_decoding,
+)
 from itmatch.fingerprint import file_record
 from itmatch.io import atomic_path, file_sha256, write_json_atomic, write_with
 from itmatch.models.base import ImageEmb
@@ -395,25 +402,31 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     start, stop = dist.shard_bounds(len(todo))  # this rank's share (everything in one process)
     mine = todo[start:stop]
     bar = tqdm(total=len(mine), desc="encode images", unit="img", disable=not progress)
-    with strict_decoding(), torch.inference_mode():
+    def decoded(record: dict[str, Any]) -> tuple[torch.Tensor, tuple[int, int]]:
+        image = decode_image(images_dir / record["id"])
+        return matcher.backbone.preprocess(image), image.size  # (the size as shown: EXIF orientation applied)
+
+    with strict_decoding(), torch.inference_mode(), ThreadPoolExecutor(decode_threads()) as decoders:
         for c0 in range(0, len(mine), chunk):
             batch_records = mine[c0:c0 + chunk]
+            reused = {r["sha256"] for r in batch_records if "features" in old_arrays and r["sha256"] in old_rows}
+            decoding = {id(r): decoders.submit(decoded, r) for r in batch_records if r["sha256"] not in reused}
             feats, sizes, good = [], [], []
             for r in batch_records:
                 sha = r["sha256"]
-                if "features" in old_arrays and sha in old_rows:
+                if sha in reused:
                     feats.append(torch.from_numpy(np.array(old_arrays["features"][old_rows[sha]])))
                     sizes.append(old_sizes[sha])
                     good.append(r)
                     continue
                 try:
-                    image = decode_image(images_dir / r["id"])
+                    pixels, size = decoding[id(r)].result()
                 except UnreadableImage as exc:
                     log.warning("skipping %s: %s", public_id(r["id"]), exc.reason)
                     skipped.append({"id": r["id"], "reason": exc.reason})
                     continue
-                feats.append(matcher.backbone.preprocess(image))
-                sizes.append(image.size)  # as shown: EXIF orientation applied
+                feats.append(pixels)
+                sizes.append(size)
                 good.append(r)
             # backbone on the images that need it, in batches
             need = [i for i, f in enumerate(feats) if f.dim() == 3]  # pixels [3, S, S], not features [k, D]
