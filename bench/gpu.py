@@ -7,6 +7,7 @@ sizes (--smoke), which is how they are kept working without one.
   python bench/gpu.py train --device cuda --data runs/data/flickr8k_lite0 --epochs 20   # + recall of both
   python bench/gpu.py eval train --device cpu --smoke  # the CPU check (seconds)
   python bench/gpu.py resident --device cuda --data runs/data/flickr8k_lite0   # features resident vs streamed
+  python bench/gpu.py syncs --device cuda --data runs/data/flickr8k_lite0 --presets scan_t2i_avg   # host waits
 
 eval: exact evaluation of the SCAN t-i AVG head at Flickr30K test scale (random region features, the real test
 captions' lengths), seconds in fp32, TF32 and bf16 autocast, the FLOPs actually executed (torch's counter) as a
@@ -25,6 +26,8 @@ resident: one epoch of the real trainer (itmatch.engine.train, --max-batches cap
 training features streamed from pinned host memory (train.resident=off) and resident on the device (on), after
 a short warm-up run: train seconds and images/s of each, and the largest weight difference between the two
 (0 on the CPU; on a GPU nondeterministic kernels may leave last-bit differences). --workers sets train.workers.
+syncs: every call that makes the host wait for the GPU during a few steps of the real trainer and its validation,
+counted per line of itmatch's source (CUDA only: torch.cuda.set_sync_debug_mode).
 Writes a JSON report (--out) and prints one line per measurement; nothing here is a test."""
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ import json
 import platform
 import sys
 import time
+import traceback
+import warnings
+from collections import Counter
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -336,9 +342,65 @@ def section_resident(args, placement: Placement) -> dict:
     return {"rows": rows}
 
 
+@contextlib.contextmanager
+def counted_syncs(source: Path) -> Iterator[Counter[str]]:
+    """Count, per line of the code under `source` that made it (the innermost such frame), every call that makes
+    the host wait for the GPU within the block: torch.cuda.set_sync_debug_mode("warn") turns each into a warning,
+    caught here instead of printed."""
+    sites: Counter[str] = Counter()
+
+    def record(*_: object, **__: object) -> None:
+        ours = [f for f in traceback.extract_stack() if f.filename.startswith(str(source))]
+        where = ours[-1] if ours else None
+        sites[f"{Path(where.filename).relative_to(source)}:{where.lineno} {(where.line or '').strip()}"
+              if where else "(outside the source)"] += 1
+
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield sites
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+
+
+def section_syncs(args, placement: Placement) -> dict:
+    """Where the host waits for the GPU: a few steps of the real trainer per preset (--max-batches, default 5,
+    resident features, then its validation on 100 dev images), each synchronising call counted at the line of
+    itmatch's source that made it (`counted_syncs`). At batch 128 a step is bound by the host's kernel launches
+    (docs/gpu.md, "Training throughput"): a sync inside the step stops the host from queueing the next launches
+    while the GPU drains, so these lines are where a step's time goes to waiting."""
+    from itmatch.engine.train import train
+    from itmatch.models.registry import resolve_config
+
+    if placement.device.type != "cuda":
+        print("syncs: needs a CUDA device (torch.cuda.set_sync_debug_mode); skipped", flush=True)
+        return {"skipped": "no CUDA device"}
+    if not args.data:
+        raise SystemExit("syncs: pass --data (a precomp directory to train on)")
+    rows = []
+    for preset in args.presets:
+        cfg = resolve_config(preset, {"data": {"path": args.data}, "train": {
+            "epochs": 1, "max_batches": args.max_batches or 5, "resident": "on", "val_images": 100,
+            "bucket_by_length": True}})
+        with counted_syncs(ROOT / "src") as sites:
+            train(cfg, Path(args.runs) / f"{preset}_syncs", force=True, progress=False, device=str(placement.device))
+        rows.append({"preset": preset, "steps": cfg.train.max_batches, "sites": dict(sites.most_common())})
+        print(f"syncs {preset:<16} {sum(sites.values())} in {cfg.train.max_batches} steps and a validation:",
+              flush=True)
+        for site, count in sites.most_common():
+            print(f"    {count:6d}  {site}", flush=True)
+    return {"rows": rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sections", nargs="+", choices=["eval", "blocks", "train", "resident"])
+    p.add_argument("sections", nargs="+", choices=["eval", "blocks", "train", "resident", "syncs"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--smoke", action="store_true", help="small sizes (the CPU check: seconds)")
     p.add_argument("--images", type=int, help="images scored (default 1000; --smoke 4)")
@@ -383,7 +445,7 @@ def main() -> int:
     np.random.seed(0)
     for section in args.sections:
         report[section] = {"eval": section_eval, "blocks": section_blocks, "train": section_train,
-                           "resident": section_resident}[section](args, placement)
+                           "resident": section_resident, "syncs": section_syncs}[section](args, placement)
     out = Path(args.out or ROOT / "runs" / "bench_gpu" / f"{device.type}{'_smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -298,6 +298,18 @@ def kickoff(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    """(there) bench/gpu.py in the working copy at any time, e.g. `syncs`, which trains on the extracted features:
+    its output in $OUT/gpu_SECTION.txt and its report beside it, stopped after --seconds."""
+    work, out = DEVICE_ROOT / "itmatch", Path(os.environ.get("OUT") or DEVICE_ROOT / "out")
+    out.mkdir(parents=True, exist_ok=True)
+    name = "gpu_" + "_".join(args.sections)
+    argv = ["bench/gpu.py", *args.sections, "--device", "cuda", "--out", str(out / f"{name}.json"), *args.bench_args]
+    _bounded(out / f"{name}.txt", argv, args.seconds, work)
+    print((out / f"{name}.txt").read_text(errors="replace")[-3000:])
+    return 0
+
+
 def _bounded(log: Path, argv: list[str], seconds: float, cwd: Path) -> None:
     """Run python `argv` in `cwd` with its output in `log`, stopped after `seconds`; the last line says how it ended."""
     with log.open("wb") as out:
@@ -543,6 +555,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("fetch", help="(there) a trained row's checkpoint and history into $OUT, in pieces")
     p.add_argument("row")
     p.set_defaults(func=fetch)
+    p = sub.add_parser("bench", help="(there) sections of bench/gpu.py in the working copy, output into $OUT")
+    p.add_argument("sections", nargs="+", help="e.g. syncs (after the extraction: it trains a few steps)")
+    p.add_argument("--seconds", type=float, default=120, help="stop it after this long (default 120)")
+    p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[],
+                   help="passed to bench/gpu.py, e.g. --data runs/data/flickr8k_lite0 --presets scan_t2i_avg")
+    p.set_defaults(func=bench)
     p = sub.add_parser("take", help="(here) join and unpack the runs `fetch` brought back")
     p.add_argument("folder", help="the call's files_at")
     p.add_argument("--runs", default=str(ROOT / "runs" / "flickr8k_gpu"), help="where the run directories go")

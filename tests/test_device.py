@@ -400,6 +400,28 @@ def test_the_gpu_bench_runs_on_the_cpu_at_smoke_size(tmp_path):
     assert blocks[0]["blocks"] > blocks[1]["blocks"] and max(r["plain_fp32_max_diff"] for r in blocks) < 1e-5
 
 
+def _synchronising_call():  # what torch's sync debug mode does at a synchronising call on a GPU
+    warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+
+def test_the_sync_census_counts_each_waiting_line_of_our_source():
+    """bench/gpu.py syncs (CUDA only) counts the warnings of torch.cuda.set_sync_debug_mode per line of itmatch's
+    source; here the source is this file and the warnings are made by hand."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench", Path(__file__).resolve().parents[1] / "bench" / "gpu.py")
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    shown = warnings.showwarning
+    with gpu.counted_syncs(Path(__file__).resolve().parent) as sites:
+        for _ in range(3):
+            _synchronising_call()
+    line = _synchronising_call.__code__.co_firstlineno + 1
+    code = 'warnings.warn("called a synchronizing CUDA operation", stacklevel=1)'
+    assert dict(sites) == {f"test_device.py:{line} {code}": 3}
+    assert warnings.showwarning is shown
+
+
 def test_a_gpu_schedule_on_a_cpu_only_machine_names_the_cpu_schedule(tmp_path, capsys, monkeypatch):
     """configs/flickr8k/gpu.yaml sets train.device: cuda; without CUDA, training stops before any work and
     says to use the CPU schedule."""
