@@ -192,3 +192,19 @@ def test_bf16_runs_the_backbone_in_autocast_alike_in_extraction_and_the_api(tiny
     assert not np.array_equal(extracted, reference["grids"][:4])
     fp32 = reference["grids"][:4]
     assert np.abs(extracted - fp32).mean() < 0.05 * np.abs(fp32).mean()  # bf16's rounding, not other features
+
+
+def test_photos_decode_on_one_thread_beside_a_cpu_network_and_on_several_beside_a_gpu(monkeypatch):
+    """A network on the CPU needs its cores (a second decode thread made a 2-core extraction 0.65x as fast); a GPU
+    network leaves them free: one decode thread a core, at most 8."""
+    import os
+
+    import torch
+
+    from itmatch.features.pipeline import decode_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert decode_threads("cpu") == 1 and decode_threads(torch.device("cpu")) == 1
+    assert decode_threads("cuda:0") == 8 and decode_threads(torch.device("cuda")) == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert decode_threads("cuda") == 2

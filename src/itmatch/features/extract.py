@@ -594,7 +594,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
         is_tty = progress and hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
         bar = tqdm(total=n, initial=state["done"], unit="img", desc=f"extract {split}", disable=not progress,
                    mininterval=0.5 if is_tty else 30.0, dynamic_ncols=True)
-        pool = ThreadPoolExecutor(max_workers=decode_threads(), thread_name_prefix="itmatch-decode")
+        pool = ThreadPoolExecutor(decode_threads(module_device(bb)), thread_name_prefix="itmatch-decode")
         starts = list(range(int(state["done"]), n, bs))
         try:
             last_save_images, last_save_time = state["done"], time.monotonic()

@@ -56,11 +56,13 @@ def strict_decoding() -> Iterator[None]:
         ImageFile.LOAD_TRUNCATED_IMAGES = previous
 
 
-def decode_threads() -> int:
+def decode_threads(device: torch.device | str) -> int:
     """Host threads that decode photos while the network runs on those before them (`itmatch extract`, `itmatch
-    index`): one a core, up to 8. PIL's decoder and resize release the GIL, the normalisation is NumPy's, and a
-    GPU backbone outruns one such thread by far."""
-    return max(1, min(8, os.cpu_count() or 1))
+    index`). A network on the host's cores has them all: one thread, overlapping the next batch with it (two on a
+    2-core machine made the extraction 0.65x as fast; bench/decode_speed.py). A network on a GPU leaves the cores
+    free and outruns one thread by far: one a core, up to 8 (PIL's decoder and resize release the GIL, and the
+    normalisation is NumPy's)."""
+    return 1 if torch.device(device).type == "cpu" else max(1, min(8, os.cpu_count() or 1))
 
 
 def upright_rgb(image: Image.Image) -> Image.Image:

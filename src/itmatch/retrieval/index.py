@@ -406,7 +406,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
         image = decode_image(images_dir / record["id"])
         return matcher.backbone.preprocess(image), image.size  # (the size as shown: EXIF orientation applied)
 
-    with strict_decoding(), torch.inference_mode(), ThreadPoolExecutor(decode_threads()) as decoders:
+    decoders = ThreadPoolExecutor(decode_threads(matcher.placement.device), thread_name_prefix="itmatch-decode")
+    with strict_decoding(), torch.inference_mode(), decoders:
         for c0 in range(0, len(mine), chunk):
             batch_records = mine[c0:c0 + chunk]
             reused = {r["sha256"] for r in batch_records if "features" in old_arrays and r["sha256"] in old_rows}
