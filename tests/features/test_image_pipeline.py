@@ -195,8 +195,7 @@ def test_bf16_runs_the_backbone_in_autocast_alike_in_extraction_and_the_api(tiny
 
 
 def test_photos_decode_on_one_thread_beside_a_cpu_network_and_on_several_beside_a_gpu(monkeypatch):
-    """A network on the CPU needs its cores (a second decode thread made a 2-core extraction 0.65x as fast); a GPU
-    network leaves them free: one decode thread a core, at most 8."""
+    """A network on the CPU needs its cores; a GPU network leaves them free: one decode thread a core, at most 8."""
     import os
 
     import torch

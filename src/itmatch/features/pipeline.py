@@ -58,10 +58,10 @@ def strict_decoding() -> Iterator[None]:
 
 def decode_threads(device: torch.device | str) -> int:
     """Host threads that decode photos while the network runs on those before them (`itmatch extract`, `itmatch
-    index`). A network on the host's cores has them all: one thread, overlapping the next batch with it (two on a
-    2-core machine made the extraction 0.65x as fast; bench/decode_speed.py). A network on a GPU leaves the cores
-    free and outruns one thread by far: one a core, up to 8 (PIL's decoder and resize release the GIL, and the
-    normalisation is NumPy's)."""
+    index`). A network on the host's cores needs them: one thread, overlapping the next batch with it, as before
+    (a second one gained nothing on 2 cores: bench/decode_speed.py). A network on a GPU leaves the cores free and
+    outruns one thread: one a core, up to 8 (PIL's decoder and resize release the GIL, the normalisation is
+    NumPy's). Not yet timed on a GPU: one thread extracted Flickr8K's 8,091 photos in 101 s on an H100."""
     return 1 if torch.device(device).type == "cpu" else max(1, min(8, os.cpu_count() or 1))
 
 
@@ -102,9 +102,9 @@ def to_pixels(image: Image.Image, size: int) -> np.ndarray:
 
 def normalise_pixels(family: str, pixels: np.ndarray) -> np.ndarray:
     """0..255 RGB float32 [..., 3, H, W] -> the input a backbone family ("efficientnet-lite" | "resnet") was
-    trained on, in float32. NumPy, not torch: this runs on the threads that decode photos beside the network,
-    where a torch op would start an OpenMP team of its own for 150,000 numbers and wait on the cores the
-    network holds (16 ms a photo instead of 0.6 on two busy cores; bench/decode_speed.py)."""
+    trained on, in float32 (bit for bit the torch formula it replaces: tests/features/test_features.py). NumPy, not
+    torch: this runs on the threads that decode photos beside the network (`decode_threads`), where each torch op
+    would start an OpenMP team of its own, as many threads as the host has cores, per decode thread."""
     if family == "efficientnet-lite":
         return (pixels - np.float32(_LITE_MEAN)) / np.float32(_LITE_STD)
     mean = np.asarray(_IMAGENET_MEAN, dtype=np.float32).reshape(3, 1, 1)
