@@ -260,15 +260,29 @@ def run(cmd: list[str], ranks: int = 1) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def ensure_features(data: str) -> None:
+def ensure_features(data: str, profile: Profile = CPU) -> None:
     """Extract the features a row reads, once (resumable; skipped when complete): the c3/c4 stage maps beside a
-    copy of the c5 grid (multi-scale SAVE rows), or the Lite2 grid (the higher-resolution rows)."""
+    copy of the c5 grid (multi-scale SAVE rows), or the Lite2 grid (the higher-resolution rows). On a GPU in
+    batches of 128 (the lent sessions' Lite0 extraction), on a CPU in the extractor's own 8. Rows started side by
+    side (a GPU session's driver) that read the same features take turns: one extracts, the others then find the
+    features complete (the extractor itself does not guard a folder against a second writer)."""
+    from filelock import FileLock
+
+    if data not in (DATA_MS, DATA_LITE2) or DRY_RUN:
+        return _extract_missing(data, profile)
+    (ROOT / data).parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(ROOT / Path(data).with_name(f".{Path(data).name}.lock")):
+        _extract_missing(data, profile)
+
+
+def _extract_missing(data: str, profile: Profile) -> None:
+    batch = ["--batch-size", "128"] if profile.device and not profile.on_cpu else []
     if data == DATA_MS and not all((ROOT / DATA_MS / f"{split}_ims_c3.npy").exists()
                                    for split in ("train", "dev", "test")):
-        run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_MS, "--scales", "c3,c4,c5"])
+        run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_MS, "--scales", "c3,c4,c5", *batch])
     if data == DATA_LITE2 and not all((ROOT / DATA_LITE2 / f"{split}_ims.npy").exists()
                                       for split in ("train", "dev", "test")):
-        run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_LITE2, "--backbone", "lite2"])
+        run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_LITE2, "--backbone", "lite2", *batch])
 
 
 def training_finished(run: Path) -> bool:
@@ -296,7 +310,7 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
     data = profile.row_data.get(base_preset(preset, profile), profile.row_data.get(preset, DATA))
     datas = [profile.row_data.get(member, data) for member in members]  # (an ensemble may mix features)
     for member_data in dict.fromkeys(datas):
-        ensure_features(member_data)
+        ensure_features(member_data, profile)
     for member, member_data in zip(members, datas, strict=True):
         before = profile.prerequisites.get(member)
         if before and not training_finished(ROOT / profile.runs / before):

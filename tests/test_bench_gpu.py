@@ -199,3 +199,30 @@ def test_device_cpu_is_refused_for_the_cpu_schedule():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "flickr8k.py"), "--device", "cpu", "--status"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--device cpu is for --config gpu" in done.stderr
+
+
+def test_rows_side_by_side_extract_their_shared_features_once_on_a_gpu_in_batches_of_128(bench, tmp_path,
+                                                                                        monkeypatch):
+    """A GPU session's driver starts rows together: two multi-scale SAVE rows used to run two extractions into the
+    same folder at once; now one extracts (batch 128 on the GPU) and the other finds the features complete."""
+    import threading
+    import time
+
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    extractions = []
+
+    def extract(cmd, ranks=1):
+        extractions.append(cmd)
+        time.sleep(0.3)  # long enough for the second row to arrive meanwhile
+        for split in ("train", "dev", "test"):
+            (tmp_path / bench.DATA_MS / f"{split}_ims_c3.npy").parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / bench.DATA_MS / f"{split}_ims_c3.npy").touch()
+
+    monkeypatch.setattr(bench, "run", extract)
+    rows = [threading.Thread(target=bench.ensure_features, args=(bench.DATA_MS, bench.GPU)) for _ in range(2)]
+    for row in rows:
+        row.start()
+    for row in rows:
+        row.join(10)
+    assert len(extractions) == 1
+    assert extractions[0][-4:] == ["--scales", "c3,c4,c5", "--batch-size", "128"]
