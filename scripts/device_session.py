@@ -157,6 +157,8 @@ def prepare(args: argparse.Namespace) -> int:
     files += [(f, f"shared/data/flickr8k/images/{f.name}") for f in sorted((flickr / "images").glob("*.jpg"))]
     if "perturb" in groups:
         files += tag_caches()
+    for row in args.runs:
+        files += run_files(ROOT / "runs" / "flickr8k_gpu" / row)
     checkout = checkout_bytes()
     budget = CARRY_LIMIT - checkout - HEADROOM
     carry = device_dir / "carry"
@@ -172,6 +174,16 @@ def prepare(args: argparse.Namespace) -> int:
         print(f"  carry [\".device/carry/{i:02d}\"]: "
               f"python3 scripts/device_session.py receive .device/carry/{i:02d}{last}")
     return 0
+
+
+def run_files(run: Path) -> list[tuple[Path, str]]:
+    """A trained run directory of this machine as a bundle's files (what `fetch` brings back: its `best`
+    checkpoint, config, history and last state), landing where the bench there looks for it, so that a row that
+    continues it (`<row>_ft`, `<row>_frozen_more`) need not train it again there."""
+    if not (run / "best" / "config.json").is_file():
+        raise SystemExit(f"no trained run at {run} (a run to carry needs its best/ checkpoint)")
+    return [(f, f"itmatch/runs/flickr8k_gpu/{run.name}/{f.relative_to(run).as_posix()}")
+            for f in sorted(run.rglob("*")) if f.is_file() and f.relative_to(run).as_posix() not in FETCH_SKIPS]
 
 
 def tag_caches() -> list[tuple[Path, str]]:
@@ -523,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--with", dest="with_groups", default="",
                    help=f"optional groups, comma-separated: {','.join(GROUPS[1:])} (perturb: the studies' POS "
                         "tags, tagged here)")
+    p.add_argument("--runs", nargs="+", default=[], metavar="ROW",
+                   help="trained runs of runs/flickr8k_gpu to carry there (e.g. vsepp, for vsepp_ft)")
     p.set_defaults(func=prepare)
     p = sub.add_parser("receive", help="(there) unpack one carried bundle into DEVICE_ROOT")
     p.add_argument("bundle")

@@ -239,3 +239,20 @@ def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(sessi
     assert (got / "best" / "model.safetensors").read_bytes() == files["best/model.safetensors"]
     pieces[0].unlink()
     assert session.main(["take", str(out), "--runs", str(tmp_path / "elsewhere")]) == 1  # a piece missing: said
+
+
+def test_a_trained_run_travels_there_as_fetch_brings_one_back(session, tmp_path):
+    """`prepare --runs vsepp` carries a run trained here (its best checkpoint, config, history, last state; not the
+    last epoch's weights and optimizer) to where the bench there looks, so vsepp_ft need not retrain vsepp."""
+    run = tmp_path / "vsepp"
+    for name in ["best/config.json", "best/model.safetensors", "config.json", "metrics.jsonl", "last/state.json",
+                 "last/model.safetensors", "last/optimizer.pt", "last/trainer.pt"]:
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(name)
+    files = session.run_files(run)
+    assert sorted(dest for _, dest in files) == [f"itmatch/runs/flickr8k_gpu/vsepp/{name}" for name in [
+        "best/config.json", "best/model.safetensors", "config.json", "last/state.json", "metrics.jsonl"]]
+    assert all(source.read_text() == dest.split("vsepp/", 1)[1] for source, dest in files)
+    (run / "best" / "config.json").unlink()
+    with pytest.raises(SystemExit, match="no trained run"):
+        session.run_files(run)
