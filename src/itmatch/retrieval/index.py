@@ -402,6 +402,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     start, stop = dist.shard_bounds(len(todo))  # this rank's share (everything in one process)
     mine = todo[start:stop]
     bar = tqdm(total=len(mine), desc="encode images", unit="img", disable=not progress)
+
     def decoded(record: dict[str, Any]) -> tuple[torch.Tensor, tuple[int, int]]:
         image = decode_image(images_dir / record["id"])
         return matcher.backbone.preprocess(image), image.size  # (the size as shown: EXIF orientation applied)
@@ -410,18 +411,19 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     with strict_decoding(), torch.inference_mode(), decoders:
         for c0 in range(0, len(mine), chunk):
             batch_records = mine[c0:c0 + chunk]
-            reused = {r["sha256"] for r in batch_records if "features" in old_arrays and r["sha256"] in old_rows}
-            decoding = {id(r): decoders.submit(decoded, r) for r in batch_records if r["sha256"] not in reused}
+            # per record: None where its backbone features are reused, else its photo decoding on the threads
+            decoding = [None if "features" in old_arrays and r["sha256"] in old_rows else decoders.submit(decoded, r)
+                        for r in batch_records]
             feats, sizes, good = [], [], []
-            for r in batch_records:
+            for r, pending in zip(batch_records, decoding, strict=True):
                 sha = r["sha256"]
-                if sha in reused:
+                if pending is None:
                     feats.append(torch.from_numpy(np.array(old_arrays["features"][old_rows[sha]])))
                     sizes.append(old_sizes[sha])
                     good.append(r)
                     continue
                 try:
-                    pixels, size = decoding[id(r)].result()
+                    pixels, size = pending.result()
                 except UnreadableImage as exc:
                     log.warning("skipping %s: %s", public_id(r["id"]), exc.reason)
                     skipped.append({"id": r["id"], "reason": exc.reason})
