@@ -198,10 +198,16 @@ def test_analyze_perturb_end_to_end(tiny_precomp, tmp_path, capsys):
     assert "unknown perturbation" in capsys.readouterr().err
 
 
-def _finished_run(run_dir, cfg, state="best"):
-    """A run directory as the trainer leaves it, as far as the study's check reads it (its saved config)."""
-    (run_dir / state).mkdir(parents=True)
-    (run_dir / state / "config.json").write_text(json.dumps(cfg.to_dict()))
+def _finished_run(run_dir, cfg, state="best", config=None):
+    """A run directory as the trainer leaves it, as far as the study's check reads it: its saved config (data
+    paths from the checkpoint directory; `config`: this dict instead) and its manifest's version."""
+    from itmatch.engine.checkpoint import MANIFEST, MANIFEST_VERSION, config_for_checkpoint
+
+    checkpoint = run_dir / state
+    checkpoint.mkdir(parents=True)
+    saved = config if config is not None else config_for_checkpoint(cfg, checkpoint)
+    (checkpoint / "config.json").write_text(json.dumps(saved))
+    (checkpoint / MANIFEST).write_text(json.dumps({"version": MANIFEST_VERSION, "files": {}}))
 
 
 def _trained_as(cfg, **changes):
@@ -215,6 +221,29 @@ def _trained_as(cfg, **changes):
         section, name = key.split(".")
         setattr(getattr(trained, section), name, value)
     return trained
+
+
+def test_a_finished_run_is_compared_as_its_checkpoint_is_read(tmp_path, monkeypatch):
+    """A run saves its data path from the checkpoint's directory ("../../precomp" from OUT/shuffle/best) and a
+    config of an older version names some keys otherwise (SCAN's lambdas were model.*): the study compared the
+    raw config.json with the command's and refused to reuse its own finished runs (a GPU session resuming the
+    rest of a study would have stopped at the first)."""
+    from itmatch.analysis.perturb import check_existing_run
+    from itmatch.models.registry import resolve_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "precomp").mkdir()
+    wanted = resolve_config("vsepp", {"data": {"path": "precomp"}})
+    _finished_run(tmp_path / "study" / "shuffle", _trained_as(wanted))
+    saved = json.loads((tmp_path / "study" / "shuffle" / "best" / "config.json").read_text())
+    assert saved["data"]["path"] == "../../../precomp"  # as the trainer writes it, not as the command gives it
+    check_existing_run(tmp_path / "study" / "shuffle", wanted, {"perturbation": "shuffle", "seed": 0})
+
+    older = json.loads(json.dumps(saved))
+    for key in ("lambda_softmax", "lambda_lse", "raw_feature_norm", "clip_slope"):  # where they were before
+        older["model"][key] = older["model"]["scan"].pop(key)
+    _finished_run(tmp_path / "study" / "nouns", None, config=older)
+    check_existing_run(tmp_path / "study" / "nouns", wanted, {"perturbation": "nouns", "seed": 0})
 
 
 def test_a_finished_run_with_other_settings_is_refused_before_any_work(tmp_path, capsys):

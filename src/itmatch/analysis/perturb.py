@@ -31,7 +31,7 @@ from itmatch.data.perturb import (
 )
 from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
-from itmatch.engine.checkpoint import load_checkpoint
+from itmatch.engine.checkpoint import load_checkpoint, read_checkpoint_config
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.train import train
 from itmatch.errors import ConfigError, OverwriteError
@@ -175,11 +175,11 @@ def _same_value(key: str, stored: Any, wanted: Any) -> bool:
     return stored == wanted
 
 
-def run_differences(stored: dict[str, Any], wanted: Config) -> dict[str, tuple[Any, Any]]:
-    """Dotted config key -> (run's value, command's value) where a run's saved config (`Config.to_dict()`)
-    differs from the one a command would train, leaving out UNCOMPARED keys and the keys filled from the data
-    (FILLED_FROM_DATA, the arch's feature dims) that the command leaves unset."""
-    old, new = flatten(stored), flatten(wanted.to_dict())
+def run_differences(stored: Config, wanted: Config) -> dict[str, tuple[Any, Any]]:
+    """Dotted config key -> (run's value, command's value) where a run's config (as its checkpoint is read:
+    `read_checkpoint_config`) differs from the one a command would train, leaving out UNCOMPARED keys and the
+    keys filled from the data (FILLED_FROM_DATA, the arch's feature dims) that the command leaves unset."""
+    old, new = flatten(stored.to_dict()), flatten(wanted.to_dict())
     filled = FILLED_FROM_DATA | set(arch(wanted.model).feature_dims(wanted.model).values())
     return {key: (old.get(key), new.get(key)) for key in sorted(old.keys() | new.keys())
             if key not in UNCOMPARED and not (key in filled and not new.get(key))
@@ -188,21 +188,18 @@ def run_differences(stored: dict[str, Any], wanted: Config) -> dict[str, tuple[A
 
 def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> None:
     """Refuse to reuse (best/) or resume (last/) a run of `run_dir` trained with other settings than `cfg`
-    or another perturbation seed (OverwriteError naming the keys); nothing to check when there is no run."""
+    or another perturbation seed (OverwriteError naming the keys); nothing to check when there is no run.
+    The run's config is read as its checkpoint is loaded: its data paths, stored from the checkpoint's
+    directory, resolved from there, and keys of older versions read by their current names."""
     for state in ("best", "last"):  # what the study would reuse, else what it would resume
         saved = run_dir / state / "config.json"
         if saved.is_file():
             break
     else:
         return
-    try:
-        stored = json.loads(saved.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read the run's config ({exc})", path=saved,
-                          hint="retrain it with --force, or write the study to another --out") from None
     wanted = copy.deepcopy(cfg)
     read_pixels_for_finetuning(wanted)  # what the trainer sets before it saves the config
-    differ = run_differences(stored, wanted)
+    differ = run_differences(read_checkpoint_config(saved.parent), wanted)
     recorded = _read_study(run_dir / STUDY_FILE)
     if recorded is not None:
         differ |= {f"study.{key}": (recorded[key], value) for key, value in study.items()

@@ -262,20 +262,27 @@ def resolve_run_data_paths(config: Config, run_dir: Path) -> None:
     _resolve_data_paths(config, run_dir, MANIFEST_VERSION, 1)
 
 
-def load_checkpoint(path: str | Path, *, expect_arch: str | None = None, trust_modified: bool = False) -> Checkpoint:
-    """Load a checkpoint directory, refusing one whose files differ from its manifest unless
-    `trust_modified` (then with a warning). Relative data paths are resolved (Checkpoint.data_path)."""
+def read_checkpoint_config(path: str | Path) -> Config:
+    """The config of checkpoint `path` as `load_checkpoint` gives it (keys of older versions read by their
+    current names, data paths resolved from where the checkpoint is, as paths from the current directory),
+    without loading its weights or checking its files against the manifest."""
     path = Path(path)
-    if path.is_file():
-        raise CheckpointError("a checkpoint is a directory; this is a single file", path=path,
-                              hint="for a SCAN/VSE++ .pth.tar run `itmatch convert FILE --out DIR` "
-                                   "(reads it without executing code), then pass DIR")
-    recover_checkpoint(path)
-    for name in (WEIGHTS, CONFIG, VOCAB):
-        if not (path / name).is_file():
-            raise CheckpointError(f"not a checkpoint: {name} is missing", path=path,
-                                  hint="pass a directory written by `itmatch train` (e.g. RUN/best)")
-    version = verify_manifest(path, trust_modified=trust_modified)
+    return _read_config(path, _manifest_version(path))[0]
+
+
+def _manifest_version(directory: Path) -> int:
+    try:
+        return int(json.loads((directory / MANIFEST).read_text(encoding="utf-8")).get("version", 1))
+    except FileNotFoundError:
+        return 0
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
+        raise CheckpointError("corrupt manifest", path=directory / MANIFEST,
+                              hint="the checkpoint is damaged; use another") from None
+
+
+def _read_config(path: Path, version: int) -> tuple[Config, dict[str, list[Path]]]:
+    """config.json of checkpoint `path` (written by a manifest `version`), with its data paths resolved, and
+    every place looked at for them."""
     try:
         data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
         if not isinstance(data, dict):
@@ -292,7 +299,24 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None, trust_m
     except ConfigError as exc:
         raise CheckpointError(f"config does not match this itmatch version: {exc.message}",
                               path=path / CONFIG) from None
-    searched = _resolve_data_paths(config, path, version)
+    return config, _resolve_data_paths(config, path, version)
+
+
+def load_checkpoint(path: str | Path, *, expect_arch: str | None = None, trust_modified: bool = False) -> Checkpoint:
+    """Load a checkpoint directory, refusing one whose files differ from its manifest unless
+    `trust_modified` (then with a warning). Relative data paths are resolved (Checkpoint.data_path)."""
+    path = Path(path)
+    if path.is_file():
+        raise CheckpointError("a checkpoint is a directory; this is a single file", path=path,
+                              hint="for a SCAN/VSE++ .pth.tar run `itmatch convert FILE --out DIR` "
+                                   "(reads it without executing code), then pass DIR")
+    recover_checkpoint(path)
+    for name in (WEIGHTS, CONFIG, VOCAB):
+        if not (path / name).is_file():
+            raise CheckpointError(f"not a checkpoint: {name} is missing", path=path,
+                                  hint="pass a directory written by `itmatch train` (e.g. RUN/best)")
+    version = verify_manifest(path, trust_modified=trust_modified)
+    config, searched = _read_config(path, version)
     if expect_arch and config.model.arch != expect_arch:
         raise CheckpointError(f"checkpoint holds a {config.model.arch!r} model, expected {expect_arch!r}",
                               path=path, hint="pass a checkpoint of the expected model")
