@@ -482,11 +482,14 @@ def record_history(run: str, profile: Profile = CPU) -> None:
 
 def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1) -> None:
     """All seven trainings of the study (resumable), `jobs` at once, then the table and chart copied to
-    docs/results/."""
+    docs/results/. The unperturbed reference is the table's run of the preset when it exists (the study
+    checks that its settings are the study's), else the study trains it as the seventh."""
     out = f"{profile.runs}/perturb/{preset}"
+    table_run = f"{profile.runs}/{preset}"
+    original = ["--original", table_run] if (ROOT / table_run / "best").is_dir() else []
     run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", schedule_of(preset, profile), "--out", out,
          "--split", "test", "--protocol", "1k", "--tag-cache", tag_cache(profile), "--jobs", str(jobs),
-         "--set", f"train.threads={threads}", "--quiet", *on_cpu(profile)])
+         "--set", f"train.threads={threads}", "--quiet", *original, *on_cpu(profile)])
     for ext in ("md", "csv", "png"):
         if not DRY_RUN:
             shutil.copyfile(ROOT / out / f"perturb.{ext}",

@@ -219,7 +219,8 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     cfg = _resolve_train_config(args)
     report = run_perturbation_study(cfg, Path(args.out), args.perturbations, split=args.split,
                                     protocol=args.protocol, seed=args.seed, force=args.force,
-                                    tag_cache=args.tag_cache, progress=not args.quiet, jobs=args.jobs)
+                                    tag_cache=args.tag_cache, progress=not args.quiet, jobs=args.jobs,
+                                    original=args.original)
     print((Path(args.out) / "perturb.md").read_text(encoding="utf-8"))
     empty = {r["perturbation"]: r["empty_captions"] for r in report["rows"] if r["empty_captions"]}
     if empty:
@@ -492,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retrain runs that exist (default: reuse finished runs, resume interrupted ones)")
     a.add_argument("--jobs", type=positive_int, default=1,
                    help="trainings at once, each in its own process (default 1; a GPU fits the whole study)")
+    a.add_argument("--original", type=existing_dir, metavar="RUN",
+                   help="a finished run of the same preset and settings (e.g. a results table's) to use as the "
+                        "unperturbed reference instead of training it again")
     a.add_argument("--quiet", action="store_true", help="no progress bars")
     _add_device_arguments(a, "train.device, auto")
     a.set_defaults(func=_cmd_analyze, resume=False)

@@ -165,6 +165,40 @@ def test_parallel_trainings_give_the_study_one_at_a_time_gives(tiny_precomp, tmp
 
 
 @pytest.mark.slow
+def test_a_results_tables_run_serves_as_the_unperturbed_reference(tiny_precomp, tmp_path, monkeypatch, capsys):
+    """`--original RUN`: the main table's run of the preset is the study's reference (evaluated, not trained
+    again, nothing written into it); a run of other settings is refused before any work."""
+    from itmatch.data.precomp import read_precomp
+
+    _no_tagger(monkeypatch)
+    captions = read_precomp(tiny_precomp, "train").training_captions
+    _write_tag_cache(captions, tmp_path / "tags", [(caption_tokens(c), ["NN"] * len(caption_tokens(c)))
+                                                   for c in captions])
+    settings = ["--set", "model.embed_size=32", "--set", "model.word_dim=16", "--set", "train.epochs=1",
+                "--set", "train.batch_size=32", "--set", "train.lr=0.002", "--set", "train.val_images=40"]
+    table_run = tmp_path / "runs" / "vsepp"
+    assert main(["train", "--preset", "vsepp", "--data", str(tiny_precomp), "--out", str(table_run),
+                 *settings]) == 0
+    before = sorted(p.relative_to(table_run) for p in table_run.rglob("*"))
+    out = tmp_path / "study"
+    study = ["analyze", "perturb", "--preset", "vsepp", "--data", str(tiny_precomp), "--out", str(out),
+             "--protocol", "full", "--perturbations", "nouns", "--quiet", "--tag-cache", str(tmp_path / "tags"),
+             "--original", str(table_run)]
+    assert main([*study, *settings]) == 0
+    report = json.loads((out / "perturb.json").read_text())
+    assert [r["perturbation"] for r in report["rows"]] == ["original", "nouns"]
+    assert not (out / "original" / "best").exists() and (out / "nouns" / "best").is_dir()
+    assert sorted(p.relative_to(table_run) for p in table_run.rglob("*")) == before
+    assert main(["evaluate", str(table_run / "best"), "--data", str(tiny_precomp), "--protocol", "full",
+                 "--json", str(tmp_path / "table.json"), "--quiet"]) == 0
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert report["rows"][0]["text_to_image"]["r1"] == table["text_to_image"]["r1"]
+    capsys.readouterr()
+    assert main([*study, *settings, "--set", "model.embed_size=64"]) == 2
+    assert "model.embed_size (run: 32, now: 64)" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 @needs_spacy
 def test_analyze_perturb_end_to_end(tiny_precomp, tmp_path, capsys):
     out = tmp_path / "study"

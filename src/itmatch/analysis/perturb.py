@@ -57,13 +57,15 @@ STUDY_FILE = "study.json"  # in each run directory: the perturbation and its see
 def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence[str] = PERTURBATIONS, *,
                            split: str = "test", protocol: str = "1k", seed: int = 0, force: bool = False,
                            tag_cache: str | Path | None = None, progress: bool = True,
-                           jobs: int = 1) -> dict[str, Any]:
+                           jobs: int = 1, original: str | Path | None = None) -> dict[str, Any]:
     """Train `cfg` on each perturbation of its training captions, evaluate on the unperturbed `split`,
     write OUT/perturb.{json,csv,md,png}; returns the JSON report. `original` is always included (the
     reference of the deltas). force: retrain runs that exist. tag_cache: where the POS tags of the training
     captions are cached (default OUT/cache; share one between studies of the same data). jobs: trainings at
     once, each in its own process (a GPU runs the seven small models of a study side by side; on a CPU they
-    share its cores: train.threads 0 becomes the cores / jobs each)."""
+    share its cores: train.threads 0 becomes the cores / jobs each). original: a finished run of `cfg` (a
+    results table's run of the same preset and schedule) used as the unperturbed reference instead of training
+    it again; its config is checked like a run of the study's, and its evaluation is cached in OUT/original."""
     unknown = [p for p in perturbations if p not in PERTURBATIONS]
     if unknown:
         raise ConfigError(f"unknown perturbation(s) {', '.join(unknown)}",
@@ -74,21 +76,29 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
     out = Path(out)
-    if not force:  # before the tagging and the trainings: a mismatch is found in seconds, not hours
-        for kind in kinds:
-            check_existing_run(out / kind, cfg, {"perturbation": kind, "seed": seed})
+    run_dirs = {kind: out / kind for kind in kinds}
+    if original is not None:
+        run_dirs["original"] = Path(original)
+        if not (run_dirs["original"] / "best").is_dir():
+            raise ConfigError(f"--original {original}: no finished run there (no best/ checkpoint)",
+                              path=original, hint="train it first, or leave --original out to train the "
+                                                  "reference in the study")
+    for kind in kinds:  # before the tagging and the trainings: a mismatch is found in seconds, not hours
+        if not force or run_dirs[kind] != out / kind:
+            check_existing_run(run_dirs[kind], cfg, {"perturbation": kind, "seed": seed})
     train_split = read_precomp(cfg.data.path, cfg.data.train_split)
     test_split = read_precomp(cfg.data.path, split)
     tagged = tag_captions(train_split.training_captions, cache_dir=tag_cache or out / "cache", progress=progress)
     priors = prior_probabilities(tagged)
-    to_train = [kind for kind in kinds if force or not (out / kind / "best").exists()]
+    to_train = [kind for kind in kinds
+                if run_dirs[kind] == out / kind and (force or not (out / kind / "best").exists())]
     trainings = [_Training(_run_config(cfg, kind, jobs).to_dict(), out / kind, kind, seed, force,
                            resume=(out / kind / "last").exists() and not force) for kind in to_train]
     _train_all(trainings, train_split.training_captions, tagged, jobs, progress)
     rows = []
     for kind in kinds:
         transform = CaptionPerturbation(kind, train_split.training_captions, tagged, seed=seed)
-        result, best_epoch = _evaluate(out / kind, test_split, protocol, progress)
+        result, best_epoch = _evaluate(run_dirs[kind], out / kind, test_split, protocol, progress)
         rows.append({"perturbation": kind, "label": LABELS[kind], "empty_captions": len(transform.empty),
                      "prior": priors.get(kind), "best_epoch": best_epoch,
                      **{d: {k: result[d][k] for k in KS} for d in DIRECTIONS}})
@@ -221,10 +231,11 @@ def _read_study(path: Path) -> dict[str, Any] | None:
     return recorded if isinstance(recorded, dict) else None
 
 
-def _evaluate(run_dir: Path, split: PrecompSplit, protocol: str, progress: bool) -> tuple[dict[str, Any], Any]:
-    """Test metrics of run_dir/best on the unperturbed split, cached in run_dir (recomputed when the
+def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str,
+              progress: bool) -> tuple[dict[str, Any], Any]:
+    """Test metrics of run_dir/best on the unperturbed split, cached in cache_dir (recomputed when the
     checkpoint is newer than the cache), so re-running the study only evaluates new runs."""
-    cache = run_dir / f"eval_{split.split}_{protocol}.json"
+    cache = cache_dir / f"eval_{split.split}_{protocol}.json"
     weights = run_dir / "best" / "model.safetensors"
     if cache.is_file() and cache.stat().st_mtime_ns >= weights.stat().st_mtime_ns:
         cached = json.loads(cache.read_text(encoding="utf-8"))
@@ -236,6 +247,7 @@ def _evaluate(run_dir: Path, split: PrecompSplit, protocol: str, progress: bool)
     result = evaluate_models([(ckpt.model.to(where.device), ckpt.vocab)], split, protocol, progress=progress,
                              precision=where.precision)
     best_epoch = ckpt.state.get("best_epoch")
+    cache_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(cache, {"n_captions": len(split.captions), "best_epoch": best_epoch, "result": result})
     return result, best_epoch
 
