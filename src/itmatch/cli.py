@@ -82,7 +82,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
                            extra_captions=args.extra_captions, rehash=args.rehash,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
-                           scales=args.scales, device=placement.device, precision=placement.precision)
+                           scales=args.scales, device=placement.device, precision=placement.precision,
+                           progress=not args.quiet)
     from itmatch.distributed import is_main
 
     if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)
@@ -154,7 +155,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg = Config()  # replaced by the checkpoint's config, with the command's settings applied to it
         overrides = _resume_overrides(args)
     result = train(cfg, Path(args.out), resume=args.resume, force=args.force, device=args.device,
-                   precision=args.precision, resume_overrides=overrides, trust_modified=args.trust_modified)
+                   precision=args.precision, resume_overrides=overrides, trust_modified=args.trust_modified,
+                   progress=not args.quiet)
     if not dist.is_main():
         return 0
     print(f"best dev rsum {result['best_rsum']:.1f} at epoch {result['best_epoch']}; "
@@ -350,6 +352,11 @@ def _add_device_arguments(s: argparse.ArgumentParser, default: str = "auto") -> 
                    help="fp32 (exact, default), bf16 (autocast) or fp16 (autocast, CUDA only)")
 
 
+def _add_quiet_argument(s: argparse.ArgumentParser, what: str = "no progress bars") -> None:
+    """--quiet of every verb with long work: its progress bars off (logs of unattended runs stay readable)."""
+    s.add_argument("--quiet", action="store_true", help=what)
+
+
 def _add_trust_argument(s: argparse.ArgumentParser) -> None:
     """--trust-modified of every verb that loads a checkpoint (engine/checkpoint.py verify_manifest)."""
     s.add_argument("--trust-modified", action="store_true",
@@ -406,6 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also cache the backbone's finer stage maps for multi-scale models (SAVE), e.g. "
                         "c3,c4,c5: writes {split}_ims_c3.npy, {split}_ims_c4.npy beside {split}_ims.npy (c5)")
     s.add_argument("--force", action="store_true", help="replace existing outputs")
+    _add_quiet_argument(s)
     _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_extract)
 
@@ -422,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in --out from its last checkpoint; with it, --set changes train.* keys "
                         "(e.g. train.epochs=30) and --data the data location")
     s.add_argument("--force", action="store_true", help="start over in a non-empty --out")
+    _add_quiet_argument(s, "no progress bars or epoch lines (RUN/metrics.jsonl records every epoch)")
     _add_device_arguments(s, "train.device, auto")
     _add_trust_argument(s)
     s.set_defaults(func=_cmd_train)
@@ -463,7 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--command", help="command recorded in --results (default: this command line)")
     s.add_argument("--force", action="store_true",
                    help="replace an existing --json file and an existing --results row of the same name")
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_quiet_argument(s)
     _add_device_arguments(s, "auto")
     _add_trust_argument(s)
     s.set_defaults(func=_cmd_evaluate)
@@ -496,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--original", type=existing_dir, metavar="RUN",
                    help="a finished run of the same preset and settings (e.g. a results table's) to use as the "
                         "unperturbed reference instead of training it again")
-    a.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_quiet_argument(a)
     _add_device_arguments(a, "train.device, auto")
     a.set_defaults(func=_cmd_analyze, resume=False)
     a = analyses.add_parser("tags", help="POS-tag a precomp split's training captions into a tag cache, for "
@@ -504,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--data", type=existing_dir, required=True, help="precomp directory")
     a.add_argument("--split", default="train", help="the split whose captions are tagged (default train)")
     a.add_argument("--tag-cache", type=output_dir, required=True, help="directory of the cache")
-    a.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_quiet_argument(a)
     a.set_defaults(func=_cmd_tags)
 
     s = sub.add_parser("convert", help="import an original SCAN/VSE++ .pth.tar checkpoint (no code is executed)")
@@ -533,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="replace an index built with another model")
     s.add_argument("--rehash", action="store_true",
                    help="hash every photo (default: only those whose size or mtime changed since the last run)")
-    s.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_quiet_argument(s)
     _add_device_arguments(s, "auto")
     _add_trust_argument(s)
     s.set_defaults(func=_cmd_index)

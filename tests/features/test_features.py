@@ -668,8 +668,10 @@ def test_cli_extracts_a_csv_without_split_column_into_the_named_split(tmp_path, 
     out = tmp_path / "out"
     assert main(["extract", str(images), str(csv), "--out", str(out)]) == 2
     assert "--default-split train" in capsys.readouterr().err
-    assert main(["extract", str(images), str(csv), "--out", str(out), "--default-split", "train"]) == 0
-    printed = json.loads(capsys.readouterr().out)
+    assert main(["extract", str(images), str(csv), "--out", str(out), "--default-split", "train", "--quiet"]) == 0
+    shown = capsys.readouterr()
+    assert "extract train" not in shown.err  # --quiet: no progress bar
+    printed = json.loads(shown.out)
     assert printed["splits"]["train"]["image_files"] == 2  # per-file records are in meta.json, not printed
     assert read_precomp(out, "train").ids == ["img0.jpg", "img1.png"]
 

@@ -44,12 +44,14 @@ def test_score_is_the_cosine_of_the_means():
             torch.testing.assert_close(scores[i, j], v @ t, rtol=1e-5, atol=1e-6)
 
 
-def test_trains_and_evaluates_from_the_cli(tiny_precomp, tmp_path):
+def test_trains_and_evaluates_from_the_cli(tiny_precomp, tmp_path, capsys):
     out = tmp_path / "run"
     settings = ["train.epochs=3", "train.batch_size=32", "model.embed_size=32", "model.word_dim=16",
                 "train.val_images=40", "train.lr=0.002"]
-    assert main(["train", "--preset", "meanpool", "--data", str(tiny_precomp), "--out", str(out),
+    assert main(["train", "--preset", "meanpool", "--data", str(tiny_precomp), "--out", str(out), "--quiet",
                  *[arg for s in settings for arg in ("--set", s)]]) == 0
+    printed = capsys.readouterr()  # --quiet: the result line alone, no bars or epoch lines
+    assert printed.err == "" and printed.out.startswith("best dev rsum") and printed.out.count("\n") == 1
     metrics = tmp_path / "metrics.json"
     assert main(["evaluate", str(out / "best"), "--split", "test", "--json", str(metrics)]) == 0
     result = json.loads(metrics.read_text())
