@@ -489,7 +489,8 @@ def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1
     original = ["--original", table_run] if (ROOT / table_run / "best").is_dir() else []
     run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", schedule_of(preset, profile), "--out", out,
          "--split", "test", "--protocol", "1k", "--tag-cache", tag_cache(profile), "--jobs", str(jobs),
-         "--set", f"train.threads={threads}", "--quiet", *original, *on_cpu(profile)])
+         "--set", f"train.threads={threads}", "--set", f"train.checkpoint_every={profile.checkpoint_every}",
+         "--quiet", *original, *on_cpu(profile)])
     for ext in ("md", "csv", "png"):
         if not DRY_RUN:
             shutil.copyfile(ROOT / out / f"perturb.{ext}",
