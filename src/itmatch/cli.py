@@ -214,6 +214,18 @@ def _cmd_tags(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_recall(args: argparse.Namespace) -> int:
+    from itmatch.analysis.recall import curve_table, plot_recall_curves, read_evaluations
+    from itmatch.errors import refuse_overwrite
+
+    refuse_overwrite(args.out, args.force)
+    evaluations = read_evaluations(args.evaluations, args.labels)
+    plot_recall_curves(evaluations, args.out, args.title or "")
+    print(curve_table(evaluations))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from itmatch.analysis.perturb import run_perturbation_study
 
@@ -477,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trust_argument(s)
     s.set_defaults(func=_cmd_evaluate)
 
-    s = sub.add_parser("analyze", help="analyses over trained models (the OAN perturbation study)")
+    s = sub.add_parser("analyze", help="analyses over trained models (the OAN perturbation study, recall curves)")
     analyses = s.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
     a = analyses.add_parser("perturb", help="train on perturbed captions (shuffle, drop a part of speech), "
                             "evaluate on unperturbed ones (OAN Table 1); needs the `analysis` extra")
@@ -508,6 +520,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet_argument(a)
     _add_device_arguments(a, "train.device, auto")
     a.set_defaults(func=_cmd_analyze, resume=False)
+    a = analyses.add_parser("recall", help="recall curves (R@1 ... R@100, both directions) of evaluations side by "
+                            "side, from `itmatch evaluate --json` files")
+    a.add_argument("evaluations", nargs="+", type=existing_file, metavar="JSON",
+                   help="evaluation files written by `itmatch evaluate --json` (one split and protocol)")
+    a.add_argument("--out", type=output_file, required=True, help="the figure (PNG)")
+    a.add_argument("--labels", nargs="+", help="one name per file (default: the file names)")
+    a.add_argument("--title", help="the figure's title (default: the split, protocol and number of images)")
+    a.add_argument("--force", action="store_true", help="replace an existing figure")
+    a.set_defaults(func=_cmd_recall)
     a = analyses.add_parser("tags", help="POS-tag a precomp split's training captions into a tag cache, for "
                             "`analyze perturb --tag-cache` on a machine without spaCy")
     a.add_argument("--data", type=existing_dir, required=True, help="precomp directory")

@@ -85,3 +85,29 @@ def test_coco_five_fold_average_recomputes_rsum():
                                             for k in (1, 5, 10)))
     with pytest.raises(Exception, match="5000"):
         protocol_folds(split.head(1000), "coco5k")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_recall_curve_is_recall_at_every_k_of_the_brute_force_ranks(seed):
+    rng = np.random.default_rng(seed)
+    n = 23
+    scores = rng.integers(0, 6, size=(n, 5 * n)).astype(np.float32)  # ties, as above
+    result = retrieval_metrics(torch.from_numpy(scores), curve=True)
+    for direction, ranks in zip(("image_to_text", "text_to_image"), brute_ranks(scores), strict=True):
+        curve = result["recall_curve"][direction]
+        assert len(curve) == 100
+        for k in range(1, 101):  # (past the 115 captions / 23 images every query is found: 100%)
+            assert curve[k - 1] == pytest.approx(100 * sum(r < k for r in ranks) / len(ranks), abs=1e-4), k
+        for k in (1, 5, 10):
+            assert curve[k - 1] == pytest.approx(result[direction][f"r{k}"], abs=1e-4)
+    assert "recall_curve" not in retrieval_metrics(torch.from_numpy(scores))  # (training's validation: not asked)
+
+
+def test_fold_curves_average_point_by_point():
+    rng = np.random.default_rng(1)
+    folds = [retrieval_metrics(torch.from_numpy(rng.standard_normal((30, 150)).astype(np.float32)), curve=True)
+             for _ in range(3)]
+    avg = average_folds(folds)
+    for d in ("image_to_text", "text_to_image"):
+        assert avg["recall_curve"][d][4] == pytest.approx(np.mean([f["recall_curve"][d][4] for f in folds]), abs=1e-4)
+        assert avg["recall_curve"][d][9] == pytest.approx(avg[d]["r10"], abs=1e-4)

@@ -171,7 +171,8 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
                     protocol: str = "full",
                     budget_bytes: float = DEFAULT_BUDGET, progress: bool = False, rerank: int = 0,
                     first_stage: tuple[Matcher, AnyVocab] | None = None, index: str = "flat",
-                    resume_dir: str | Path | None = None, prune: bool = False, precision: str = "fp32") -> dict:
+                    resume_dir: str | Path | None = None, prune: bool = False, precision: str = "fp32",
+                    curve: bool = False) -> dict:
     """Metrics of one model, or of an ensemble (score matrices averaged before ranking), on `split`: one for every
     model, or one per model in their order (the same items, each model's own features: check_same_items). With
     `rerank` K > 0: two-stage scoring (top K of a global first stage, re-scored exactly), one model.
@@ -187,7 +188,8 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
     rank returns rank 0's result.
 
     Each model encodes and scores on its own device (where its parameters are; the caller places it), in
-    `precision` (fp32: exact, no autocast; bf16 / fp16: autocast, scores kept in float32 on the host)."""
+    `precision` (fp32: exact, no autocast; bf16 / fp16: autocast, scores kept in float32 on the host).
+    With `curve`, the result also holds each direction's recall curve, R@1 ... R@100 ("recall_curve")."""
     for model, _ in models:  # (before any work)
         check_precision(precision, module_device(model))
     splits = [split] * len(models) if isinstance(split, PrecompSplit) else list(split)
@@ -212,7 +214,7 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
             if dist.is_main():
                 scores, info = pruned_split_scores(models, member_folds, progress, precision)
                 two_stage.append(info)
-                folds.append(retrieval_metrics(scores, member_folds[0].per_image))
+                folds.append(retrieval_metrics(scores, member_folds[0].per_image, curve))
             continue
         total = None
         for (model, vocab), fold in zip(models, member_folds, strict=True):
@@ -228,7 +230,7 @@ def evaluate_models(models: Sequence[tuple[Matcher, AnyVocab]], split: PrecompSp
             if scores is not None:  # (None: a rank other than 0 of a sharded evaluation)
                 total = scores if total is None else total + scores
         if total is not None:
-            folds.append(retrieval_metrics(total / len(models), member_folds[0].per_image))
+            folds.append(retrieval_metrics(total / len(models), member_folds[0].per_image, curve))
     resumed = (cache.resumed_blocks, cache.resumed_seconds) if cache is not None else (0, 0.0)
     if sharded:  # each rank resumed its share of the blocks (their seconds are already wall-time shares)
         per_rank = dist.gather_objects(resumed)
@@ -363,7 +365,8 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test",
     Lite2; `images` for models that read pixels), scores it
     exhaustively (or two-stage with `rerank` K and `first_stage`'s global embedding, or with safe `prune`-ing;
     `resume_dir` keeps finished score blocks so that a killed run continues) under `protocol`, and returns the
-    metrics. With `json_path` they are also written there (an existing file is replaced only with `force`);
+    metrics with both directions' recall curves (R@1 ... R@100, for `itmatch analyze recall`).
+    With `json_path` they are also written there (an existing file is replaced only with `force`);
     with `results`, a row named `name` (default: the checkpoints' run names joined by '+') is added to that
     results CSV (an existing row is replaced only with `force`), recording `command`, which is then required:
     the command line that reproduces the row.
@@ -393,7 +396,7 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test",
     with _torch_threads(threads):
         metrics = evaluate_models([(c.model, c.vocab) for c in loaded], eval_splits, protocol, budget_gb * 1024**3,
                                   progress=progress, rerank=rerank, first_stage=proposer, index=faiss,
-                                  resume_dir=resume_dir, prune=prune, precision=placement.precision)
+                                  resume_dir=resume_dir, prune=prune, precision=placement.precision, curve=True)
     metrics["checkpoints"] = [str(p) for p in checkpoints]
     if len({r for _, r in opened}) > 1:
         metrics["data"] = [r for _, r in opened]

@@ -8,12 +8,14 @@ chance instead of looking perfect. Ties among the positives themselves do not ma
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 
 KS = (1, 5, 10)
 DIRECTIONS = ("image_to_text", "text_to_image")
+CURVE_K = 100  # a recall curve: R@1 ... R@100, where the 1K protocol's 1000 images or 5000 captions still differ
 
 
 def image_to_text_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tensor:
@@ -43,14 +45,24 @@ def rank_metrics(ranks: torch.Tensor) -> dict[str, float]:
     return out
 
 
-def retrieval_metrics(scores: torch.Tensor, per_image: int = 5) -> dict[str, dict[str, float] | float]:
-    """Both directions plus rsum and mR for one score matrix [n_img, per_image * n_img]."""
+def recall_curve(ranks: torch.Tensor, max_k: int = CURVE_K) -> list[float]:
+    """R@K for K = 1 ... max_k (percent, as rank_metrics' r1/r5/r10): the share of queries whose first match is
+    among the top K."""
+    r = ranks.cpu().numpy()
+    within = np.cumsum(np.bincount(np.minimum(r, max_k), minlength=max_k + 1)[:max_k])  # [K-1]: ranks < K
+    return [round(100.0 * float(n) / len(r), 4) for n in within]
+
+
+def retrieval_metrics(scores: torch.Tensor, per_image: int = 5, curve: bool = False) -> dict[str, Any]:
+    """Both directions plus rsum and mR for one score matrix [n_img, per_image * n_img]; with `curve`, also
+    each direction's R@1 ... R@CURVE_K under "recall_curve"."""
     scores = scores.float()
-    result: dict[str, dict[str, float] | float] = {
-        "image_to_text": rank_metrics(image_to_text_ranks(scores, per_image)),
-        "text_to_image": rank_metrics(text_to_image_ranks(scores, per_image)),
-    }
-    return with_rsum(result)
+    ranks = {"image_to_text": image_to_text_ranks(scores, per_image),
+             "text_to_image": text_to_image_ranks(scores, per_image)}
+    result: dict[str, Any] = with_rsum({d: rank_metrics(ranks[d]) for d in DIRECTIONS})
+    if curve:
+        result["recall_curve"] = {d: recall_curve(ranks[d]) for d in DIRECTIONS}
+    return result
 
 
 def with_rsum(result: dict) -> dict:
@@ -61,5 +73,8 @@ def with_rsum(result: dict) -> dict:
 
 def average_folds(folds: list[dict]) -> dict:
     """COCO 1K: each metric averaged over folds; rsum recomputed from the averaged recalls."""
-    avg = {d: {m: float(np.mean([f[d][m] for f in folds])) for m in folds[0][d]} for d in DIRECTIONS}
-    return with_rsum(avg)
+    avg = with_rsum({d: {m: float(np.mean([f[d][m] for f in folds])) for m in folds[0][d]} for d in DIRECTIONS})
+    if "recall_curve" in folds[0]:  # the curves the same way, point by point
+        avg["recall_curve"] = {d: [round(float(v), 4) for v in np.mean([f["recall_curve"][d] for f in folds], 0)]
+                               for d in DIRECTIONS}
+    return avg

@@ -1,0 +1,76 @@
+"""`itmatch analyze recall`: the recall curves `itmatch evaluate --json` records, drawn side by side; files that
+cannot be compared (another test set, no curve, not an evaluation) are refused naming the file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from itmatch.cli import main
+
+
+@pytest.fixture(scope="module")
+def evaluations(tiny_precomp, tmp_path_factory):
+    """Test-split evaluations of two tiny meanpool models (1 and 3 epochs), and a dev-split one."""
+    from itmatch.engine.train import train
+    from itmatch.models.registry import resolve_config
+
+    root = tmp_path_factory.mktemp("recall")
+    files = {}
+    for name, epochs in (("short", 1), ("longer", 3)):
+        cfg = resolve_config("meanpool", {
+            "data": {"path": str(tiny_precomp)}, "model": {"embed_size": 32, "word_dim": 16},
+            "train": {"epochs": epochs, "batch_size": 32, "lr": 0.002, "val_images": 40}})
+        train(cfg, root / name, progress=False)
+        files[name] = root / f"{name}.test.json"
+        assert main(["evaluate", str(root / name / "best"), "--split", "test", "--protocol", "full", "--quiet",
+                     "--json", str(files[name])]) == 0
+    files["dev"] = root / "longer.dev.json"
+    assert main(["evaluate", str(root / "longer" / "best"), "--split", "dev", "--protocol", "full", "--quiet",
+                 "--json", str(files["dev"])]) == 0
+    return files
+
+
+def test_the_evaluation_json_records_both_directions_curves(evaluations):
+    result = json.loads(evaluations["longer"].read_text())
+    for d in ("image_to_text", "text_to_image"):
+        curve = result["recall_curve"][d]
+        assert len(curve) == 100 and curve == sorted(curve) and curve[-1] == 100.0  # (40 images: all found by K=40)
+        assert [curve[k - 1] for k in (1, 5, 10)] == pytest.approx([result[d][f"r{k}"] for k in (1, 5, 10)])
+
+
+def test_curves_of_two_models_are_drawn_and_tabled(evaluations, tmp_path, capsys):
+    out = tmp_path / "recall.png"
+    args = ["analyze", "recall", str(evaluations["short"]), str(evaluations["longer"]), "--out", str(out)]
+    assert main(args) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    longer = json.loads(evaluations["longer"].read_text())
+    assert f"| longer | text → image | {longer['text_to_image']['r1']:.1f} |" in printed  # (labels: file names)
+    before = out.read_bytes()
+    assert main(args) == 2  # an existing figure is kept without --force
+    assert "--force" in capsys.readouterr().err and out.read_bytes() == before
+    assert main([*args, "--force", "--labels", "1 epoch", "3 epochs"]) == 0
+    assert "| 3 epochs | image → text |" in capsys.readouterr().out
+
+
+def test_evaluations_that_cannot_be_compared_are_refused_naming_the_file(evaluations, tmp_path, capsys):
+    out = tmp_path / "recall.png"
+    assert main(["analyze", "recall", str(evaluations["longer"]), str(evaluations["dev"]), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(evaluations["dev"]) in err and "split 'dev' (in" in err and "'test')" in err
+    older = tmp_path / "older.json"  # an evaluation from before the curves were recorded
+    result = json.loads(evaluations["short"].read_text())
+    del result["recall_curve"]
+    older.write_text(json.dumps(result))
+    assert main(["analyze", "recall", str(older), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "older.json" in err and "no recall curve" in err and "itmatch evaluate" in err
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"image_to_text": \n')
+    assert main(["analyze", "recall", str(broken), "--out", str(out)]) == 2
+    assert "broken.json:2" in capsys.readouterr().err
+    assert main(["analyze", "recall", str(evaluations["short"]), "--labels", "a", "b", "--out", str(out)]) == 2
+    assert "2 labels for 1 evaluations" in capsys.readouterr().err
+    assert not out.exists()
