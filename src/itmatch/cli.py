@@ -522,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.set_defaults(func=_cmd_analyze, resume=False)
     a = analyses.add_parser("recall", help="recall curves (R@1 ... R@100, both directions) of evaluations side by "
                             "side, from `itmatch evaluate --json` files")
-    a.add_argument("evaluations", nargs="+", type=existing_file, metavar="JSON",
+    a.add_argument("evaluations", nargs="+", type=existing_file,
                    help="evaluation files written by `itmatch evaluate --json` (one split and protocol)")
     a.add_argument("--out", type=output_file, required=True, help="the figure (PNG)")
     a.add_argument("--labels", nargs="+", help="one name per file (default: the file names)")
