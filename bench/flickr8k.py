@@ -300,15 +300,30 @@ def schedule_of(member: str, profile: Profile) -> str:
     return profile.schedules.get(base_preset(member, profile), profile.schedule)
 
 
-def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 1, profile: Profile = CPU) -> None:
-    preset, rerank = trained_row(row, profile), profile.rerank.get(row, (row, 0))[1]
+def row_members(row: str, profile: Profile) -> tuple[list[str], list[str]]:
+    """The runs a row evaluates (one, or an ensemble's members) and the features each reads."""
+    preset = trained_row(row, profile)
+    members = profile.ensembles.get(preset, [preset])
+    data = profile.row_data.get(base_preset(preset, profile), profile.row_data.get(preset, DATA))
+    return members, [profile.row_data.get(member, data) for member in members]  # (an ensemble may mix features)
+
+
+def evaluation_command(row: str, profile: Profile, threads: int, record: list[str]) -> list[str]:
+    """`itmatch evaluate` of a row's test split as its results row is made, writing what `record` says."""
+    members, datas = row_members(row, profile)
+    rerank = profile.rerank.get(row, (row, 0))[1]
     pruned = row in profile.pruned or row in profile.prune
     scoring = (["--rerank", str(rerank)] if rerank else ["--prune"] if pruned
                # exhaustive scoring of a pair head takes hours (MMCA): a killed bench continues from finished blocks
                else ["--resume-dir", f"runs/eval_blocks/{Path(profile.runs).name}/{row}"])
-    members = profile.ensembles.get(preset, [preset])
-    data = profile.row_data.get(base_preset(preset, profile), profile.row_data.get(preset, DATA))
-    datas = [profile.row_data.get(member, data) for member in members]  # (an ensemble may mix features)
+    data_args = ["--data", datas[0]] if len(set(datas)) == 1 else [a for d in datas for a in ("--data", d)]
+    return ["itmatch", "evaluate", *[f"{profile.runs}/{p}/best" for p in members], *data_args, "--split", "test",
+            "--protocol", "1k", "--quiet", *record, *(["--threads", str(threads)] if threads else []), *scoring,
+            *on_cpu(profile)]
+
+
+def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 1, profile: Profile = CPU) -> None:
+    members, datas = row_members(row, profile)
     for member_data in dict.fromkeys(datas):
         ensure_features(member_data, profile)
     for member, member_data in zip(members, datas, strict=True):
@@ -328,7 +343,7 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
         record_history(member, profile)
     if train_only:
         return
-    checkpoints = [f"{profile.runs}/{p}/best" for p in members]
+    checkpoints = [f"{profile.runs}/{p}/best" for p in members]  # (evaluation_command's)
     missing = [c for c in checkpoints if not DRY_RUN and not (ROOT / c / "config.json").is_file()]
     if missing:
         raise MissingCheckpoint(f"row {row}: no checkpoint at {', '.join(missing)} although training finished; "
@@ -339,10 +354,8 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
     record = (["--json", result_json] if profile.device  # (the row, with the device, is written below)
               else ["--results", profile.results, "--name", row, "--dataset", "flickr8k", "--command", command,
                     "--force", "--json", result_json])
-    data_args = ["--data", datas[0]] if len(set(datas)) == 1 else [a for d in datas for a in ("--data", d)]
-    run(["itmatch", "evaluate", *checkpoints, *data_args, "--split", "test", "--protocol", "1k", "--quiet",
-         *record, *(["--threads", str(threads)] if threads else []), *scoring, *on_cpu(profile)],
-        ranks=eval_ranks if "--resume-dir" in scoring else 1)  # (two-stage scoring runs on one process)
+    evaluate = evaluation_command(row, profile, threads, record)
+    run(evaluate, ranks=eval_ranks if "--resume-dir" in evaluate else 1)  # (two-stage scoring runs on one process)
     if profile.device and not DRY_RUN:
         write_device_row(row, "+".join(base_preset(m, profile) for m in members), ROOT / result_json, command, profile,
                          threads)
@@ -497,6 +510,26 @@ def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1
                             ROOT / f"docs/results/perturb/{profile.perturb_prefix}_{preset}.{ext}")
 
 
+def recall_figure(rows: list[str], threads: int, profile: Profile = CPU) -> None:
+    """The recall curves of evaluated rows side by side, docs/results/recall/<table>.png (`itmatch analyze recall`
+    of their test JSONs). A row evaluated before evaluations recorded the curve is evaluated again, into its JSON
+    only (the same scores on the CPU; its table row stays as it is); one without a checkpoint here stops the
+    figure, naming it."""
+    jsons = [f"{profile.runs}/{row}.test.json" for row in rows]  # (as the commands, run in ROOT, name them)
+    for row, result_json in zip(rows, jsons, strict=True):
+        path = ROOT / result_json
+        if not (path.is_file() and "recall_curve" in json.loads(path.read_text(encoding="utf-8"))):
+            members, _ = row_members(row, profile)
+            absent = [m for m in members if not (ROOT / profile.runs / m / "best" / "config.json").is_file()]
+            if absent and not DRY_RUN:
+                sys.exit(f"row {row}: no recall curve in {result_json} and no checkpoint of {', '.join(absent)} "
+                         f"here to evaluate; leave the row out, or bring its JSON or run here")
+            run(evaluation_command(row, profile, threads, ["--json", result_json, "--force"]))
+    figure = f"docs/results/recall/{Path(profile.results).stem}.png"
+    (ROOT / figure).parent.mkdir(parents=True, exist_ok=True)
+    run(["itmatch", "analyze", "recall", *jsons, "--labels", *rows, "--out", figure, "--force"])
+
+
 def tag_cache(profile: Profile) -> str:
     """Where the studies of a profile keep the POS tags of the training captions (one cache for all of them;
     device_session.py carries it to a GPU machine, which has no spaCy)."""
@@ -525,6 +558,9 @@ def main() -> int:
     parser.add_argument("--eval-ranks", type=int, default=1,
                         help="processes (torchrun) sharing an exhaustive test evaluation, each with --threads "
                              "threads; the blocks are those of one process, so a run may resume with another count")
+    parser.add_argument("--recall", action="store_true",
+                        help="draw the --row rows' recall curves (R@1 ... R@100) into docs/results/recall/<table>.png, "
+                             "evaluating again a row whose test JSON has no curve yet (its table row is kept)")
     parser.add_argument("--train-only", action="store_true",
                         help="train (or finish training) the rows' models, do not evaluate them")
     parser.add_argument("--device", choices=["cpu"],
@@ -553,6 +589,11 @@ def main() -> int:
     if profile.device and not profile.on_cpu and not DRY_RUN:
         require_cuda()  # before any work
     check_rows_resolve(profile)
+    if args.recall:
+        if not args.row:
+            parser.error("--recall draws the rows named with --row (e.g. --row vsepp --row mmca_alpha0)")
+        recall_figure(rows, args.threads, profile)
+        return 0
     if args.perturb:
         for preset in args.perturb:
             run_perturb(preset, args.threads, profile, args.jobs)

@@ -422,7 +422,9 @@ def poll(args: argparse.Namespace) -> int:
         Path(out, "poll.txt").write_text(report + "\n")
         studies = [f"docs/results/perturb/flickr8k_gpu_{item.removeprefix(STUDY)}.{ext}"
                    for item in plan["rows"] if item.startswith(STUDY) for ext in ("csv", "md", "png")]
-        for path in [*RESULTS, *studies]:
+        # each row's evaluation JSON: its recall curve, for `bench/flickr8k.py --recall` here
+        evaluations = [f"{RUNS}/{item}.test.json" for item in plan["rows"] if not item.startswith(STUDY)]
+        for path in [*RESULTS, *studies, *evaluations]:
             if (work / path).exists():
                 shutil.copyfile(work / path, Path(out) / path.replace("/", "__"))
     return 0

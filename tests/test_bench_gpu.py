@@ -226,3 +226,27 @@ def test_rows_side_by_side_extract_their_shared_features_once_on_a_gpu_in_batche
         row.join(10)
     assert len(extractions) == 1
     assert extractions[0][-4:] == ["--scales", "c3,c4,c5", "--batch-size", "128"]
+
+
+def test_the_recall_figure_evaluates_again_only_rows_without_a_curve(bench, tmp_path, monkeypatch, capsys):
+    """`--recall`: a row whose test JSON records its curve is drawn from it; one evaluated before curves were
+    recorded is evaluated again into its JSON alone; one with neither curve nor checkpoint here stops the figure."""
+    import dataclasses
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), on_cpu=True)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "oan.test.json").write_text(json.dumps({"rsum": 261.2, "recall_curve": {}}))
+    (tmp_path / "runs" / "vsepp.test.json").write_text(json.dumps({"rsum": 245.9}))
+    (tmp_path / "runs" / "vsepp" / "best").mkdir(parents=True)
+    (tmp_path / "runs" / "vsepp" / "best" / "config.json").write_text("{}")
+    monkeypatch.setattr(bench, "DRY_RUN", True)
+    bench.recall_figure(["oan", "vsepp"], 2, gpu)
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("+ ")]
+    assert len(commands) == 2 and " evaluate " in commands[0] and "vsepp/best" in commands[0]
+    assert f"--json {tmp_path}/runs/vsepp.test.json --force" in commands[0]  # its JSON, not the table's row
+    assert "--results" not in commands[0] and "--device cpu" in commands[0]
+    assert commands[1].startswith("+ itmatch analyze recall") and "--labels oan vsepp" in commands[1]
+    assert commands[1].endswith("--out docs/results/recall/flickr8k_gpu.png --force")
+    monkeypatch.setattr(bench, "DRY_RUN", False)
+    with pytest.raises(SystemExit, match="row scan_i2t_lse: no recall curve .* no checkpoint of scan_i2t_lse"):
+        bench.recall_figure(["oan", "scan_i2t_lse"], 2, gpu)

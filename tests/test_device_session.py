@@ -166,8 +166,12 @@ def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_it
     table.parent.mkdir(parents=True)
     table.write_text("perturbation,r1\n")
     (device / "logs" / "driver.log").write_text("oan: exit 0\nvsepp: exit 0\nperturb:scan_t2i_avg: exit 0\n")
+    evaluation = device / "itmatch" / "runs" / "flickr8k_gpu" / "oan.test.json"
+    evaluation.write_text('{"rsum": 261.2, "recall_curve": {}}')
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     assert session.main(["poll", "--wait", "0"]) == 0
+    assert (tmp_path / "out" / "runs__flickr8k_gpu__oan.test.json").read_text() == evaluation.read_text()
+    assert not (tmp_path / "out" / "runs__flickr8k_gpu__vsepp.test.json").exists()  # (not evaluated yet)
     assert "== perturb:scan_t2i_avg: nouns 1 epochs, original 3 epochs" in (tmp_path / "out" / "poll.txt").read_text()
     assert (tmp_path / "out" / "docs__results__perturb__flickr8k_gpu_scan_t2i_avg.csv").read_text() == table.read_text()
     with pytest.raises(SystemExit):  # nothing to run is a usage error, not an empty driver
