@@ -103,11 +103,17 @@ def load_pretrained_encoder(name: str | Path):
     location = resolve_text_model(str(name))
     _check_bert_like(str(name), location)
     transformers = _transformers()
+    hf_logging = transformers.utils.logging
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # (its "Loading weights" bar: a local read of a second, printed by every verb)
     try:
         model = transformers.AutoModel.from_pretrained(str(location), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load the weights of {name!r}: {str(exc).splitlines()[0]}",
                           hint="the directory needs model.safetensors or pytorch_model.bin") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -92,6 +92,18 @@ def test_not_a_bert_like_model_is_a_clear_error(tmp_path):
         build_model(cfg.model)
 
 
+def test_loading_the_encoder_prints_no_bar_and_leaves_transformers_bar_setting_alone(capfd):
+    """transformers' "Loading weights" bar went to every verb's stderr, --quiet or not (a local read of a second)."""
+    from transformers.utils import logging as hf_logging
+
+    from itmatch.features.text_backbone import load_pretrained_encoder
+
+    load_pretrained_encoder.cache_clear()
+    load_pretrained_encoder("all-MiniLM-L6-v2")
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def _tokens(vocab, captions):
     batch = pad_tokens([vocab.encode(c) for c in captions])
     return batch.tokens, batch.lengths
