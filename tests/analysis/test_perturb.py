@@ -278,6 +278,9 @@ def test_a_finished_run_is_compared_as_its_checkpoint_is_read(tmp_path, monkeypa
         older["model"][key] = older["model"]["scan"].pop(key)
     _finished_run(tmp_path / "study" / "nouns", None, config=older)
     check_existing_run(tmp_path / "study" / "nouns", wanted, {"perturbation": "nouns", "seed": 0})
+    (tmp_path / "study" / "nouns" / "best" / "config.json").write_text('{"model": ')  # a damaged run: the hint
+    with pytest.raises(ConfigError, match=r"cannot read the run's config \(corrupt config"):
+        check_existing_run(tmp_path / "study" / "nouns", wanted, {"perturbation": "nouns", "seed": 0})
 
 
 def test_a_finished_run_with_other_settings_is_refused_before_any_work(tmp_path, capsys):

@@ -34,7 +34,7 @@ from itmatch.device import resolve
 from itmatch.engine.checkpoint import load_checkpoint, read_checkpoint_config
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.train import train
-from itmatch.errors import ConfigError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, OverwriteError
 from itmatch.io import write_json_atomic, write_text_atomic, write_with
 from itmatch.models.registry import arch, read_pixels_for_finetuning
 
@@ -209,7 +209,12 @@ def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> Non
         return
     wanted = copy.deepcopy(cfg)
     read_pixels_for_finetuning(wanted)  # what the trainer sets before it saves the config
-    differ = run_differences(read_checkpoint_config(saved.parent), wanted)
+    try:
+        stored = read_checkpoint_config(saved.parent)
+    except CheckpointError as exc:
+        raise ConfigError(f"cannot read the run's config ({exc.message})", path=saved,
+                          hint="retrain it with --force, or write the study to another --out") from None
+    differ = run_differences(stored, wanted)
     recorded = _read_study(run_dir / STUDY_FILE)
     if recorded is not None:
         differ |= {f"study.{key}": (recorded[key], value) for key, value in study.items()
