@@ -34,6 +34,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from itmatch.engine.train import training_finished
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = "configs/flickr8k/cpu.yaml"
 DATA = "runs/data/flickr8k_lite0"
@@ -285,17 +287,6 @@ def ensure_features(data: str, profile: Profile = CPU) -> None:
             run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", data, *options, *batch])
 
 
-def training_finished(run: Path) -> bool:
-    """Whether a run has trained all its epochs. Not merely `best`: a run stopped in its second epoch has the
-    first epoch's `best`, and evaluating that would report a half-trained model. `last` records the epochs
-    completed; a run directory from before `last` existed counts as finished when it has `best`."""
-    if not (run / "last" / "state.json").exists():
-        return (run / "best").exists()
-    state = json.loads((run / "last" / "state.json").read_text())
-    epochs = json.loads((run / "config.json").read_text())["train"]["epochs"]
-    return state["epoch"] >= epochs and state.get("batch", 0) == 0  # (older runs: no "batch")
-
-
 def schedule_of(member: str, profile: Profile) -> str:
     return profile.schedules.get(base_preset(member, profile), profile.schedule)
 
@@ -499,7 +490,8 @@ def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1
     checks that its settings are the study's), else the study trains it as the seventh."""
     out = f"{profile.runs}/perturb/{preset}"
     table_run = f"{profile.runs}/{preset}"
-    original = ["--original", table_run] if (ROOT / table_run / "best").is_dir() else []
+    # (finished, not merely with a `best`: on a GPU machine the row may be training beside the study)
+    original = ["--original", table_run] if training_finished(ROOT / table_run) else []
     run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", schedule_of(preset, profile), "--out", out,
          "--split", "test", "--protocol", "1k", "--tag-cache", tag_cache(profile), "--jobs", str(jobs),
          "--set", f"train.threads={threads}", "--set", f"train.checkpoint_every={profile.checkpoint_every}",

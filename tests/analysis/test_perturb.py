@@ -283,6 +283,41 @@ def test_a_finished_run_is_compared_as_its_checkpoint_is_read(tmp_path, monkeypa
         check_existing_run(tmp_path / "study" / "nouns", wanted, {"perturbation": "nouns", "seed": 0})
 
 
+def test_a_run_stopped_after_an_epoch_is_resumed_not_reused(tiny_precomp, tmp_path, monkeypatch):
+    """A study run stopped in its second epoch has the first epoch's best/: the study took it for finished and
+    would have reported the half-trained model (a study continued in a later session, as the CPU's is)."""
+    from itmatch.analysis import perturb as study
+    from itmatch.data.precomp import read_precomp
+    from itmatch.engine.train import training_finished
+    from itmatch.models.registry import resolve_config
+
+    _no_tagger(monkeypatch)
+    captions = read_precomp(tiny_precomp, "train").training_captions
+    _write_tag_cache(captions, tmp_path / "tags", [(caption_tokens(c), ["NN"] * len(caption_tokens(c)))
+                                                   for c in captions])
+    cfg = resolve_config("vsepp", {"data": {"path": str(tiny_precomp)}, "train": {"epochs": 3}})
+    run = tmp_path / "study" / "nouns"
+    _finished_run(run, _trained_as(cfg))  # the best/ of its first epoch
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (run / "last").mkdir()
+    for state, finished in (({"epoch": 1, "batch": 0}, False), ({"epoch": 2, "batch": 7}, False),
+                            ({"epoch": 3, "batch": 0}, True)):
+        (run / "last" / "state.json").write_text(json.dumps(state))
+        assert training_finished(run) is finished
+    (run / "last" / "state.json").write_text(json.dumps({"epoch": 1, "batch": 0}))
+
+    class Started(Exception):
+        pass
+
+    def trainings_started(trainings, *_):
+        raise Started({t.kind: t.resume for t in trainings})
+
+    monkeypatch.setattr(study, "_train_all", trainings_started)
+    with pytest.raises(Started) as started:
+        study.run_perturbation_study(cfg, tmp_path / "study", ["nouns"], tag_cache=tmp_path / "tags", progress=False)
+    assert started.value.args[0] == {"original": False, "nouns": True}
+
+
 def test_a_finished_run_with_other_settings_is_refused_before_any_work(tmp_path, capsys):
     """`analyze perturb` used to reuse OUT/<p>/best whatever settings it was trained with."""
     from itmatch.models.registry import resolve_config

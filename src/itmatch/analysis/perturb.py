@@ -33,7 +33,7 @@ from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
 from itmatch.engine.checkpoint import load_checkpoint, read_checkpoint_config
 from itmatch.engine.evaluate import evaluate_models
-from itmatch.engine.train import train
+from itmatch.engine.train import train, training_finished
 from itmatch.errors import CheckpointError, ConfigError, OverwriteError
 from itmatch.io import write_json_atomic, write_text_atomic, write_with
 from itmatch.models.registry import arch, read_pixels_for_finetuning
@@ -79,10 +79,10 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     run_dirs = {kind: out / kind for kind in kinds}
     if original is not None:
         run_dirs["original"] = Path(original)
-        if not (run_dirs["original"] / "best").is_dir():
-            raise ConfigError(f"--original {original}: no finished run there (no best/ checkpoint)",
-                              path=original, hint="train it first, or leave --original out to train the "
-                                                  "reference in the study")
+        if not training_finished(original):
+            raise ConfigError(f"--original {original}: not a finished run (no best/ checkpoint, or epochs left)",
+                              path=original, hint="finish its training first (itmatch train --out RUN --resume), "
+                                                  "or leave --original out to train the reference in the study")
     for kind in kinds:  # before the tagging and the trainings: a mismatch is found in seconds, not hours
         if not force or run_dirs[kind] != out / kind:
             check_existing_run(run_dirs[kind], cfg, {"perturbation": kind, "seed": seed})
@@ -90,8 +90,8 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     test_split = read_precomp(cfg.data.path, split)
     tagged = tag_captions(train_split.training_captions, cache_dir=tag_cache or out / "cache", progress=progress)
     priors = prior_probabilities(tagged)
-    to_train = [kind for kind in kinds
-                if run_dirs[kind] == out / kind and (force or not (out / kind / "best").exists())]
+    to_train = [kind for kind in kinds  # (a run stopped after an epoch has a `best`, but is not finished)
+                if run_dirs[kind] == out / kind and (force or not training_finished(out / kind))]
     trainings = [_Training(_run_config(cfg, kind, jobs).to_dict(), out / kind, kind, seed, force,
                            resume=(out / kind / "last").exists() and not force) for kind in to_train]
     _train_all(trainings, train_split.training_captions, tagged, jobs, progress)

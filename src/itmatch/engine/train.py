@@ -333,6 +333,19 @@ def apply_resume_overrides(cfg: Config, overrides: dict[str, Any]) -> list[str]:
     return changed
 
 
+def training_finished(run_dir: str | Path) -> bool:
+    """Whether the run in `run_dir` has trained all its epochs. Not merely whether it has `best/`: a run stopped
+    in its second epoch has the first epoch's `best`, and reusing that reports a half-trained model. `last`
+    records the epochs and batches done, the run's config.json (rewritten by every --resume) its epochs; a run
+    from before `last` existed counts as finished when it has `best`."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "last" / "state.json").is_file():
+        return (run_dir / "best").is_dir()
+    state = json.loads((run_dir / "last" / "state.json").read_text(encoding="utf-8"))
+    epochs = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["train"]["epochs"]
+    return state["epoch"] >= epochs and state.get("batch", 0) == 0  # (older runs: no "batch")
+
+
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
           transform: CaptionTransform | None = None, progress: bool = True, device: str | None = None,
           precision: str | None = None, resume_overrides: dict[str, Any] | None = None,
