@@ -402,21 +402,35 @@ def row_status(row: str, profile: Profile) -> str:
     if row in done:
         return f"evaluated: rsum {done[row]['rsum']} ({done[row].get('device') or 'cpu'})"
     preset = trained_row(row, profile)
-    states = []
-    for member in profile.ensembles.get(preset, [preset]):
-        run_dir = ROOT / profile.runs / member
-        if training_finished(run_dir):
-            states.append(f"{member}: trained" if (run_dir / "best" / "config.json").is_file()
-                          else f"{member}: CHECKPOINT MISSING ({run_dir / 'best'})")
-        elif (run_dir / "last" / "state.json").is_file():
-            state = json.loads((run_dir / "last" / "state.json").read_text())
-            epochs = json.loads((run_dir / "config.json").read_text())["train"]["epochs"]
-            states.append(f"{member}: training, epoch {state['epoch']} of {epochs} done")
-        elif (run_dir / "config.json").is_file():  # (the trainer writes its first checkpoint after a few batches)
-            states.append(f"{member}: started, no checkpoint yet")
-        else:
-            states.append(f"{member}: not started")
-    return "not evaluated; " + "; ".join(states)
+    return "not evaluated; " + "; ".join(f"{member}: {run_state(ROOT / profile.runs / member)}"
+                                         for member in profile.ensembles.get(preset, [preset]))
+
+
+def run_state(run_dir: Path) -> str:
+    """trained, training (epoch e of E done), started without a checkpoint yet, not started, or a finished
+    training whose checkpoint is missing."""
+    if training_finished(run_dir):
+        return "trained" if (run_dir / "best" / "config.json").is_file() else f"CHECKPOINT MISSING ({run_dir / 'best'})"
+    if (run_dir / "last" / "state.json").is_file():
+        state = json.loads((run_dir / "last" / "state.json").read_text())
+        epochs = json.loads((run_dir / "config.json").read_text())["train"]["epochs"]
+        return f"training, epoch {state['epoch']} of {epochs} done"
+    if (run_dir / "config.json").is_file():  # (the trainer writes its first checkpoint after a few batches)
+        return "started, no checkpoint yet"
+    return "not started"
+
+
+def study_status(preset: str, profile: Profile) -> str:
+    """Where a perturbation study stands: each perturbation's training (the reference: the table's run when it is
+    finished, as run_perturb passes it), and whether its table is in docs/results/perturb/."""
+    from itmatch.data.perturb import PERTURBATIONS
+
+    study = ROOT / profile.runs / "perturb" / preset
+    table = ROOT / f"docs/results/perturb/{profile.perturb_prefix}_{preset}.csv"
+    table_run = training_finished(ROOT / profile.runs / preset)
+    states = [f"original: the {preset} row's run" if kind == "original" and table_run
+              else f"{kind}: {run_state(study / kind)}" for kind in PERTURBATIONS]
+    return ("table in docs/results/perturb" if table.is_file() else "no table yet") + "; " + "; ".join(states)
 
 
 # settings a run may differ in from its row: filled from the data, or how (not what) it was trained
@@ -571,6 +585,8 @@ def main() -> int:
     if args.status:
         for row in rows:
             print(f"{row}: {row_status(row, profile)}")
+        for preset in args.perturb or ([] if args.row else PERTURB):
+            print(f"perturb {preset}: {study_status(preset, profile)}")
         return 0
     if args.history:
         for row in args.row or [r for r in profile.rows if r not in profile.ensembles]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -208,7 +209,6 @@ def test_rows_side_by_side_extract_their_shared_features_once_on_a_gpu_in_batche
     import threading
     import time
 
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
     extractions = []
 
     def extract(cmd, ranks=1):
@@ -250,3 +250,24 @@ def test_the_recall_figure_evaluates_again_only_rows_without_a_curve(bench, tmp_
     monkeypatch.setattr(bench, "DRY_RUN", False)
     with pytest.raises(SystemExit, match="row scan_i2t_lse: no recall curve .* no checkpoint of scan_i2t_lse"):
         bench.recall_figure(["oan", "scan_i2t_lse"], 2, gpu)
+
+
+def test_a_study_across_sessions_shows_where_each_training_stands(bench, tmp_path, monkeypatch):
+    """`--status` lists the perturbation studies too (the CPU's VSE++ study runs over several sessions); the
+    reference is the table's finished run, which run_perturb passes as --original; a study run stopped after
+    some epochs reads as training, and only then resumed, never reused."""
+    import dataclasses
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"))
+    _fake_run(bench, gpu, "vsepp", epochs_done=30, with_best=True)
+    shuffle = tmp_path / "runs" / "perturb" / "vsepp" / "shuffle"  # stopped after 5 epochs, with their best
+    shutil.copytree(tmp_path / "runs" / "vsepp", shuffle)
+    (shuffle / "last" / "state.json").write_text(json.dumps({"epoch": 5, "batch": 0}))
+    status = bench.study_status("vsepp", gpu)
+    assert status.startswith("no table yet; original: the vsepp row's run; shuffle: training, epoch 5 of 30 done")
+    assert status.endswith("nouns: not started")
+    monkeypatch.setattr(bench, "DRY_RUN", True)
+    monkeypatch.setattr(bench, "run", lambda cmd, ranks=1: commands.append(cmd))
+    commands = []
+    bench.run_perturb("vsepp", 1, gpu, jobs=2)
+    assert commands[0][commands[0].index("--original") + 1] == f"{tmp_path}/runs/vsepp"
