@@ -218,6 +218,7 @@ def test_rows_side_by_side_extract_their_shared_features_once_on_a_gpu_in_batche
             (tmp_path / bench.DATA_MS / f"{split}_ims_c3.npy").parent.mkdir(parents=True, exist_ok=True)
             (tmp_path / bench.DATA_MS / f"{split}_ims_c3.npy").touch()
 
+    monkeypatch.setattr(bench, "ROOT", tmp_path)
     monkeypatch.setattr(bench, "run", extract)
     rows = [threading.Thread(target=bench.ensure_features, args=(bench.DATA_MS, bench.GPU)) for _ in range(2)]
     for row in rows:
