@@ -74,3 +74,10 @@ def test_evaluations_that_cannot_be_compared_are_refused_naming_the_file(evaluat
     assert main(["analyze", "recall", str(evaluations["short"]), "--labels", "a", "b", "--out", str(out)]) == 2
     assert "2 labels for 1 evaluations" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_two_stage_evaluation_says_where_its_curve_is_the_first_stages():
+    from itmatch.analysis.recall import _legend
+
+    assert _legend("mmca_rerank20", {"rsum": 250.04, "rerank": 20}) == "mmca_rerank20 (rsum 250.0, top 20 re-ranked)"
+    assert _legend("vsepp", {"rsum": 245.9}) == "vsepp (rsum 245.9)"

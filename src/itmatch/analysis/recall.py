@@ -81,6 +81,13 @@ def curve_table(evaluations: Mapping[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _legend(name: str, result: dict[str, Any]) -> str:
+    """The evaluation's name and rsum; a two-stage one says where its curve stops being the model's own ranking
+    (past the re-ranked top K it is the first stage's order)."""
+    rerank = f", top {result['rerank']} re-ranked" if result.get("rerank") else ""
+    return f"{name} (rsum {result['rsum']:.1f}{rerank})"
+
+
 def plot_recall_curves(evaluations: Mapping[str, dict[str, Any]], path: str | Path, title: str = "") -> None:
     """Two panels (image → text, text → image): R@K over K on a log axis, one line per evaluation, its rsum in
     the legend; dotted lines at K = 1, 5, 10 (the table's three points)."""
@@ -93,7 +100,7 @@ def plot_recall_curves(evaluations: Mapping[str, dict[str, Any]], path: str | Pa
     for ax, d in zip(axes, DIRECTIONS, strict=True):
         for name, result in evaluations.items():
             curve = result["recall_curve"][d]
-            ax.plot(range(1, len(curve) + 1), curve, label=f"{name} (rsum {result['rsum']:.1f})", linewidth=1.4)
+            ax.plot(range(1, len(curve) + 1), curve, label=_legend(name, result), linewidth=1.4)
         for k in (1, 5, 10):
             ax.axvline(k, color="grey", linestyle=":", linewidth=0.8)
         ax.set_xscale("log")
