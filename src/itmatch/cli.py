@@ -180,6 +180,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         _print_evaluation(run.metrics)
         if run.row is not None:
             print(f"row {run.row['name']!r} written to {args.results}")
+        if args.json:
+            print(f"metrics and recall curves written to {args.json} (to draw the curves: itmatch analyze recall "
+                  f"{shlex.quote(args.json)} --out recall.png)")
     return 0
 
 

@@ -69,6 +69,8 @@ def test_cli_and_python_call_give_identical_json_and_row(checkpoints, tmp_path, 
         {k: v for k, v in run.row.items() if k not in TIMINGS}]
     assert run.row["model"] == "+".join(("scan_t2i_avg", "vsepp")[i] for i in which)
     assert "rsum" in printed and "row 'row' written to" in printed
+    assert f"itmatch analyze recall {tmp_path / 'cli.json'} --out recall.png" in printed  # (how to draw its curves)
+    assert len(from_cli["recall_curve"]["text_to_image"]) == 100
 
 
 def test_the_default_row_name_joins_the_run_names(checkpoints, tiny_precomp, tmp_path):
