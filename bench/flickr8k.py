@@ -499,9 +499,9 @@ def record_history(run: str, profile: Profile = CPU) -> None:
 
 
 def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1) -> None:
-    """All seven trainings of the study (resumable), `jobs` at once, then the table and chart copied to
-    docs/results/. The unperturbed reference is the table's run of the preset when it exists (the study
-    checks that its settings are the study's), else the study trains it as the seventh."""
+    """The study's trainings (resumable), `jobs` at once, then the table and chart copied to docs/results/. The
+    unperturbed reference is the table's run of the preset when it has finished (the study checks that its settings
+    are the study's): six trainings; else the study trains it too, seven."""
     out = f"{profile.runs}/perturb/{preset}"
     table_run = f"{profile.runs}/{preset}"
     # (finished, not merely with a `best`: on a GPU machine the row may be training beside the study)
