@@ -346,12 +346,17 @@ def _bounded(log: Path, argv: list[str], seconds: float, cwd: Path) -> None:
         out.write(f"\n[{' '.join(argv[:2])}: {ending}]\n")
 
 
-def extract_once(logs: Path, work: Path) -> None:
+def extract_once(logs: Path, work: Path, dry_run: bool = False) -> None:
     """The features' extraction as the README writes it, on the GPU, by the first driver; a driver started meanwhile
-    waits on the lock for it, one started later finds it done."""
+    waits on the lock for it, one started later finds it done. A dry run (a rehearsal: `--bench-args --dry-run`)
+    writes the command into the log instead, as the bench prints its own."""
     flickr = "../shared/data/flickr8k"
     extract = ["-m", "itmatch", "extract", f"{flickr}/images", f"{flickr}/Flickr8k.token.txt",
                "--out", "runs/data/flickr8k_lite0", "--batch-size", "128"]
+    if dry_run:
+        with (logs / "extract.log").open("a") as log:
+            log.write(f"+ itmatch {' '.join(extract[2:])}\n")
+        return
     with (logs / "extract.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (logs / "extract.done").exists():
@@ -366,7 +371,7 @@ def run_rows(args: argparse.Namespace) -> int:
     `parallel` trainings at once."""
     plan = json.loads(args.driver)
     logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
-    extract_once(logs, work)
+    extract_once(logs, work, dry_run="--dry-run" in plan["bench"])
     started = json.loads((logs / "plan.json").read_text())["started"]
     parallel, waiting, running = plan["parallel"], list(plan["rows"]), {}  # running: item -> (process, trainings)
     while waiting or running:

@@ -105,6 +105,10 @@ def test_the_features_are_extracted_once_by_the_drivers_started_side_by_side(ses
         driver.join(10)
     session.extract_once(logs, tmp_path)  # a driver started after it finished
     assert len(extractions) == 1 and (logs / "extract.done").exists()
+    (logs / "extract.done").unlink()
+    session.extract_once(logs, tmp_path, dry_run=True)  # a rehearsal here: the command, not a real extraction
+    assert len(extractions) == 1 and not (logs / "extract.done").exists()
+    assert (logs / "extract.log").read_text().endswith("--out runs/data/flickr8k_lite0 --batch-size 128\n")
 
 
 def test_a_later_start_adds_its_rows_to_what_poll_waits_for(session, tmp_path, monkeypatch):
@@ -151,7 +155,7 @@ def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_it
         finished.add(running[0])
 
     monkeypatch.setattr(session.subprocess, "Popen", Training)
-    monkeypatch.setattr(session, "extract_once", lambda logs, work: None)
+    monkeypatch.setattr(session, "extract_once", lambda logs, work, dry_run=False: None)
     monkeypatch.setattr(session.time, "sleep", sleep)
     session.run_rows(type("Args", (), {"driver": drivers[0]})())
     # oan (1) + vsepp (1) run; the study (7) waits until only one training is left, then starts beside it
