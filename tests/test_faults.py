@@ -279,11 +279,13 @@ def test_extraction_update_killed_at_each_finishing_step_records_what_changed(tm
 # multi-scale run kept the old finer maps (update) or refused to continue (first extraction) after a kill
 # between the renames of its arrays.
 _MORE_KILLS = {
-    "captions_rewritten": ("real = e.write_captions\n"
+    # (a caption-only update rewrites the captions in features/updates.py)
+    "captions_rewritten": ("import itmatch.features.updates as u\n"
+                           "real = u.write_captions\n"
                            "def killed(*a, **k):\n"
                            "    real(*a, **k)\n"
                            "    os.kill(os.getpid(), signal.SIGKILL)\n"
-                           "e.write_captions = killed"),
+                           "u.write_captions = killed"),
     "between_renames": ("real = e._finish_array\n"
                         "def killed(*a):\n"
                         "    real(*a)\n"

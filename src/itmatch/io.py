@@ -91,3 +91,18 @@ def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable; a file system that cannot fsync a directory, or
+    a directory that cannot be opened, is let be (the rename itself is atomic either way)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

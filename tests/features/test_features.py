@@ -19,6 +19,7 @@ from itmatch.data.precomp import read_precomp
 from itmatch.errors import ConfigError, DataError, OverwriteError
 from itmatch.features import extract as extract_mod
 from itmatch.features import extract_precomp, load_backbone
+from itmatch.features import updates as updates_mod
 
 FLICKR8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k"
 
@@ -567,14 +568,14 @@ def test_caption_update_interrupted_resumes_and_records_what_changed(tmp_path, m
     table.captions[5 + 2] = "an edited caption of picture 1"
     expected = extract_precomp(images, table, ref, batch_size=4, progress=False)["splits"]["train"]
     assert expected["updated"]["captions_changed"] == ["img1.png"]
-    if moment == "after_captions":
-        real = extract_mod.write_captions
+    if moment == "after_captions":  # (a caption-only update rewrites them in features/updates.py)
+        real = updates_mod.write_captions
 
         def stop(*args, **kwargs):
             real(*args, **kwargs)
             raise Stop
 
-        monkeypatch.setattr(extract_mod, "write_captions", stop)
+        monkeypatch.setattr(updates_mod, "write_captions", stop)
     else:
         real = extract_mod.write_json_atomic
 

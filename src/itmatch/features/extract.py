@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +50,19 @@ from itmatch.features.pipeline import (
     grid_features,
     strict_decoding,
 )
+from itmatch.features.updates import (
+    SourceChanges,
+    caption_update_path,
+    changes_record,
+    examples,
+    log_caption_changes,
+    refreshed_info,
+    reuse_rows,
+    source_changes,
+    update_record,
+)
 from itmatch.fingerprint import FileRecord, changed_files, file_records, text_sha256
-from itmatch.io import file_sha256, remove_atomic_leftovers, write_json_atomic, write_text_atomic
+from itmatch.io import file_sha256, fsync_dir, remove_atomic_leftovers, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("itmatch.features")
 
@@ -77,12 +87,6 @@ def partial_path(root: Path, split: str) -> Path:
 def _scale_partial(root: Path, split: str, scale: str) -> Path:
     """The partial file of stage map `scale` (c5: the main array's)."""
     return partial_path(root, split) if scale == "c5" else Path(f"{scale_path(root, split, scale)}.partial")
-
-
-def caption_update_path(root: Path, split: str) -> Path:
-    """The marker of a caption-only update: what it changed (meta.json's `updated` record), written before the
-    captions are rewritten and removed once meta.json records it."""
-    return root / f"{split}.captions-update.json"
 
 
 def _version() -> str:
@@ -126,19 +130,6 @@ def _torch_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _fsync_file(path: Path) -> None:
@@ -247,137 +238,6 @@ def _finishing(out_dir: Path, split: str, fingerprint: str, extras: tuple[str, .
     return state is not None and _features_renamed(state, out_dir, split, extras)
 
 
-@dataclass
-class _SourceChanges:
-    """How the sources of a complete split differ from what its extraction recorded in meta.json."""
-
-    images: list[str]  # ids whose image file changed (other content, appeared or disappeared)
-    captions_stale: bool  # the caption text differs from the split's `{split}_caps.txt`
-    captions: list[str]  # ids whose captions (the ones the precomp layout keeps) changed
-    kept_ids: list[str]  # the split's rows (the listed images less those skipped as unreadable)
-    kept_caps: list[str]
-    records: dict[str, FileRecord | None] | None  # the image files' fingerprints now; None: none recorded
-    pending: _PendingUpdate | None = None  # an interrupted caption-only update (its marker)
-    # the extraction's captions of each id in `captions`, kept in an update's marker: a run resumed after the
-    # update was stopped compares with them, since `{split}_caps.txt` then holds the update's
-    captions_before: dict[str, list[str]] = field(default_factory=dict)
-
-
-@dataclass
-class _PendingUpdate:
-    """A caption-only update stopped after rewriting the split's captions, before meta.json recorded it."""
-
-    record: dict[str, Any]  # its `updated` record, as meta.json would have held it
-    before: dict[str, list[str]]  # the extraction's captions of the ids it rewrote (empty: an older marker)
-
-
-def _pending_caption_update(out_dir: Path, split: str, info: dict[str, Any]) -> _PendingUpdate | None:
-    """The caption-only update that rewrote the split's captions but was stopped before meta.json recorded it
-    (its marker is there and meta.json's entry `info` does not hold its record); a marker meta.json already
-    records (stopped before removing it) is removed."""
-    marker = caption_update_path(out_dir, split)
-    if dist.is_main():  # (under torchrun rank 0 writes and removes it)
-        remove_atomic_leftovers(marker)  # (a marker write killed half-way: its captions were not rewritten yet)
-    try:
-        content = json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else {}
-        record, before = content.get("updated"), content.get("captions_before") or {}
-    except (OSError, ValueError, AttributeError):
-        record, before = None, {}
-    if isinstance(record, dict) and record != info.get("updated"):
-        return _PendingUpdate(record, before if isinstance(before, dict) else {})
-    if dist.is_main():
-        marker.unlink(missing_ok=True)
-    return None
-
-
-def _source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str], caps: list[str], *,
-                    rehash: bool = False) -> _SourceChanges:
-    info = split_manifest(out_dir, split) or {}
-    per = len(caps) // len(ids)
-    skipped = {s["image_id"] for s in info.get("skipped", [])}
-    kept = [(i, caps[k * per:(k + 1) * per]) for k, i in enumerate(ids) if i not in skipped]
-    kept_caps = [c for _, group in kept for c in group]
-    # the extraction's captions of every id whose captions may differ from them (None: not known any more)
-    before: dict[str, list[str] | None] = {}
-    # compared with the file itself: edited captions, and a caption file changed by hand, are both seen
-    stale = text_sha256(kept_caps) != file_sha256(captions_path(out_dir, split))
-    if stale:
-        # split on "\n" only: exactly the lines write_captions wrote (a caption may hold other line breaks)
-        old = captions_path(out_dir, split).read_text(encoding="utf-8").split("\n")
-        written = {i: old[r * per:(r + 1) * per] for r, (i, _) in enumerate(kept)}
-        before = {i: written[i] for i, group in kept if written[i] != group}
-    pending = _pending_caption_update(out_dir, split, info)
-    if pending is not None:  # the file holds the stopped update's captions of these ids, its marker the extraction's
-        before |= {i: pending.before.get(i) for i in pending.record.get("captions_changed") or ()}
-    # changed since meta.json's extraction: an edit reverted after a stopped update is not a change
-    captions = [i for i, group in kept if i in before and before[i] != group]
-    known = {i: before[i] for i in captions if before[i] is not None}
-    old_files = info.get("image_files")
-    if not isinstance(old_files, dict):
-        log.warning("split %s in %s was extracted by an itmatch that did not record its image files' "
-                    "fingerprints: whether a photo changed since cannot be told; pass --force to re-extract "
-                    "it (the new manifest records them)", split, out_dir)
-        return _SourceChanges([], stale, captions, [i for i, _ in kept], kept_caps, None, pending, known)
-    records = file_records(images_dir, ids, None if rehash else old_files)
-    return _SourceChanges(changed_files(old_files, records), stale, captions, [i for i, _ in kept], kept_caps,
-                          records, pending, known)
-
-
-def _refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: _SourceChanges) -> dict[str, Any]:
-    """A split whose features are current: rewrite its captions if they changed and return its updated
-    meta.json entry (new fingerprints, e.g. touched files' mtimes; extra captions left to the caller).
-    What changed is written to the split's marker (`caption_update_path`) before the captions are rewritten:
-    a run stopped before meta.json records it finds the captions current, and takes the record from there
-    (`_pending_caption_update`; the caller removes the marker after writing meta.json)."""
-    info = {k: v for k, v in old.items() if k != "extra_captions"}
-    info["captions_sha256"] = text_sha256(ch.kept_caps)
-    if ch.records is not None:
-        info["image_files"] = ch.records
-    record = ch.pending.record if ch.pending is not None and ch.captions else None
-    if ch.captions_stale:
-        _log_caption_changes(out_dir, split, ch)
-        record = _update_record(_changes(ch)) if ch.captions else None
-        if record is not None:
-            write_json_atomic(caption_update_path(out_dir, split),
-                              {"split": split, "updated": record, "captions_before": ch.captions_before})
-            _fsync_dir(out_dir)
-        write_captions(out_dir, split, ch.kept_ids, ch.kept_caps, per_image=len(ch.kept_caps) // len(ch.kept_ids))
-    if record is not None:
-        info["updated"] = record
-    return info
-
-
-def _log_caption_changes(out_dir: Path, split: str, ch: _SourceChanges) -> None:
-    name = captions_path(out_dir, split).name
-    if ch.captions:
-        log.warning("split %s: the captions of %d image(s) changed since the extraction (%s): rewrote %s", split,
-                    len(ch.captions), _examples(ch.captions), name)
-    else:  # a stopped update's edits, undone in the caption file before this run
-        log.warning("split %s: the captions are the extraction's again (the edits of a stopped update were "
-                    "reverted): rewrote %s", split, name)
-
-
-def _changes(ch: _SourceChanges) -> dict[str, Any]:
-    """What changed since the extraction, as meta.json's `updated` records it (also kept in an update's
-    progress file until meta.json records the update)."""
-    return {"image_files_changed": ch.images, "captions_changed": ch.captions}
-
-
-def _update_record(changes: dict[str, Any]) -> dict[str, Any]:
-    return {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **changes}
-
-
-def _reuse_rows(out_dir: Path, split: str, ids: list[str], changed: list[str], extras: tuple[str, ...]
-                ) -> dict[str, Any]:
-    """`_extract_split`'s reuse arguments for an update: the row of every unchanged image in the split's
-    current arrays (opened memory-mapped; they are replaced only when the new ones are complete)."""
-    old_rows = {image_id: r for r, image_id in enumerate(read_lines(ids_path(out_dir, split)))}
-    stale = set(changed)
-    reuse = {k: old_rows[i] for k, i in enumerate(ids) if i in old_rows and i not in stale}
-    arrays = {s: np.load(scale_path(out_dir, split, s), mmap_mode="r") for s in ("c5", *extras)}
-    return {"reuse": reuse, "reuse_from": arrays}
-
-
 def _refuse_other_unfinished(out_dir: Path, split: str, fingerprint: str, force: bool) -> None:
     """Refuse (without `force`) to start over an unfinished extraction of another image list or backbone:
     its progress file and partial arrays would be replaced."""
@@ -406,8 +266,8 @@ def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: b
         old, new = set(before), set(ids)
         added, removed = [i for i in ids if i not in old], [i for i in before if i not in new]
         if added or removed:
-            detail = (f": the captions now list {len(added)} image(s) it does not hold ({_examples(added)}) "
-                      f"and not {len(removed)} of its {len(before)} ({_examples(removed)})")
+            detail = (f": the captions now list {len(added)} image(s) it does not hold ({examples(added)}) "
+                      f"and not {len(removed)} of its {len(before)} ({examples(removed)})")
     raise OverwriteError(f"already exists with features of another image list or backbone{detail}", path=path,
                          hint="pass --force to re-extract the split, or write to another --out")
 
@@ -428,7 +288,7 @@ def _sync_extra_captions(out_dir: Path, split: str, table: CaptionTable, kept_id
             return {}
         log.warning("split %s: %d caption(s) of %d image(s) beyond the %d per image the precomp layout holds "
                     "were left out (%s); pass --extra-captions keep to train on them", split, total, len(extra),
-                    per_image, _examples([f"{i} +{n}" for i, n in counts.items()]))
+                    per_image, examples([f"{i} +{n}" for i, n in counts.items()]))
         return {"extra_captions": {"left_out": total, "images": counts}}
     lines = extra_captions_text(kept_ids, extra)
     digest = text_sha256(lines)
@@ -439,11 +299,6 @@ def _sync_extra_captions(out_dir: Path, split: str, table: CaptionTable, kept_id
         write_text_atomic(path, "\n".join(lines) + "\n")
     log.info("split %s: %d extra caption(s) of %d image(s) kept in %s", split, total, len(extra), path.name)
     return {"extra_captions": {"kept": total, "images": counts, "file": path.name, "sha256": digest}}
-
-
-def _examples(names: list[str], shown: int = 3) -> str:
-    text = ", ".join(repr(n) for n in names[:shown])
-    return text + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def parse_extract_scales(spec: str | list[str] | None) -> tuple[str, ...]:
@@ -520,7 +375,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     """Extract (or resume, or finish) one split. `known_files` are earlier fingerprints of the image files
     (the size + mtime fast path); `reuse` maps the index of an image in `ids` to its row in the arrays
     `reuse_from` ({"c5": main, "c3": ...}) of an earlier extraction, copied instead of recomputed.
-    `update` (an update of a complete split: what changed, `_changes`) is kept in the progress file, so
+    `update` (an update of a complete split: what changed, `changes_record`) is kept in the progress file, so
     that a run that finishes the split after a kill returns it too; the info returned holds it as `updated`
     when the split's progress file has it."""
     reuse = reuse or {}
@@ -663,7 +518,7 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
         for out_final, out_partial, out_arr in outputs:
             _finish_array(out_final, out_partial, out_arr, written)
         del outputs
-        _fsync_dir(out_dir)
+        fsync_dir(out_dir)
         state["features_complete"] = True
         write_json_atomic(prog, state)
 
@@ -671,12 +526,12 @@ def _extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir:
     kept_ids = [i for k, i in enumerate(ids) if k not in skipped_idx]
     kept_caps = [c for k, c in enumerate(caps) if k // per not in skipped_idx]
     write_captions(out_dir, split, kept_ids, kept_caps, per_image=per)
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     # The progress file is removed by the caller once meta.json records the split (with the size and
     # checksum that read_precomp verifies): meta.json is the manifest, written last.
     seconds = time.perf_counter() - started
     computed = n - done_at_start if not finishing else 0
-    recorded = {"updated": _update_record(state["update"])} if isinstance(state.get("update"), dict) else {}
+    recorded = {"updated": update_record(state["update"])} if isinstance(state.get("update"), dict) else {}
     return {**recorded, "images": len(kept_ids), "captions": len(kept_caps), "listed_images": n,
             "features_bytes": final.stat().st_size, "features_sha256": file_sha256(final),
             "captions_sha256": text_sha256(kept_caps), "image_files": records,
@@ -755,7 +610,7 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
     base = {"version": PROGRESS_VERSION, "split": split, "fingerprint": fp, "backbone": bb.name, "n_images": len(ids),
             "batch_size": batch_size, "records": records, **({"update": update} if update is not None else {})}
     write_json_atomic(prog, {**base, "done": 0, "written": 0, "skipped": [], "features_complete": False})
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     for p in (captions_path(out_dir, split), ids_path(out_dir, split)):  # never stale beside new features
         p.unlink(missing_ok=True)
     filled = []
@@ -774,13 +629,13 @@ def _merge_shards(bb: Backbone, out_dir: Path, split: str, ids: list[str], fp: s
         del parts
         arr.flush()
         filled.append((final, partial, arr, row))
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     done = {**base, "done": len(ids), "written": len(ids) - len(skipped), "skipped": skipped}
     write_json_atomic(prog, {**done, "features_complete": False})
     for final, partial, arr, row in filled:
         _finish_array(final, partial, arr, row)
     del filled, arr
-    _fsync_dir(out_dir)
+    fsync_dir(out_dir)
     write_json_atomic(prog, {**done, "features_complete": True})
 
 
@@ -861,7 +716,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     # A kept split is checked against its sources: meta.json records the fingerprints of its caption text
     # and of every image file (size + mtime, SHA-256 when they differ), so that a re-run after captions
     # were edited or a photo was replaced updates exactly that instead of keeping stale data.
-    changes: dict[str, _SourceChanges] = {}
+    changes: dict[str, SourceChanges] = {}
     for split in splits:
         state = _same_run_progress(out_dir, split, fingerprints[split])
         # a previous run stopped after all (finishing) or some of its renames: continued, not taken for another
@@ -870,7 +725,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                                             or _renamed_scales(state, out_dir, split, extras))):
             continue
         if _complete(out_dir, split, fingerprints[split], extras):
-            changes[split] = _source_changes(out_dir, split, images_dir, *rows[split], rehash=rehash)
+            changes[split] = source_changes(out_dir, split, images_dir, *rows[split], rehash=rehash)
             continue
         if state is not None and isinstance(state.get("update"), dict):
             continue  # an update killed between removing the old captions and ids and renaming its features
@@ -921,7 +776,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                 if not ch.images:  # same features: the caption text and the manifest are brought up to date
                     if not dist.is_main():
                         continue
-                    info = _refreshed_info(out_dir, split, old_info, ch)
+                    info = refreshed_info(out_dir, split, old_info, ch)
                     info.update(_sync_extra_captions(out_dir, split, table, ch.kept_ids, per, keep_extra))
                     if info == old_info:
                         log.info("split %s is complete and its sources are unchanged; kept", split)
@@ -933,16 +788,16 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                     caption_update_path(out_dir, split).unlink(missing_ok=True)  # recorded: meta.json holds it
                     continue
                 log.warning("split %s: %d image file(s) changed since the extraction (%s): re-extracting %s",
-                            split, len(ch.images), _examples(ch.images), "their rows, keeping the others"
+                            split, len(ch.images), examples(ch.images), "their rows, keeping the others"
                             if not dist.is_distributed() else "the split (torchrun re-extracts whole splits)")
                 if ch.captions_stale:
-                    _log_caption_changes(out_dir, split, ch)
+                    log_caption_changes(out_dir, split, ch)
                 if not dist.is_distributed():
-                    reuse = _reuse_rows(out_dir, split, ids, ch.images, extras)
+                    reuse = reuse_rows(out_dir, split, ids, ch.images, extras)
             info = run_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
                              force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
                              extras=extras, known_files=ch.records if ch is not None else None,
-                             placement=placement, update=_changes(ch) if ch is not None else None, **reuse)
+                             placement=placement, update=changes_record(ch) if ch is not None else None, **reuse)
             if info is None:  # a rank other than 0: rank 0 writes the manifest
                 continue
             # a stopped caption-only update's marker: its record is in this update's (progress file), or the
@@ -960,7 +815,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             if updated is not None:
                 meta["splits"][split]["updated"] = updated
             write_json_atomic(meta_file, meta)
-            _fsync_dir(out_dir)
+            fsync_dir(out_dir)
             progress_path(out_dir, split).unlink(missing_ok=True)
             # a kill during one of the split's progress or manifest writes leaves its temporary file behind
             for written in (progress_path(out_dir, split), meta_file):
