@@ -1,6 +1,7 @@
 """Images folder + CaptionTable -> SCAN precomp layout, with a progress bar, resumable and crash-safe.
 
-A re-run continues an interrupted split, rewrites edited captions and re-extracts only replaced photos;
+A re-run continues an interrupted split, rewrites edited captions and re-extracts only replaced photos (what
+changed since the extraction, and the caption-only update: features/updates.py);
 `scales` adds SAVE's finer stage maps; under torchrun the ranks share the images. How (partial file, progress
 file, meta.json last, what a re-run checks): docs/reliability.md, 'Crash safety in detail' and 'Determinism';
 the ranks: docs/distributed.md, 'Feature extraction'; the default batch size: docs/training.md, 'Features'.
