@@ -299,6 +299,18 @@ def row_members(row: str, profile: Profile) -> tuple[list[str], list[str]]:
     return members, [profile.row_data.get(member, data) for member in members]  # (an ensemble may mix features)
 
 
+def without_checkpoint(members: list[str], profile: Profile) -> list[str]:
+    """The runs among `members` that have no `best` checkpoint here (what a row's evaluation reads)."""
+    return [m for m in members if not (ROOT / profile.runs / m / "best" / "config.json").is_file()]
+
+
+def finished_table_run(preset: str, profile: Profile) -> str | None:
+    """The table's run of `preset` when it has trained all its epochs: a study's unperturbed reference (not merely
+    with a `best`: on a GPU machine the row may be training beside the study)."""
+    table_run = f"{profile.runs}/{preset}"
+    return table_run if training_finished(ROOT / table_run) else None
+
+
 def evaluation_command(row: str, profile: Profile, threads: int, record: list[str]) -> list[str]:
     """`itmatch evaluate` of a row's test split as its results row is made, writing what `record` says."""
     members, datas = row_members(row, profile)
@@ -334,11 +346,10 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
         record_history(member, profile)
     if train_only:
         return
-    checkpoints = [f"{profile.runs}/{p}/best" for p in members]  # (evaluation_command's)
-    missing = [c for c in checkpoints if not DRY_RUN and not (ROOT / c / "config.json").is_file()]
+    missing = [] if DRY_RUN else without_checkpoint(members, profile)
     if missing:
-        raise MissingCheckpoint(f"row {row}: no checkpoint at {', '.join(missing)} although training finished; "
-                                f"move the run directory aside and run the row again")
+        raise MissingCheckpoint(f"row {row}: no checkpoint at {', '.join(f'{profile.runs}/{m}/best' for m in missing)} "
+                                f"although training finished; move the run directory aside and run the row again")
     command = " ".join(["python bench/flickr8k.py", *(["--config gpu"] if profile.device else []), *on_cpu(profile),
                         "--row", row])
     result_json = f"{profile.runs}/{row}.test.json"
@@ -427,7 +438,7 @@ def study_status(preset: str, profile: Profile) -> str:
 
     study = ROOT / profile.runs / "perturb" / preset
     table = ROOT / f"docs/results/perturb/{profile.perturb_prefix}_{preset}.csv"
-    table_run = training_finished(ROOT / profile.runs / preset)
+    table_run = finished_table_run(preset, profile)
     states = [f"original: the {preset} row's run" if kind == "original" and table_run
               else f"{kind}: {run_state(study / kind)}" for kind in PERTURBATIONS]
     return ("table in docs/results/perturb" if table.is_file() else "no table yet") + "; " + "; ".join(states)
@@ -503,9 +514,8 @@ def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1
     unperturbed reference is the table's run of the preset when it has finished (the study checks that its settings
     are the study's): six trainings; else the study trains it too, seven."""
     out = f"{profile.runs}/perturb/{preset}"
-    table_run = f"{profile.runs}/{preset}"
-    # (finished, not merely with a `best`: on a GPU machine the row may be training beside the study)
-    original = ["--original", table_run] if training_finished(ROOT / table_run) else []
+    table_run = finished_table_run(preset, profile)
+    original = ["--original", table_run] if table_run else []
     run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", schedule_of(preset, profile), "--out", out,
          "--split", "test", "--protocol", "1k", "--tag-cache", tag_cache(profile), "--jobs", str(jobs),
          "--set", f"train.threads={threads}", "--set", f"train.checkpoint_every={profile.checkpoint_every}",
@@ -525,9 +535,8 @@ def recall_figure(rows: list[str], threads: int, profile: Profile = CPU) -> None
     for row, result_json in zip(rows, jsons, strict=True):
         path = ROOT / result_json
         if not (path.is_file() and "recall_curve" in json.loads(path.read_text(encoding="utf-8"))):
-            members, _ = row_members(row, profile)
-            absent = [m for m in members if not (ROOT / profile.runs / m / "best" / "config.json").is_file()]
-            if absent and not DRY_RUN:
+            absent = [] if DRY_RUN else without_checkpoint(row_members(row, profile)[0], profile)
+            if absent:
                 sys.exit(f"row {row}: no recall curve in {result_json} and no checkpoint of {', '.join(absent)} "
                          f"here to evaluate; leave the row out, or bring its JSON or run here")
             run(evaluation_command(row, profile, threads, ["--json", result_json, "--force"]))

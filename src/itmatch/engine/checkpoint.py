@@ -103,15 +103,14 @@ def verify_manifest(directory: str | Path, *, trust_modified: bool = False) -> i
     Checkpoints of older versions load with a one-line warning saying which files are not covered."""
     directory = Path(directory)
     file = directory / MANIFEST
-    if not file.is_file():
+    manifest, version = _read_manifest(directory)
+    if manifest is None:
         log.warning("%s: no manifest.json (written by an older itmatch): its files cannot be checked for damage or "
                     "edits", directory)
         return 0
     try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-        version = int(manifest.get("version", 1))
         entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in manifest["files"].items()]
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError("corrupt manifest", path=file, hint="the checkpoint is damaged; use another") from None
     changed = [(name, why) for name, size, digest in entries
                if (why := _mismatch(directory / name, size, digest)) is not None]
@@ -267,17 +266,20 @@ def read_checkpoint_config(path: str | Path) -> Config:
     current names, data paths resolved from where the checkpoint is, as paths from the current directory),
     without loading its weights or checking its files against the manifest."""
     path = Path(path)
-    return _read_config(path, _manifest_version(path))[0]
+    return _read_config(path, _read_manifest(path)[1])[0]
 
 
-def _manifest_version(directory: Path) -> int:
+def _read_manifest(directory: Path) -> tuple[dict[str, Any] | None, int]:
+    """manifest.json of a checkpoint directory and the version it records (1 before versions were written);
+    (None, 0) when it has none (written by an older itmatch)."""
+    file = directory / MANIFEST
+    if not file.is_file():
+        return None, 0
     try:
-        return int(json.loads((directory / MANIFEST).read_text(encoding="utf-8")).get("version", 1))
-    except FileNotFoundError:
-        return 0
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+        return manifest, int(manifest.get("version", 1))
     except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
-        raise CheckpointError("corrupt manifest", path=directory / MANIFEST,
-                              hint="the checkpoint is damaged; use another") from None
+        raise CheckpointError("corrupt manifest", path=file, hint="the checkpoint is damaged; use another") from None
 
 
 def _read_config(path: Path, version: int) -> tuple[Config, dict[str, list[Path]]]:
