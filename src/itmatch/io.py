@@ -45,8 +45,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp creates 0600; give the final file the usual permissions
     try:
         yield tmp_path
-        with open(tmp_path, "rb+") as fh:
-            os.fsync(fh.fileno())
+        fsync_file(tmp_path)
         os.replace(tmp_path, final)
     finally:
         if tmp_path.exists():
@@ -91,6 +90,12 @@ def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def fsync_file(path: str | Path) -> None:
+    """Flush a written file's bytes to disk before it is renamed into place (an error here is a real one)."""
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -25,7 +25,7 @@ from itmatch.config import Config, config_from_dict, without_absent_sections
 from itmatch.data.vocab import AnyVocab, load_vocab
 from itmatch.device import to_device
 from itmatch.errors import CheckpointError, ConfigError, DataError
-from itmatch.io import file_sha256
+from itmatch.io import file_sha256, fsync_dir, fsync_file
 from itmatch.models.base import Matcher
 from itmatch.models.registry import build_model
 
@@ -64,16 +64,6 @@ def safe_torch_load(path: str | Path, *, allow: tuple[type, ...] = ()) -> Any:
             UnicodeDecodeError, MemoryError) as exc:
         raise CheckpointError(f"not a readable torch file ({type(exc).__name__}: {str(exc)[:200]})", path=path,
                               hint="the file is truncated or corrupt") from None
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some file systems cannot fsync a directory
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_manifest(directory: Path) -> None:
@@ -196,15 +186,15 @@ def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: Any
         (tmp / STATE).write_text(json.dumps(state or {}, indent=2) + "\n", encoding="utf-8")
         _write_manifest(tmp)  # last: its presence means every file above is complete
         for p in tmp.iterdir():
-            _fsync(p)
-        _fsync(tmp)
+            fsync_file(p)
+        fsync_dir(tmp)
         old = _old(path)
         if old.exists():
             shutil.rmtree(old)
         if path.exists():
             path.rename(old)
         tmp.rename(path)  # a kill before this line leaves the complete old checkpoint at `old`
-        _fsync(path.parent)
+        fsync_dir(path.parent)
         if old.exists():
             shutil.rmtree(old)
     finally:

@@ -63,7 +63,7 @@ from itmatch.features.updates import (
     update_record,
 )
 from itmatch.fingerprint import FileRecord, changed_files, file_records, text_sha256
-from itmatch.io import file_sha256, fsync_dir, remove_atomic_leftovers, write_json_atomic, write_text_atomic
+from itmatch.io import file_sha256, fsync_dir, fsync_file, remove_atomic_leftovers, write_json_atomic, write_text_atomic
 
 log = logging.getLogger("itmatch.features")
 
@@ -131,11 +131,6 @@ def _torch_threads(n: int | None):
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
 
 
 class _Bad(Exception):
@@ -357,13 +352,13 @@ def _finish_array(final: Path, partial: Path, arr: np.memmap, written: int) -> N
         dst.flush()
         del dst
         del arr
-        _fsync_file(compact)
+        fsync_file(compact)
         os.replace(compact, final)
         partial.unlink()
     else:
         arr.flush()
         del arr
-        _fsync_file(partial)
+        fsync_file(partial)
         os.replace(partial, final)
 
 
