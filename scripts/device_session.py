@@ -161,7 +161,7 @@ def prepare(args: argparse.Namespace) -> int:
     if "perturb" in groups:
         files += tag_caches()
     for row in args.runs:
-        files += run_files(ROOT / RUNS / row)
+        files += run_files(row)
     checkout = checkout_bytes()
     budget = CARRY_LIMIT - checkout - HEADROOM
     carry = device_dir / "carry"
@@ -179,13 +179,15 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_files(run: Path) -> list[tuple[Path, str]]:
-    """A trained run directory of this machine as a bundle's files (what `fetch` brings back: its `best`
+def run_files(row: str, runs: Path = ROOT / RUNS) -> list[tuple[Path, str]]:
+    """The trained run `runs/row` of this machine as a bundle's files (what `fetch` brings back: its `best`
     checkpoint, config, history and last state), landing where the bench there looks for it, so that a row that
-    continues it (`<row>_ft`, `<row>_frozen_more`) need not train it again there."""
+    continues it (`<row>_ft`, `<row>_frozen_more`) need not train it again there. `row` may be a study's run
+    (`perturb/scan_t2i_avg/shuffle`): a finished one is reused there, not trained again."""
+    run = runs / row
     if not (run / "best" / "config.json").is_file():
         raise SystemExit(f"no trained run at {run} (a run to carry needs its best/ checkpoint)")
-    return [(f, f"itmatch/{RUNS}/{run.name}/{f.relative_to(run).as_posix()}")
+    return [(f, f"itmatch/{RUNS}/{row}/{f.relative_to(run).as_posix()}")
             for f in sorted(run.rglob("*")) if f.is_file() and f.relative_to(run).as_posix() not in FETCH_SKIPS]
 
 
@@ -471,6 +473,7 @@ OUT_FILE_LIMIT = 15 * 2**20  # a file back through $OUT may weigh 16 MiB (device
 # what a fetched run leaves behind: the last epoch's weights and optimizer (best/ holds the model that is evaluated;
 # last/state.json stays, so that the bench here sees the run's training as finished)
 FETCH_SKIPS = {"last/model.safetensors", "last/optimizer.pt", "last/trainer.pt"}
+SEP = "__"  # a run's path in the name of its pieces, as poll names the files it copies (docs__results__...)
 
 
 def fetch(args: argparse.Namespace) -> int:
@@ -485,10 +488,10 @@ def fetch(args: argparse.Namespace) -> int:
         return 1
     out = Path(os.environ["OUT"])
     out.mkdir(parents=True, exist_ok=True)
-    archive = DEVICE_ROOT / f"{args.row}.tar"
+    archive = DEVICE_ROOT / f"{args.row.replace('/', SEP)}.tar"  # (a study's run: perturb__scan_t2i_avg__shuffle)
     with tarfile.open(archive, "w") as tar:
         tar.add(run, arcname=args.row,
-                filter=lambda info: None if info.name.split("/", 1)[-1] in FETCH_SKIPS else info)
+                filter=lambda info: None if info.name.removeprefix(args.row + "/") in FETCH_SKIPS else info)
     size = archive.stat().st_size
     count = -(-size // OUT_FILE_LIMIT)
     with archive.open("rb") as src:
@@ -514,7 +517,7 @@ def take(args: argparse.Namespace) -> int:
         if not all(part.exists() for part in parts):
             print(f"{stem}: {sum(p.exists() for p in parts)} of {len(parts)} pieces here; fetch it again")
             return 1
-        row = stem.removesuffix(".tar")
+        row = stem.removesuffix(".tar").replace(SEP, "/")
         if (runs / row).exists() and not args.force:
             print(f"{runs / row} exists: move it aside, or --force to replace it")
             return 1
@@ -554,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"optional groups, comma-separated: {','.join(GROUPS[1:])} (perturb: the studies' POS "
                         "tags, tagged here)")
     p.add_argument("--runs", nargs="+", default=[], metavar="ROW",
-                   help=f"trained runs of {RUNS} to carry there (e.g. vsepp, for vsepp_ft)")
+                   help=f"trained runs of {RUNS} to carry there (e.g. vsepp, for vsepp_ft; a study's finished "
+                        "runs, e.g. perturb/scan_t2i_avg/shuffle, that `fetch` brought back)")
     p.set_defaults(func=prepare)
     p = sub.add_parser("receive", help="(there) unpack one carried bundle into DEVICE_ROOT")
     p.add_argument("bundle")
@@ -585,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name")
     p.set_defaults(func=ship)
     p = sub.add_parser("fetch", help="(there) a trained row's checkpoint and history into $OUT, in pieces")
-    p.add_argument("row")
+    p.add_argument("row", help=f"a run of {RUNS}: a row, or a study's run (perturb/scan_t2i_avg/shuffle)")
     p.set_defaults(func=fetch)
     p = sub.add_parser("bench", help="(there) sections of bench/gpu.py in the working copy, output into $OUT")
     p.add_argument("sections", nargs="+", help="e.g. syncs (after the extraction: it trains a few steps)")

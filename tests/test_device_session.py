@@ -257,10 +257,36 @@ def test_a_trained_run_travels_there_as_fetch_brings_one_back(session, tmp_path)
                  "last/model.safetensors", "last/optimizer.pt", "last/trainer.pt"]:
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(name)
-    files = session.run_files(run)
+    files = session.run_files("vsepp", tmp_path)
     assert sorted(dest for _, dest in files) == [f"itmatch/runs/flickr8k_gpu/vsepp/{name}" for name in [
         "best/config.json", "best/model.safetensors", "config.json", "last/state.json", "metrics.jsonl"]]
     assert all(source.read_text() == dest.split("vsepp/", 1)[1] for source, dest in files)
     (run / "best" / "config.json").unlink()
     with pytest.raises(SystemExit, match="no trained run"):
-        session.run_files(run)
+        session.run_files("vsepp", tmp_path)
+
+
+def test_a_studys_finished_run_travels_back_and_there_again_under_its_own_path(session, tmp_path, monkeypatch):
+    """A perturbation study's run (`perturb/scan_t2i_avg/shuffle`) is fetched, taken and carried under its path in
+    the study, so that a study split over two sessions reuses the first session's finished runs."""
+    monkeypatch.setattr(session, "OUT_FILE_LIMIT", 4096)
+    row = "perturb/scan_t2i_avg/shuffle"
+    run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / row
+    files = {"config.json": b"{}", "study.json": b"{}", "eval_test_1k.json": b"{}", "best/config.json": b"{}",
+             "best/model.safetensors": os.urandom(6000), "last/state.json": b'{"epoch": 30}',
+             "last/model.safetensors": os.urandom(5000)}
+    for name, data in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(data)
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    assert session.main(["fetch", row]) == 0
+    assert all(p.name.startswith("perturb__scan_t2i_avg__shuffle.tar") for p in out.iterdir())
+
+    here = tmp_path / "runs"
+    assert session.main(["take", str(out), "--runs", str(here)]) == 0
+    kept = {name for name in files if name != "last/model.safetensors"}
+    assert {p.relative_to(here / row).as_posix() for p in (here / row).rglob("*") if p.is_file()} == kept
+    assert all((here / row / name).read_bytes() == files[name] for name in kept)
+    assert sorted(dest for _, dest in session.run_files(row, here)) == sorted(
+        f"itmatch/runs/flickr8k_gpu/{row}/{name}" for name in kept)
