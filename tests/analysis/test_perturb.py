@@ -318,6 +318,28 @@ def test_a_run_stopped_after_an_epoch_is_resumed_not_reused(tiny_precomp, tmp_pa
     assert started.value.args[0] == {"original": False, "nouns": True}
 
 
+def test_a_resumed_run_saves_as_often_as_the_study_asks(tiny_precomp, tmp_path):
+    """A study run started without mid-epoch saves kept saving only at epoch ends when a later session resumed it
+    with `train.checkpoint_every=100`: a stop lost up to an epoch (~6 minutes of the CPU's VSE++ study)."""
+    from itmatch.analysis import perturb as study
+    from itmatch.data.precomp import read_precomp
+    from itmatch.models.registry import resolve_config
+
+    captions = read_precomp(tiny_precomp, "train").training_captions
+    tagged = [(caption_tokens(c), ["NN"] * len(caption_tokens(c))) for c in captions]
+    cfg = resolve_config("vsepp", {"data": {"path": str(tiny_precomp)}, "model": {"embed_size": 16},
+                                   "train": {"epochs": 1, "batch_size": 8, "val_images": 4, "threads": 1}})
+    run = tmp_path / "study" / "nouns"
+    first = study._Training(cfg.to_dict(), run, "nouns", 0, force=False, resume=False)
+    study._train_one(first, captions, tagged, progress=False)
+    assert json.loads((run / "config.json").read_text())["train"]["checkpoint_every"] == 0
+    cfg.train.checkpoint_every = 3
+    study._train_one(study._Training(cfg.to_dict(), run, "nouns", 0, force=False, resume=True), captions, tagged,
+                     progress=False)
+    assert json.loads((run / "config.json").read_text())["train"]["checkpoint_every"] == 3
+    assert json.loads((run / "config.json").read_text())["train"]["threads"] == 1  # (its own: exact resumes)
+
+
 def test_a_finished_run_with_other_settings_is_refused_before_any_work(tmp_path, capsys):
     """`analyze perturb` used to reuse OUT/<p>/best whatever settings it was trained with."""
     from itmatch.models.registry import resolve_config

@@ -140,8 +140,12 @@ def _run_config(cfg: Config, kind: str, jobs: int) -> Config:
 
 def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, progress: bool) -> None:
     transform = CaptionPerturbation(training.kind, captions, tagged, seed=training.seed)
-    train(config_from_dict(training.config), training.run_dir, resume=training.resume, force=training.force,
-          transform=transform, progress=progress)
+    cfg = config_from_dict(training.config)
+    # a resumed run keeps its own settings but saves as often as this command asks (a study continued session after
+    # session loses at most that many batches); its threads stay: they change float sums, so resumes stay exact
+    saving = {"train": {"checkpoint_every": cfg.train.checkpoint_every}} if training.resume else None
+    train(cfg, training.run_dir, resume=training.resume, force=training.force, transform=transform,
+          progress=progress, resume_overrides=saving)
     write_json_atomic(training.run_dir / STUDY_FILE, {"perturbation": training.kind, "seed": training.seed})
 
 
