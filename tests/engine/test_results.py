@@ -42,6 +42,23 @@ def test_header_is_exactly_the_design(tmp_path):
     assert "| scan_t2i_avg | 1k | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 123.5 | 20.6 | 1.2 |" in md  # mR = rsum / 6
 
 
+def test_a_rows_other_seeds_are_summed_up_with_their_spread(tmp_path):
+    """`<row>_seedN` rows beside their row: the rendered table states each group's rsums, mean and spread (the
+    issue's "two seeds for the headline rows, state the spread"), computed from the CSV, never typed."""
+    path = tmp_path / "flickr8k_gpu.csv"
+    for name, rsum, protocol in [("vsepp", 245.9, "1k"), ("oan", 261.2, "1k"), ("vsepp_seed1", 249.7, "1k"),
+                                 ("vsepp_seed2", 247.0, "1k"), ("scan_seed1", 250.0, "1k"),  # (no scan row)
+                                 ("oan_seed1", 260.0, "5k")]:  # (another protocol: not a seed of oan's 1k row)
+        upsert_row(path, result_row(name, name, "flickr8k", {**RESULT, "rsum": rsum, "protocol": protocol}, "c",
+                                    device="NVIDIA H100"))
+    md = render_markdown(path)
+    assert "| vsepp | 3 | 245.9 / 249.7 / 247.0 | 247.5 | 3.8 |" in md
+    seeds = md.split("## Seeds")[1].split("Commands")[0]
+    assert [line.split(" | ")[0] for line in seeds.splitlines() if line.startswith("| ")][1:] == ["| vsepp"]
+    upsert_row(tmp_path / "other.csv", result_row("vsepp", "vsepp", "flickr8k", RESULT, "c"))
+    assert "## Seeds" not in render_markdown(tmp_path / "other.csv")
+
+
 def _add_rows(path: str, worker: int, count: int) -> None:
     for i in range(count):
         upsert_row(path, result_row(f"w{worker}_{i}", "m", "d", RESULT, "c"))

@@ -168,6 +168,32 @@ def history_line(r: dict[str, str]) -> str:
             f"{r['train_cpu_seconds'] or '-'} | {r['dev_rsum']} | {'best' if r['selected'] else ''} |")
 
 
+SEED_ROW = re.compile(r"(?P<base>.+)_seed(?P<seed>\d+)")  # `<row>_seed1`: <row> trained again with another seed
+
+
+def seed_groups(rows: list[dict[str, str]]) -> list[list[dict[str, str]]]:
+    """Each row that has rows of other seeds (`<row>_seedN` of the same protocol), followed by them, in the
+    table's order: how far two trainings of one configuration land apart."""
+    by_name = {r["name"]: r for r in rows}
+    groups: dict[str, list[dict[str, str]]] = {}
+    for r in rows:
+        match = SEED_ROW.fullmatch(r["name"])
+        base = by_name.get(match["base"]) if match else None
+        if base is not None and base["protocol"] == r["protocol"]:
+            groups.setdefault(base["name"], [base]).append(r)
+    return list(groups.values())
+
+
+SEEDS_HEAD = ["| row | seeds | rsum of each | mean | spread |", "|---|---:|---|---:|---:|"]
+
+
+def seeds_line(group: list[dict[str, str]]) -> str:
+    """A row and its other seeds: the rsum of each, their mean and spread (largest minus smallest)."""
+    rsums = [float(r["rsum"]) for r in group]
+    return (f"| {group[0]['name']} | {len(group)} | {' / '.join(r['rsum'] for r in group)} | "
+            f"{sum(rsums) / len(rsums):.1f} | {max(rsums) - min(rsums):.1f} |")
+
+
 def render_markdown(path: str | Path) -> str:
     rows = read_rows(path)
     title = Path(path).stem
@@ -175,7 +201,14 @@ def render_markdown(path: str | Path) -> str:
     lines = [f"# Results: {title}", "", f"Generated from `{Path(path).name}` by `scripts/render_results.py`; "
              "do not edit by hand.", "",
              "mR = rsum / 6, the mean of the six recalls (the figure SMAN's tables report).", "",
-             *table_head(device), *(row_line(r, device) for r in rows), "", "Commands that produced each row:", ""]
+             *table_head(device), *(row_line(r, device) for r in rows), ""]
+    groups = seed_groups(rows)
+    if groups:
+        lines += ["## Seeds", "", "Rows trained again with another seed (`<row>_seedN`, every other setting the same; "
+                  "for an ensemble, with members of another seed): a difference between two rows within the spread "
+                  "is one that training again alone can make.", "", *SEEDS_HEAD,
+                  *map(seeds_line, groups), ""]
+    lines += ["Commands that produced each row:", ""]
     lines += [f"- `{r['name']}`: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"
 
