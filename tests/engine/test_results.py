@@ -9,6 +9,7 @@ import pytest
 
 from itmatch.cli import main
 from itmatch.engine.results import (
+    CLAIMS_HEAD,
     HEADER,
     history_rows,
     markdown_tables,
@@ -126,6 +127,33 @@ def test_a_results_view_of_a_table_with_devices_names_where_each_row_ran(tmp_pat
     assert "| rsum | mR | eval s | device |" in text
     assert "| vsepp | 1k | 1.0 | 2.0 | 3.0 | 4.0 | 5.0 | 6.0 | 123.5 | 20.6 | 1.2 | CPU x |" in text
     assert "| scan_i2t_lse | not run yet | | | | | | | | | | |" in text  # (one blank cell per column)
+
+
+def test_claims_view_checks_the_papers_orderings_and_the_goals_against_the_table(tmp_path):
+    """`<!-- claims: CSV a>b c>=275.2 -->`: each ordering or goal with both sides' rsum, the margin and whether it
+    holds, flagged when the margin is within a side's seed spread, "not run yet" for a row not in the table; a
+    malformed claim names the page's line."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, rsum in (("scan_i2t_lse", 283.3), ("vsepp", 245.9), ("vsepp_seed1", 249.7), ("oan", 261.2),
+                       ("scan_t2i_avg", 256.3), ("oan_bilstm", 259.0)):
+        upsert_row(results / "flickr8k_gpu.csv", result_row(name, name, "flickr8k", {**RESULT, "rsum": rsum}, "c",
+                                                           device="NVIDIA H100"))
+    page = tmp_path / "training.md"
+    page.write_text("<!-- claims: flickr8k_gpu scan_i2t_lse>vsepp oan>=scan_t2i_avg vsepp>=248 save_asa>save_dsa "
+                    "scan_i2t_lse>=300 oan>oan_bilstm -->\n<!-- claims: end -->\n")
+    lines = render_views(page, results).splitlines()
+    assert lines[1:3] == CLAIMS_HEAD
+    assert lines[3:9] == [
+        "| scan_i2t_lse > vsepp | 283.3 | 245.9 | +37.4 | holds |",
+        "| oan ≥ scan_t2i_avg | 261.2 | 256.3 | +4.9 | holds |",
+        "| vsepp ≥ 248 | 245.9 | 248.0 (goal) | −2.1 | does not hold, within the seed spread (3.8) |",
+        "| save_asa > save_dsa | | | | save_asa, save_dsa not run yet |",
+        "| scan_i2t_lse ≥ 300 | 283.3 | 300.0 (goal) | −16.7 | does not hold |",
+        "| oan > oan_bilstm | 261.2 | 259.0 | +2.2 | holds |"]
+    page.write_text("a\n<!-- claims: flickr8k_gpu oan>=scan_t2i_avg oan=vsepp -->\n<!-- claims: end -->\n")
+    with pytest.raises(DataError, match=r"training.md:2: claim 'oan=vsepp' is not ROW>ROW"):
+        render_views(page, results)
 
 
 def test_versus_view_shows_differences_from_its_first_row(tmp_path):

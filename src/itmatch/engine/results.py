@@ -244,12 +244,51 @@ def versus_line(r: dict[str, str], reference: dict[str, str] | None) -> str:
             + f" | {r['eval_seconds']} | {speed_up:.1f}× |")
 
 
+CLAIMS_HEAD = ["| claim | left | right | margin | verdict |", "|---|---:|---:|---:|---|"]
+CLAIM = re.compile(r"(?P<left>[\w.+-]+?)(?P<op>>=|>)(?P<right>[\w.+-]+)")
+
+
+def _signed(x: float) -> str:
+    return f"{x:+.1f}".replace("-", "−")
+
+
+def claim_lines(claims: list[str], rows: list[dict[str, str]]) -> list[str]:
+    """A paper's ordering or a goal checked against the table: `a>b` or `a>=b` between two rows' rsum, or a row
+    against a number (`scan_i2t_lse>=300`). A claim decided by less than the seed spread of either side
+    (seed_groups) says so; one with a row not in the table yet says that instead."""
+    by_name = {r["name"]: r for r in rows}
+    spread = {r["name"]: max(float(g["rsum"]) for g in group) - min(float(g["rsum"]) for g in group)
+              for group in seed_groups(rows) for r in group}
+    lines = []
+    for claim in claims:
+        match = CLAIM.fullmatch(claim)
+        if match is None:
+            raise DataError(f"claim {claim!r} is not ROW>ROW or ROW>=ROW (the right side may be a number)",
+                            hint="e.g. scan_i2t_lse>vsepp or oan>=275.2, without spaces")
+        left, op, right = match["left"], match["op"], match["right"]
+        goal = re.fullmatch(r"\d+(\.\d+)?", right) is not None
+        shown = f"| {left} {op.replace('>=', '≥')} {right} |"
+        missing = [n for n in (left, *(() if goal else (right,))) if n not in by_name]
+        if missing:
+            lines.append(f"{shown} | | | {', '.join(missing)} not run yet |")
+            continue
+        a, b = float(by_name[left]["rsum"]), float(right) if goal else float(by_name[right]["rsum"])
+        holds = a >= b if op == ">=" else a > b
+        noise = max(spread.get(left, 0.0), 0.0 if goal else spread.get(right, 0.0))
+        verdict = ("holds" if holds else "does not hold") + (
+            f", within the seed spread ({noise:.1f})" if noise and abs(a - b) <= noise else "")
+        lines.append(f"{shown} {a:.1f} | {b:.1f}{' (goal)' if goal else ''} | {_signed(a - b)} | {verdict} |")
+    return lines
+
+
 @dataclass(frozen=True)
 class _ViewKind:
     folder: str  # below the results directory
     header: list[str] | tuple[list[str], ...]  # (or any of several)
     head: Callable[[bool], list[str]]  # (whether the CSV has a device column)
     line: Callable[[dict[str, str], dict[str, str] | None, bool], str]  # (row, the view's first row, device)
+    # the whole view from its names and the CSV's rows, where its lines are not one per named row (claims)
+    body: Callable[[list[str], list[dict[str, str]]], list[str]] | None = None
 
 
 #: Views inside any markdown page: `<!-- results: flickr8k row_a row_b ... -->`, the table, then
@@ -257,17 +296,19 @@ class _ViewKind:
 #: of each run in docs/results/training/flickr8k.csv). render_views fills them in the order named; a name not in
 #: the CSV yet is listed as "not run yet", so a page can name the rows it is waiting for. `versus:` shows the
 #: first named row of docs/results/<csv>.csv and every other row as its difference from it (versus_line).
+#: `claims:` names orderings and goals instead of rows (`scan_i2t_lse>vsepp oan>=275.2`), checked by claim_lines.
 #: (`curves:` views, a figure of dev rsum per epoch drawn from a training history: analysis/curves.py.)
 VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, table_head, lambda r, _, device: row_line(r, device)),
               "training": _ViewKind("training", HISTORY_HEADER, lambda _: HISTORY_HEAD,
                                     lambda r, _, __: history_line(r)),
               "versus": _ViewKind("", RESULTS_HEADERS, lambda _: VERSUS_HEAD,
-                                  lambda r, first, _: versus_line(r, first))}
+                                  lambda r, first, _: versus_line(r, first)),
+              "claims": _ViewKind("", RESULTS_HEADERS, lambda _: CLAIMS_HEAD, lambda *_: "", body=claim_lines)}
 
 
 def view_pattern(*kinds: str) -> re.Pattern:
     """A view of one of `kinds` in a page: its opening comment (groups kind, csv, rows), what is between, its end."""
-    return re.compile(rf"^<!-- (?P<kind>{'|'.join(kinds)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ -]+?) -->\n(?:.*?\n)??"
+    return re.compile(rf"^<!-- (?P<kind>{'|'.join(kinds)}): (?P<csv>[\w.-]+) (?P<rows>[\w.+ =>-]+?) -->\n(?:.*?\n)??"
                       r"<!-- (?P=kind): end -->$", re.MULTILINE | re.DOTALL)
 
 
@@ -316,11 +357,16 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
         head = kind.head(device)
         blank = " |" * (head[1].count("|") - 3)  # the empty cells after the first two
         names = match["rows"].split()
-        first = by_name.get(names[0], [None])[0]
-        lines: list[str] = []
-        for n in names:
-            lines += ([kind.line(r, first, device) for r in by_name[n]] if n in by_name
-                      else [f"| {n} | not run yet |{blank}"])
+        if kind.body is not None:  # (claims: lines of their own, not one per named row)
+            try:
+                lines = kind.body(names, [r for rs in by_name.values() for r in rs])
+            except DataError as exc:  # (where in the page)
+                raise DataError(exc.message, path=page, line=text.count("\n", 0, match.start()) + 1,
+                                hint=exc.hint) from None
+        else:
+            first = by_name.get(names[0], [None])[0]
+            lines = [line for n in names for line in ([kind.line(r, first, device) for r in by_name[n]]
+                                                      if n in by_name else [f"| {n} | not run yet |{blank}"])]
         return "\n".join([match.group(0).split("\n", 1)[0], *head, *lines, f"<!-- {match['kind']}: end -->"])
 
     return VIEW.sub(fill, text)
