@@ -286,8 +286,9 @@ class _ViewKind:
     folder: str  # below the results directory
     header: list[str] | tuple[list[str], ...]  # (or any of several)
     head: Callable[[bool], list[str]]  # (whether the CSV has a device column)
-    line: Callable[[dict[str, str], dict[str, str] | None, bool], str]  # (row, the view's first row, device)
-    # the whole view from its names and the CSV's rows, where its lines are not one per named row (claims)
+    # one line per named row (row, the view's first row, device), or (body) the whole view from its names and the
+    # CSV's rows, where its lines are not one per row (claims)
+    line: Callable[[dict[str, str], dict[str, str] | None, bool], str] | None = None
     body: Callable[[list[str], list[dict[str, str]]], list[str]] | None = None
 
 
@@ -303,7 +304,7 @@ VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, table_head, lambda r, _,
                                     lambda r, _, __: history_line(r)),
               "versus": _ViewKind("", RESULTS_HEADERS, lambda _: VERSUS_HEAD,
                                   lambda r, first, _: versus_line(r, first)),
-              "claims": _ViewKind("", RESULTS_HEADERS, lambda _: CLAIMS_HEAD, lambda *_: "", body=claim_lines)}
+              "claims": _ViewKind("", RESULTS_HEADERS, lambda _: CLAIMS_HEAD, body=claim_lines)}
 
 
 def view_pattern(*kinds: str) -> re.Pattern:
