@@ -125,6 +125,47 @@ def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_pa
         bench.run_row("scan_i2t_lse", 0, profile=gpu)
 
 
+def test_save_without_self_attention_is_the_scan_run_it_evaluates(bench):
+    """save_nosa (and its t-i LSE row) evaluate SCAN's GPU runs instead of training the same model again: the two
+    presets resolve to the same schedule and settings, build the same head, and start from the same weights."""
+    from itmatch.config import flatten
+    from itmatch.models.registry import arch
+
+    gpu = bench.GPU
+    for alias, scan_row, sets in (("save_nosa", "scan_i2t_avg", []),
+                                  ("save_nosa_t2i_lse", "scan_t2i_lse", ["model.direction=t2i", "model.pool=lse"])):
+        assert gpu.ensembles[alias] == [scan_row]
+        save = bench.row_config("save_nosa", bench.schedule_of("save_nosa", gpu), sets)
+        scan = bench.row_config(scan_row, bench.schedule_of(scan_row, gpu), gpu.overrides.get(scan_row, []))
+        for cfg in (save, scan):
+            cfg.model.vocab_size, cfg.model.img_dim = 50, 1280
+        a, b = flatten(save.to_dict()), flatten(scan.to_dict())
+        named = {"name", "preset", "model.arch", "model.save.attention",  # (and the lambdas SAVE keeps for t-i)
+                 "model.scan.lambda_softmax", "model.scan.lambda_lse"}
+        assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} <= named
+        built = []
+        for cfg in (save, scan):
+            torch.manual_seed(0)
+            built.append(arch(cfg.model).build(cfg.model))
+        heads = [{k: v for k, v in vars(m.head).items() if not k.startswith("_")} for m in built]
+        assert heads[0] == heads[1]  # (the lambdas each head uses: SCAN's of its direction)
+        weights = [list(m.state_dict().values()) for m in built]
+        assert all(torch.equal(x, y) for x, y in zip(*weights, strict=True))
+        feats, tokens = torch.relu(torch.randn(3, 49, 1280)), torch.randint(1, 50, (4, 7))
+        lengths = torch.tensor([7, 6, 5, 3])
+        with torch.no_grad():  # the same computation, not only the same parameters
+            scores = [m.eval().head(m.encode_images(feats), m.encode_texts(tokens, lengths)) for m in built]
+        assert torch.equal(*scores)
+
+
+def test_the_attention_scale_controls_change_only_their_scale(bench):
+    gpu = bench.GPU
+    oan = bench.row_config("oan", bench.schedule_of("oan_lambda_scan", gpu), gpu.overrides["oan_lambda_scan"])
+    assert (oan.model.oan.lambda_tv, oan.model.oan.lambda_vt, oan.train.epochs) == (9.0, 4.0, 24)
+    dsa = bench.row_config("save_dsa", bench.schedule_of("save_dsa_lambda9", gpu), gpu.overrides["save_dsa_lambda9"])
+    assert (dsa.model.save.attention, dsa.model.save.dsa_lambda) == ("dsa", 9.0)
+
+
 def test_the_docs_views_of_the_gpu_table_name_rows_the_bench_produces(bench):
     import re
 
@@ -134,6 +175,9 @@ def test_the_docs_views_of_the_gpu_table_name_rows_the_bench_produces(bench):
     for page in view_pages(ROOT / "docs"):
         for rows in re.findall(r"<!-- (?:results|versus|curves): flickr8k_gpu ([\w.+ -]+?) -->", page.read_text()):
             names |= set(rows.split())
+        for claims in re.findall(r"<!-- claims: flickr8k_gpu ([\w.+ =>-]+?) -->", page.read_text()):
+            names |= {side for claim in claims.split() for side in re.split(">=?", claim)
+                      if not re.fullmatch(r"[\d.]+", side)}
     assert names and names <= set(bench.GPU.rows)
 
 

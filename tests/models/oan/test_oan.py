@@ -235,6 +235,29 @@ def test_attention_weights_sum_to_one_over_the_attended_set():
             assert (weights[b][:, mask[b]] - torch.tensor(ref)).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("lambda_tv, lambda_vt", [(0.9, 0.5), (9.0, 4.0)])  # the paper's; SCAN's t-i / i-t
+def test_inter_modal_attention_is_bounded_by_its_scale(lambda_tv, lambda_vt):
+    """Eq. 4's logits lambda * s-hat lie in [0, lambda] (s-hat in [0, 1]), so however well one object matches, its
+    weight is at most e^lambda / (e^lambda + M - 1): with the paper's lambda_TV = 0.9 over a 7 x 7 grid a word gives
+    its own region 4.9 % (uniform: 2.0 %), and a region gives its word 13 % of 12 (uniform 8.3 %) at lambda_VT = 0.5
+    (docs/oan.md, "How sharp the inter-modal attention can be"). Here each of 12 words is one of 49 regions exactly,
+    the rest orthogonal: the bound is reached."""
+    head = OANHead(k_heads=2, embed_size=64, lambda_tv=lambda_tv, lambda_vt=lambda_vt)
+    basis = torch.eye(64)
+    img = ImageEmb(regions=basis[:49][None], mask=torch.ones(1, 49, dtype=torch.bool))
+    txt = TextEmb(words=basis[:12][None], lengths=torch.tensor([12]))
+    alpha_tv, alpha_vt = head.attention(head.prepare_images(img), head.prepare_texts(txt))  # [1, 49, 1, 12] each
+    peak_tv = alpha_tv[0, :12, 0, :].diagonal()  # word i on region i
+    peak_vt = alpha_vt[0, :12, 0, :].diagonal()  # region j on word j
+    bound = lambda lam, m: math.exp(lam) / (math.exp(lam) + m - 1)  # noqa: E731
+    assert torch.allclose(peak_tv, torch.full((12,), bound(lambda_tv, 49)), atol=1e-4)
+    assert torch.allclose(peak_vt, torch.full((12,), bound(lambda_vt, 12)), atol=1e-4)
+    if lambda_tv < 1:
+        assert peak_tv.max() < 0.05 and peak_vt.max() < 0.14  # near the uniform 1/49 and 1/12
+    else:
+        assert peak_tv.min() > 0.99 and peak_vt.min() > 0.82
+
+
 def test_blocked_evaluation_equals_direct_scores():
     """The evaluator (length-sorted caption blocks, trimmed padding, tiny memory budget) gives head(img, txt)."""
     torch.set_default_dtype(torch.float32)  # the evaluator feeds float32 features
