@@ -62,6 +62,7 @@ def test_gpu_rows_keep_their_papers_schedules(bench):
     assert config("vsepp_warmup_seed1").train.seed == config("vsepp_seed1").train.seed == 1
     both = config("save_asa_ms3_both").model
     assert both.direction == "both" and (both.scan.lambda_softmax, both.scan.i2t_lambda_softmax) == (9.0, 4.0)
+    assert (both.pool, both.scan.i2t_pool) == ("lse", "avg")  # SAVE Table 4's settings, t-i LSE and i-t AVG
     ft = config("scan_i2t_lse_ft").train
     assert ft.finetune_backbone and ft.lr == 2e-5 and ft.init_from.endswith("flickr8k_gpu/scan_i2t_lse/best")
     assert config("scan_i2t_lse_ft").model.pixels  # as the trainer records it: a resumed row's run matches

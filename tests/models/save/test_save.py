@@ -207,6 +207,20 @@ def test_direction_both_reaches_the_two_way_head_through_the_config():
     assert _lambdas(head.t2i) == ("t2i", 9.0, 6.0) and _lambdas(head.i2t) == ("i2t", 4.0, 5.0)
 
 
+def test_a_two_way_model_pools_each_direction_as_told_through_the_config():
+    """SAVE's Table 1 averages its two Table 4 settings, t-i LSE and i-t AVG (footnote 1, after SCAN's ensembles of
+    two poolings): model.pool is the t-i half's, model.scan.i2t_pool the i-t half's; a one-way model refuses it."""
+    from itmatch.errors import ConfigError
+
+    head = _save_head_through_config("save_dsa", "model.direction=both", "model.pool=lse", "model.scan.i2t_pool=avg")
+    assert (head.t2i.pool, head.i2t.pool) == ("lse", "avg")
+    assert _lambdas(head.t2i) == ("t2i", 9.0, 6.0) and _lambdas(head.i2t) == ("i2t", 4.0, 5.0)
+    same = _save_head_through_config("save_dsa", "model.direction=both")
+    assert (same.t2i.pool, same.i2t.pool) == ("avg", "avg")  # (unset: both halves take model.pool)
+    with pytest.raises(ConfigError, match="both directions only"):
+        _save_head_through_config("save_dsa", "model.scan.i2t_pool=lse")
+
+
 @pytest.mark.parametrize(("sets", "expected"), [((), ("i2t", 4.0, 5.0)),  # the preset: i-t AVG (Tables 4/5)
                                                 (("model.direction=t2i",), ("t2i", 9.0, 6.0)),  # Table 4 t-i
                                                 (("model.direction=t2i", "model.scan.lambda_softmax=7"),

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from itmatch.config import NORMS, ModelConfig, option, register_options
+from itmatch.config import NORMS, POOLS, ModelConfig, option, register_options
+from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher, SimilarityHead
 from itmatch.models.encoders import RegionEncoder, RNNTextEncoder
 from itmatch.models.registry import Arch, Preset, register_arch, register_presets
@@ -43,21 +44,28 @@ class ScanConfig:
     lambda_lse: float = option(6.0, above=0)  # lambda_2
     i2t_lambda_softmax: float = option(4.0, above=0)
     i2t_lambda_lse: float = option(5.0, above=0)
+    # the i-t head's pooling in a model of both directions ("" = model.pool, which the t-i head takes): SCAN's
+    # ensembles pair poolings (Flickr30K t-i AVG + i-t LSE), SAVE's Table 1 averages its Table 4 settings, i-t AVG
+    # and t-i LSE (docs/save.md)
+    i2t_pool: str = option("", choices=("", *POOLS))
     raw_feature_norm: str = option("clipped_l2norm", choices=NORMS)
     clip_slope: float = option(0.1, min=0, max=1)  # LeakyReLU slope of the "clipped" norms; 0 gives the paper's ReLU
 
 
 def scan_head(mc: ModelConfig, i2t_lambdas: tuple[float, float]) -> SimilarityHead:
     """SCAN's head in mc.direction (t-i with model.scan.lambda_*, i-t with `i2t_lambdas`); "both" averages the
-    two."""
+    two (the i-t half pooled by model.scan.i2t_pool when set)."""
     sc = mc.scan
 
-    def head(direction: str, lambdas: tuple[float, float]) -> ScanHead:
-        return ScanHead(direction, mc.pool, *lambdas, sc.raw_feature_norm, sc.clip_slope)
+    def head(direction: str, lambdas: tuple[float, float], pool: str = mc.pool) -> ScanHead:
+        return ScanHead(direction, pool, *lambdas, sc.raw_feature_norm, sc.clip_slope)
 
     t2i = (sc.lambda_softmax, sc.lambda_lse)
     if mc.direction == "both":
-        return TwoWayScanHead(head("t2i", t2i), head("i2t", i2t_lambdas))
+        return TwoWayScanHead(head("t2i", t2i), head("i2t", i2t_lambdas, sc.i2t_pool or mc.pool))
+    if sc.i2t_pool:  # (a one-way model has one head: model.pool is its pooling)
+        raise ConfigError(f"model.scan.i2t_pool={sc.i2t_pool!r} applies to a model of both directions only",
+                          hint=f"set model.pool={sc.i2t_pool} for this {mc.direction} model, or model.direction=both")
     return head(mc.direction, t2i if mc.direction == "t2i" else i2t_lambdas)
 
 
