@@ -54,6 +54,7 @@ def test_gpu_rows_keep_their_papers_schedules(bench):
     assert (oan.train.lr, oan.train.epochs, oan.model.embed_size, oan.train.weight_decay) == (5e-4, 24, 512, 1e-6)
     assert (mmca.train.batch_size, mmca.model.embed_size, mmca.model.mmca.train_negatives) == (64, 256, 0)
     assert (sman.train.optimizer, sman.train.epochs, sman.train.grad_clip) == ("adadelta", 60, 0.1)
+    assert sman.train.grad_clip_mode == "value"  # (per coordinate: docs/sman.md, "Gradient clipping at 0.1")
     # the warm-up epoch for the attention heads, which stall without it, with the control that measures it; none
     # for VSE++ (it stalls three epochs, then ends higher: docs/training.md), with its warm-up runs as the control
     assert scan.loss.warmup_epochs == oan.loss.warmup_epochs == config("vsepp_warmup").loss.warmup_epochs == 1

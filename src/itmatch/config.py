@@ -156,6 +156,9 @@ class TrainConfig:
     lr_update: int = option(15, min=1)  # lr = lr0 * 0.1 ** (epoch // lr_update)
     batch_size: int = option(128, min=2)
     grad_clip: float = option(2.0, min=0)
+    # how grad_clip bounds the gradients: "norm", their total l2 norm (SCAN's public code), or "value", each
+    # coordinate to [-grad_clip, grad_clip] (SMAN's reading of "gradient clipping at 0.1": docs/sman.md)
+    grad_clip_mode: str = option("norm", choices=("norm", "value"))
     seed: int = option(0, min=0, max=2**32 - 1)
     bucket_by_length: bool = False  # batches of similar caption length (less padding; see docs/training.md)
     max_batches: int = option(0, min=0)  # >0: cap batches per epoch (quick runs); 0: the whole split

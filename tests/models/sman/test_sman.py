@@ -298,8 +298,8 @@ def test_presets_carry_paper_settings_and_switches():
         assert name in names
     cfg = resolve_config("sman")
     t, s = cfg.train, cfg.model.sman
-    assert (t.epochs, t.optimizer, t.lr, t.lr_update, t.weight_decay, t.grad_clip, t.batch_size) == (
-        60, "adadelta", 0.05, 50, 5e-4, 0.1, 128)
+    assert (t.epochs, t.optimizer, t.lr, t.lr_update, t.weight_decay, t.grad_clip, t.grad_clip_mode, t.batch_size) == (
+        60, "adadelta", 0.05, 50, 5e-4, 0.1, "value", 128)
     assert (cfg.model.embed_size, cfg.model.word_dim, cfg.model.text_rnn, s.att_hidden) == (512, 512, "lstm", 512)
     assert (s.alpha, s.dropout, s.intra_pair_weight, s.intra_pair_margin, cfg.loss.margin) == (0.9, 0.3, 1.0, 0.25, 0.2)
     assert resolve_config("sman_w2v_spacy").model.word_vectors == "spacy_md"
