@@ -127,7 +127,8 @@ def test_fusion_is_maxpool_then_concat():
 
 def test_scale_norm_standardises_each_fused_scale_per_cell():
     """layernorm: every cell of every fused scale has zero mean and unit variance over its channels (by hand,
-    with the slow per-cell formula); a single scale and NL-ms2's raw c4 are left alone."""
+    with the slow per-cell formula); a single scale too when asked (it was silently left raw: the control that
+    separates standardising c5 from adding c3/c4), and NL-ms2, whose c4 the backbone's layers read raw, refuses it."""
     maps = {s: m * 40 + 3 for s, m in _maps(2).items()}  # c3/c4 like EfficientNet's: large, off-centre
     out = MultiScaleSelfAttention(("c3", "c4", "c5"), DIMS, "none", scale_norm="layernorm")(maps)
 
@@ -141,7 +142,12 @@ def test_scale_norm_standardises_each_fused_scale_per_cell():
     expected = torch.cat([torch.nn.functional.max_pool2d(c34, 2), standardised(maps["c5"])], 1)
     assert torch.allclose(out, to_tokens(expected), atol=1e-5)
     one = MultiScaleSelfAttention(("c5",), DIMS, "none", scale_norm="layernorm")
-    assert torch.equal(one({"c5": maps["c5"]}), to_tokens(maps["c5"])) and not one.standardise
+    assert torch.allclose(one({"c5": maps["c5"]}), to_tokens(standardised(maps["c5"])), atol=1e-5)
+    raw = MultiScaleSelfAttention(("c5",), DIMS, "none")  # (the single-scale presets: scale_norm none)
+    assert torch.equal(raw({"c5": maps["c5"]}), to_tokens(maps["c5"]))
+    with pytest.raises(ValueError, match="not NL-ms2"):
+        MultiScaleSelfAttention(("c4", "c5"), DIMS, "asa", fusion="nl", tail=torch.nn.Identity(),
+                                scale_norm="layernorm")
     with pytest.raises(ValueError, match="scale_norm"):
         MultiScaleSelfAttention(("c4", "c5"), DIMS, "asa", scale_norm="batchnorm")
 

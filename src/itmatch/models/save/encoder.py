@@ -128,9 +128,10 @@ class MultiScaleSelfAttention(nn.Module):
         if scale_norm not in SCALE_NORMS:
             raise ValueError(f"unknown scale_norm {scale_norm!r}; choose one of {SCALE_NORMS}")
         self.scales, self.fusion = tuple(scales), fusion
-        # only where maps are concatenated: one scale has nothing to be balanced against, and NL-ms2 feeds c4
-        # to the backbone's own layers, which expect it raw
-        self.standardise = scale_norm == "layernorm" and fusion == "concat" and len(self.scales) > 1
+        if scale_norm != "none" and fusion == "nl":  # (NL-ms2 feeds c4 to the backbone's own layers, which expect
+            raise ValueError("scale_norm applies to fused scales (fusion concat), not NL-ms2")  # it raw)
+        # one scale standardised too when asked: the control that separates "standardise c5" from "add c3/c4"
+        self.standardise = scale_norm == "layernorm"
         if fusion == "nl" and (self.scales != ("c4", "c5") or tail is None):
             raise ValueError("fusion 'nl' (NL-ms2) needs scales c4,c5 and the backbone's c4 -> c5 tail")
         self.tail = tail
