@@ -202,15 +202,15 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # scores of its two Table 4 settings, i-t AVG and t-i LSE, averaged (footnote 1), in one model
     # (model.direction=both, the t-i half pooled by model.pool, the i-t half by model.scan.i2t_pool; docs/save.md)
     **{f"{p}_t2i_lse": (p, ["model.direction=t2i", "model.pool=lse"]) for p in ("save_dsa", "save_asa")},
+    "save_dsa_ms2": ("save_dsa", ["model.save.scales=c4,c5", "model.save.scale_norm=layernorm"]),
+    **{f"{p}_both": (p, ["model.direction=both", "model.pool=lse", "model.scan.i2t_pool=avg"])
+       for p in ("save_dsa", "save_asa", "save_asa_ms3")},
     # attention that the papers' literal scales leave near uniform: both scale logits that lie in [0, 1] (l2-normalised
     # cosines), so one object's weight is at most e^lambda / (e^lambda + M - 1). OAN's lambda_TV = 0.9 over 49 cells
     # gives a perfectly matching region 4.9 % (uniform 2.0 %), SAVE's DSA (no lambda) makes every cell ~ the image's
     # mean (docs/oan.md, docs/save.md); each beside SCAN's own scales (9 t-i, 4 i-t)
     "oan_lambda_scan": ("oan", ["model.oan.lambda_tv=9", "model.oan.lambda_vt=4"]),
     "save_dsa_lambda9": ("save_dsa", ["model.save.dsa_lambda=9"]),
-    "save_dsa_ms2": ("save_dsa", ["model.save.scales=c4,c5", "model.save.scale_norm=layernorm"]),
-    **{f"{p}_both": (p, ["model.direction=both", "model.pool=lse", "model.scan.i2t_pool=avg"])
-       for p in ("save_dsa", "save_asa", "save_asa_ms3")},
     **{f"{p}_seed1": (p, ["train.seed=1"]) for p in HEADLINE},
     # the warm-up decision, measured again on converged runs (docs/training.md, "The paper schedules"): SCAN t-i
     # AVG stalled without it on the CPU; VSE++ at D = 1024 stalled too, but only for three epochs, and ended

@@ -187,11 +187,17 @@ def seed_groups(rows: list[dict[str, str]]) -> list[list[dict[str, str]]]:
 SEEDS_HEAD = ["| row | seeds | rsum of each | mean | spread |", "|---|---:|---|---:|---:|"]
 
 
-def seeds_line(group: list[dict[str, str]]) -> str:
-    """A row and its other seeds: the rsum of each, their mean and spread (largest minus smallest)."""
+def seed_spread(group: list[dict[str, str]]) -> float:
+    """How far the rsums of a row's seeds lie apart: largest minus smallest."""
     rsums = [float(r["rsum"]) for r in group]
+    return max(rsums) - min(rsums)
+
+
+def seeds_line(group: list[dict[str, str]]) -> str:
+    """A row and its other seeds: the rsum of each, their mean and spread (seed_spread)."""
+    mean = sum(float(r["rsum"]) for r in group) / len(group)
     return (f"| {group[0]['name']} | {len(group)} | {' / '.join(r['rsum'] for r in group)} | "
-            f"{sum(rsums) / len(rsums):.1f} | {max(rsums) - min(rsums):.1f} |")
+            f"{mean:.1f} | {seed_spread(group):.1f} |")
 
 
 def render_markdown(path: str | Path) -> str:
@@ -257,8 +263,7 @@ def claim_lines(claims: list[str], rows: list[dict[str, str]]) -> list[str]:
     against a number (`scan_i2t_lse>=300`). A claim decided by less than the seed spread of either side
     (seed_groups) says so; one with a row not in the table yet says that instead."""
     by_name = {r["name"]: r for r in rows}
-    spread = {r["name"]: max(float(g["rsum"]) for g in group) - min(float(g["rsum"]) for g in group)
-              for group in seed_groups(rows) for r in group}
+    spread = {r["name"]: seed_spread(group) for group in seed_groups(rows) for r in group}
     lines = []
     for claim in claims:
         match = CLAIM.fullmatch(claim)
@@ -350,8 +355,9 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
     def fill(match: re.Match) -> str:
         kind = VIEW_KINDS[match["kind"]]
         csv_path = view_csv(Path(results_dir) / kind.folder, match, text, page)
+        rows = read_rows(csv_path, kind.header)
         by_name: dict[str, list[dict[str, str]]] = {}
-        for r in read_rows(csv_path, kind.header):
+        for r in rows:
             by_name.setdefault(r["name"], []).append(r)
         # a results view of a table with a device column (flickr8k_gpu) shows where each row ran
         device = read_header(csv_path) == DEVICE_HEADER
@@ -360,7 +366,7 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
         names = match["rows"].split()
         if kind.body is not None:  # (claims: lines of their own, not one per named row)
             try:
-                lines = kind.body(names, [r for rs in by_name.values() for r in rs])
+                lines = kind.body(names, rows)
             except DataError as exc:  # (where in the page)
                 raise DataError(exc.message, path=page, line=text.count("\n", 0, match.start()) + 1,
                                 hint=exc.hint) from None
