@@ -211,6 +211,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # mean (docs/oan.md, docs/save.md); each beside SCAN's own scales (9 t-i, 4 i-t)
     "oan_lambda_scan": ("oan", ["model.oan.lambda_tv=9", "model.oan.lambda_vt=4"]),
     "save_dsa_lambda9": ("save_dsa", ["model.save.dsa_lambda=9"]),
+    # ms3 differs from ASA in two ways, c3/c4 added and every scale standardised per cell (scale_norm, which the
+    # fused scales need: docs/save.md); ASA on c5 standardised alone tells which of the two a gain comes from
+    "save_asa_layernorm": ("save_asa", ["model.save.scale_norm=layernorm"]),
     **{f"{p}_seed1": (p, ["train.seed=1"]) for p in HEADLINE},
     # the warm-up decision, measured again on converged runs (docs/training.md, "The paper schedules"): SCAN t-i
     # AVG stalled without it on the CPU; VSE++ at D = 1024 stalled too, but only for three epochs, and ended
