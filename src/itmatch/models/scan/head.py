@@ -17,7 +17,8 @@ from itmatch.models.scan import fused
 def attention_logits(s: torch.Tensor, query_mask: torch.Tensor, context_mask: torch.Tensor, how: str,
                      clip_slope: float, lam: float, inplace: bool = False) -> torch.Tensor:
     """lambda_1 * (the region-word similarity normalised over the query axis, dim 3), -inf on padded
-    context entries (dim 1): the logits of the attention softmax over dim 1 (SCAN Eq. 1-2 / 7).
+    context entries (dim 1): the logits of the attention softmax over dim 1 (SCAN Eq. 3, and its unnumbered t-i twin
+    in section 3.1).
 
     clipped_l2norm: [s]_+ / (sqrt(sum [s]_+^2) + eps), where [.]_+ is LeakyReLU(clip_slope) (the code uses
     0.1; the paper writes a plain ReLU, clip_slope=0). Padded query entries hold s = 0 (Matcher.encode_*
@@ -51,7 +52,7 @@ def attention_logits(s: torch.Tensor, query_mask: torch.Tensor, context_mask: to
 def context_attention(sim: torch.Tensor, query_mask: torch.Tensor, context_mask: torch.Tensor, norm: str,
                       clip_slope: float, lam: float, inplace: bool = False) -> torch.Tensor:
     """The attention weights of a block [B, C, b, Q] over its context axis (dim 1), 0 on padded context
-    entries: softmax_C(attention_logits(sim)) (SCAN Eq. 2 / 7, OAN Eq. 4)."""
+    entries: softmax_C(attention_logits(sim)) (SCAN Eq. 3 and its t-i twin, OAN Eq. 4)."""
     return torch.softmax(attention_logits(sim, query_mask[None, None], context_mask, norm, clip_slope, lam, inplace),
                          dim=1)
 
