@@ -430,8 +430,18 @@ def row_status(row: str, profile: Profile) -> str:
     if row in done:
         return f"evaluated: rsum {done[row]['rsum']} ({done[row].get('device') or 'cpu'})"
     preset = trained_row(row, profile)
-    return "not evaluated; " + "; ".join(f"{member}: {run_state(ROOT / profile.runs / member)}"
+    return "not evaluated; " + "; ".join(f"{member}: {member_state(member, done, profile)}"
                                          for member in profile.ensembles.get(preset, [preset]))
+
+
+def member_state(member: str, done: dict[str, dict], profile: Profile) -> str:
+    """run_state of an ensemble's member, which says so where the member's own row is in the table but its run is
+    not here (trained on another machine, or gone with a machine): the row would train it again."""
+    state = run_state(ROOT / profile.runs / member)
+    if state == "not started" and member in done:
+        return (f"no run here, although its row is evaluated (rsum {done[member]['rsum']}, "
+                f"{done[member].get('device') or 'cpu'}): the row trains it again")
+    return state
 
 
 def run_state(run_dir: Path) -> str:

@@ -106,6 +106,21 @@ def _fake_run(bench, profile, row: str, epochs_done: int, with_best: bool) -> No
         (run / "best" / "config.json").write_text(json.dumps(cfg.to_dict()))
 
 
+def test_an_ensemble_member_evaluated_elsewhere_is_not_reported_as_not_started(bench, tmp_path):
+    """A member whose row is in the table but whose run is not on this machine (trained on a lent GPU, or gone with
+    a machine) is named as such: running the ensemble's row would train it again."""
+    import dataclasses
+
+    from itmatch.engine.results import DEVICE_HEADER, write_rows
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"))
+    row = {**dict.fromkeys(DEVICE_HEADER, ""), "name": "scan_i2t_lse", "rsum": "283.3", "device": "GPU X"}
+    write_rows(gpu.results, DEVICE_HEADER, [row])
+    status = bench.row_status("ensemble_mmca_alpha0_lite2+scan_i2t_lse", gpu)
+    assert status == ("not evaluated; mmca_alpha0_lite2: not started; scan_i2t_lse: no run here, although its row is "
+                      "evaluated (rsum 283.3, GPU X): the row trains it again")
+
+
 def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_path, monkeypatch, capsys):
     import dataclasses
 
