@@ -211,3 +211,18 @@ def test_evaluate_refuses_to_replace_its_json_without_force(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err and metrics.read_text() == '{"earlier": "results"}'
     assert main(["evaluate", str(tmp_path), "--json", str(metrics), "--force"]) == 2  # past the check: no model
     assert "not a checkpoint" in capsys.readouterr().err
+
+
+def test_an_unknown_option_is_reported_by_its_verb_with_the_closest_known_one(tmp_path, capsys):
+    """`itmatch search INDEX q --shortlst 5` names the verb and its --help (not `itmatch --help`), and the option
+    that was meant; an option with nothing close gets no guess."""
+    evaluation, figure = str(tmp_path / "a.json"), str(tmp_path / "x.png")
+    Path(evaluation).write_text("{}")
+    for argv, said in ((["search", str(tmp_path), "q", "--shortlst", "5"], "did you mean --shortlist?"),
+                       (["models", "--top", "5"], "unrecognized arguments: --top 5 (see `itmatch models --help`)"),
+                       (["analyze", "recall", evaluation, "--out", figure, "--lables", "a"], "did you mean --labels?")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and err.startswith(f"itmatch {argv[0]}") and err.count("\n") == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
 import shlex
@@ -385,6 +386,35 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        # argparse reports arguments no parser knows from the top parser ("itmatch: ... see `itmatch --help`");
+        # the innermost verb's parser that was left with them marks itself, so the error names the verb, its
+        # --help, and the option a misspelt one is closest to
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras and not hasattr(namespace, _LEFT_OVER):
+            setattr(namespace, _LEFT_OVER, self)
+        return namespace, extras
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = getattr(namespace, _LEFT_OVER)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{parser.closest_option(extras)}")
+        return namespace
+
+    def closest_option(self, extras: list[str]) -> str:
+        """'; did you mean --x?' for the first unknown option with a close known one (difflib), else ''."""
+        known = [o for action in self._actions for o in action.option_strings]
+        for word in extras:
+            if word.startswith("-"):
+                close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.7)
+                if close:
+                    return f"; did you mean {close[0]}?"
+        return ""
+
+
+_LEFT_OVER = "_itmatch_left_over"  # (the namespace attribute _Parser.parse_known_args marks)
 
 
 def build_parser() -> argparse.ArgumentParser:
