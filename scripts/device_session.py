@@ -24,7 +24,7 @@ last lines) through $OUT, until every row is done:
 
 and, for a model to ship, its fp16 package (scripts/ship_pretrained.py) into $OUT:
 
-    python3 scripts/device_session.py ship oan oan-flickr8k
+    python3 scripts/device_session.py ship mmca mmca-flickr8k
 
 and, for a checkpoint to keep (they leave with the machine: an ensemble or an analysis here needs them), the run
 directory in pieces through $OUT, one SCAN run (~43 MB) a call, joined here from the call's files_at:
