@@ -5,6 +5,7 @@ epoch are drawn beside the training history) of the pages in docs/ and of the RE
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from itmatch.io import write_text_atomic, write_with
 
 
 def main() -> int:
+    # (no options: the parser gives `--help` its meaning, instead of rendering, and refuses unknown arguments)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     docs = Path(__file__).resolve().parents[1] / "docs"
     root = docs / "results"
     for csv_path, render in markdown_tables(root):
