@@ -57,6 +57,24 @@ def test_constant_scores_are_not_rewarded():
     assert result["image_to_text"]["r1"] == 0 and result["text_to_image"]["r1"] == 0
 
 
+def test_nan_scores_count_as_the_lowest_never_as_hits(caplog):
+    """A diverged model's NaN scores must not look perfect (taken as they are, an all-NaN matrix ranks every ground
+    truth first: rsum 600) nor lift a row above the same row at -inf; the evaluation says how many there were."""
+    all_nan = retrieval_metrics(torch.full((10, 50), float("nan")))
+    assert all_nan["rsum"] <= retrieval_metrics(torch.zeros(10, 50))["rsum"]
+    scores = torch.from_numpy(np.random.default_rng(0).normal(size=(10, 50)).astype(np.float32))
+    scores[3] = float("nan")  # one image's scores
+    scores[:, 7] = float("nan")  # one caption's
+    as_lowest = scores.nan_to_num(nan=float("-inf"))
+    with caplog.at_level("WARNING", logger="itmatch.evaluate"):
+        result = retrieval_metrics(scores)
+    assert result == retrieval_metrics(as_lowest)
+    i2t, t2i = brute_ranks(as_lowest.numpy())
+    assert result["image_to_text"]["r1"] == pytest.approx(brute_metrics(i2t)["r1"])
+    assert result["text_to_image"]["r10"] == pytest.approx(brute_metrics(t2i)["r10"])
+    assert "59 of 500 scores are NaN" in caplog.text
+
+
 def test_perfect_scores():
     scores = torch.full((4, 20), -1.0)
     for i in range(4):

@@ -3,10 +3,13 @@
 Ranks are 0-based. Ties are broken *against* the ground truth: a negative that scores exactly as high
 as the best positive counts as ranked above it, so a constant (degenerate) model scores at or below
 chance instead of looking perfect. Ties among the positives themselves do not matter (the best one counts).
+A NaN score (a diverged model, a bad feature) counts as the lowest score. Taken as it is, every comparison with it
+is false: a NaN ground truth would rank first, and an all-NaN matrix would score rsum 600.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -16,6 +19,13 @@ import torch
 KS = (1, 5, 10)
 DIRECTIONS = ("image_to_text", "text_to_image")
 CURVE_K = 100  # a recall curve: R@1 ... R@100, where the 1K protocol's 1000 images or 5000 captions still differ
+log = logging.getLogger("itmatch.evaluate")
+
+
+def nan_lowest(scores: torch.Tensor) -> torch.Tensor:
+    """`scores` with NaN as -inf, so that a NaN ground truth ranks below every item (ties count against it) and a
+    NaN negative below the ground truth: never rewarded."""
+    return scores.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
 def image_to_text_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tensor:
@@ -23,6 +33,7 @@ def image_to_text_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tenso
     n_img, n_txt = scores.shape
     if n_txt != per_image * n_img:
         raise ValueError(f"score matrix {tuple(scores.shape)} is not [N, {per_image}N]")
+    scores = nan_lowest(scores)
     owner = torch.arange(n_txt, device=scores.device) // per_image
     positive = owner[None, :] == torch.arange(n_img, device=scores.device)[:, None]
     best = scores.masked_fill(~positive, float("-inf")).amax(1, keepdim=True)
@@ -32,6 +43,7 @@ def image_to_text_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tenso
 def text_to_image_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tensor:
     """rank of caption j = number of other images scoring >= its own image."""
     n_img, n_txt = scores.shape
+    scores = nan_lowest(scores)
     owner = torch.arange(n_txt, device=scores.device) // per_image
     own = scores[owner, torch.arange(n_txt, device=scores.device)]
     return (scores >= own[None, :]).sum(0) - 1
@@ -57,6 +69,10 @@ def retrieval_metrics(scores: torch.Tensor, per_image: int = 5, curve: bool = Fa
     """Both directions plus rsum and mR for one score matrix [n_img, per_image * n_img]; with `curve`, also
     each direction's R@1 ... R@CURVE_K under "recall_curve"."""
     scores = scores.float()
+    nans = int(scores.isnan().sum())
+    if nans:
+        log.warning("%d of %d scores are NaN (a diverged model, or NaN in its inputs): each counts as the lowest "
+                    "score, so its pairs rank last", nans, scores.numel())
     ranks = {"image_to_text": image_to_text_ranks(scores, per_image),
              "text_to_image": text_to_image_ranks(scores, per_image)}
     result: dict[str, Any] = with_rsum({d: rank_metrics(ranks[d]) for d in DIRECTIONS})
