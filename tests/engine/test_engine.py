@@ -126,6 +126,19 @@ def test_resume_applies_preset_and_config_file_under_the_set_rules(tiny_precomp,
     assert max(x.get("epoch", 0) for x in lines) == 2
 
 
+def test_selecting_or_training_on_the_test_split_is_said(tiny_precomp, caplog):
+    """Allowed (a dataset of one's own may lack a dev split), never silent: its test figures are optimistic."""
+    from itmatch.engine.train import prepare_data
+
+    cfg = quick_config("vsepp", tiny_precomp)
+    with caplog.at_level("WARNING", logger="itmatch.train"):
+        prepare_data(cfg, None)
+        assert "test split" not in caplog.text
+        cfg.data.val_split = "test"
+        prepare_data(cfg, None)
+    assert "data.val_split is 'test': the model is selected on a test split" in caplog.text
+
+
 def test_blocked_scoring_equals_one_block(tiny_precomp, tmp_path):
     cfg = quick_config("scan_i2t_avg", tiny_precomp)
     from itmatch.engine.train import prepare_data

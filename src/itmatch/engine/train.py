@@ -55,6 +55,7 @@ from itmatch.models.losses import triplet_loss
 from itmatch.models.registry import arch, build_model, finetune_backbone, read_pixels_for_finetuning
 
 log = logging.getLogger("itmatch.train")
+TEST_SPLITS = ("test", "testall")  # the splits results are reported on
 _log = log  # (inside train(), `log` is the metrics file)
 
 
@@ -302,6 +303,11 @@ def resolve_placement(cfg: Config, device: str | None = None, precision: str | N
 def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, PrecompSplit, AnyVocab]:
     if not cfg.data.path:
         raise ConfigError("data.path is not set", hint="pass --data DIR (a precomp directory)")
+    for key, use in (("train_split", "trained"), ("val_split", "selected")):
+        # allowed (a dataset of one's own may have no dev split), but never silently
+        if getattr(cfg.data, key) in TEST_SPLITS:
+            log.warning("data.%s is %r: the model is %s on a test split, so its test figures are optimistic (a "
+                        "results row needs a dev split for selection)", key, getattr(cfg.data, key), use)
     train = open_split(cfg, cfg.data.train_split, train=True)
     val = open_split(cfg, cfg.data.val_split).head(cfg.train.val_images)
     if vocab is None:
