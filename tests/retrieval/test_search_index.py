@@ -68,6 +68,49 @@ def test_incremental_add_change_delete_move(tiny_search_setup, photos, tmp_path)
         assert torch.allclose(fresh, stored, atol=1e-5), image_id
 
 
+def test_another_or_an_empty_folder_never_empties_an_index_without_force(tiny_search_setup, photos, tmp_path):
+    """An update removes the photos it no longer finds: a mistyped folder (another one, or one with no image: a disk
+    not mounted) would silently empty the index. Both are refused without --force, the index untouched; with it,
+    a moved folder's photos are not encoded again."""
+    out = tmp_path / "index"
+    _build(tiny_search_setup, photos, out)
+    before = (out / MANIFEST).read_bytes()
+    moved = tmp_path / "moved_photos"
+    shutil.copytree(photos, moved)
+    with pytest.raises(OverwriteError, match=r"indexes .*photos \(12 photos\), not .*moved_photos"):
+        _build(tiny_search_setup, moved, out)
+    for photo in photos.iterdir():
+        photo.unlink()
+    with pytest.raises(DataError, match="would remove all its 12 photos"):
+        _build(tiny_search_setup, photos, out)
+    assert (out / MANIFEST).read_bytes() == before
+    replaced = _build(tiny_search_setup, moved, out, force=True)
+    assert replaced["images"] == 12 and replaced["encoded"] == 0 and replaced["reused"] == 12
+    assert _build(tiny_search_setup, photos, out, force=True)["images"] == 0
+
+
+def test_a_second_index_run_on_the_same_out_stops_at_once(tiny_search_setup, photos, tmp_path):
+    """Two runs writing one index would each write the manifest of their own photos; the second waits for nothing
+    and says why. The lock goes with the run: the next run proceeds."""
+    from itmatch.retrieval.index import index_lock
+
+    out = tmp_path / "index"
+    with index_lock(out), pytest.raises(OverwriteError, match="another `itmatch index` is writing this index now"):
+        _build(tiny_search_setup, photos, out)
+    assert _build(tiny_search_setup, photos, out)["images"] == 12
+
+
+def test_an_array_write_killed_before_its_rename_is_removed_by_the_next_run(tiny_search_setup, photos, tmp_path):
+    out = tmp_path / "index"
+    _build(tiny_search_setup, photos, out)
+    leftover = out / ".regions-20261126213412-74db00.npy.host-16941.6t6en6kw.partial"  # (io.atomic_path's name)
+    leftover.write_bytes(b"half an array")
+    mine = out / ".notes.txt.host-1.x.partial"  # not the index's
+    mine.write_text("kept")
+    assert _build(tiny_search_setup, photos, out)["encoded"] == 0  # (nothing changed: no array is written)
+    assert not leftover.exists() and mine.exists()
+
+
 def test_rerun_reads_only_files_whose_size_or_mtime_changed(tiny_search_setup, photos, tmp_path, monkeypatch):
     import os
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from filelock import FileLock, Timeout
 from numpy.lib.format import open_memmap
 from tqdm import tqdm
 
@@ -309,10 +310,41 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     `rehash` (then every photo is hashed).
     """
     from itmatch import distributed as dist
+
+    dist.init_from_env("gloo")
+    out_dir = Path(out_dir)
+    with index_lock(out_dir) if dist.is_main() else contextlib.nullcontext():
+        return _build_index(Path(images_dir), checkpoint, out_dir, force=force, rehash=rehash, batch_size=batch_size,
+                            chunk=chunk, progress=progress, on_chunk=on_chunk, device=device, precision=precision,
+                            trust_modified=trust_modified)
+
+
+@contextlib.contextmanager
+def index_lock(out_dir: Path):
+    """Held while an index is written (`.NAME.lock` beside it): a second `itmatch index` on the same --out, which
+    would otherwise write beside the first and leave only its own photos in the manifest, stops at once. Under
+    torchrun rank 0 holds it for the group."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(out_dir.parent / f".{out_dir.name}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise OverwriteError("another `itmatch index` is writing this index now", path=out_dir,
+                             hint="wait for it to finish (it leaves the index complete), or write to another --out"
+                             ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, force: bool, rehash: bool,
+                 batch_size: int, chunk: int, progress: bool, on_chunk: Callable[[int, int], None] | None,
+                 device: str | torch.device, precision: str, trust_modified: bool) -> dict[str, Any]:
+    from itmatch import distributed as dist
     from itmatch.features.extract import _backbone_meta, _version
     from itmatch.retrieval.matcher import load
 
-    dist.init_from_env("gloo")
     progress = progress and dist.is_main()
     started = time.perf_counter()
     images_dir, out_dir = Path(images_dir).resolve(), Path(out_dir)
@@ -351,10 +383,17 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
             raise OverwriteError(
                 f"{out_dir} is an index built with another model ({old['model'].get('checkpoint')})",
                 path=out_dir, hint="write to another --out, or pass --force to re-encode it with this model")
+        if old is not None and old.get("images_root") not in (None, str(images_dir)) and not force:
+            # (an update removes the photos it does not find: from another folder, every photo of this index)
+            raise OverwriteError(
+                f"{out_dir} indexes {old['images_root']} ({old['count']} photos), not {images_dir}", path=out_dir,
+                hint="write to another --out; or, to make it the index of this folder (a moved photo folder, say), "
+                     "pass --force: photos whose content it has already encoded are not encoded again")
     elif out_dir.exists() and any(p.name != PARTS for p in out_dir.iterdir()) and not force:
         raise OverwriteError("exists and is not an index", path=out_dir,
                              hint="choose an empty or new --out, or pass --force")
     out_dir.mkdir(parents=True, exist_ok=True)
+    _remove_killed_writes(out_dir)
     parts_dir = out_dir / PARTS
 
     # Where each sha256's encodings (or at least features) can come from without running the CNN.
@@ -381,6 +420,10 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     parts = _read_parts(parts_dir, identity)
 
     paths = scan_images(images_dir, exclude=out_dir)
+    if not paths and old is not None and old["count"] and not force:
+        raise DataError(f"no image under {images_dir} (recursively): updating {out_dir} would remove all its "
+                        f"{old['count']} photos", path=images_dir,
+                        hint="check the folder (a disk not mounted?); pass --force to empty the index")
     records, unreadable = _hash_files(images_dir, paths, progress, None if rehash else old)
 
     # the old rows serve only when they hold every field this model's encoder returns
@@ -558,6 +601,15 @@ def _consolidate(out_dir: Path, old: dict | None, old_arrays: dict[str, np.ndarr
         images.append({**r, "width": w, "height": h})
     return {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "images_root": str(images_dir), "model": identity, "count": n, "arrays": arrays, "images": images}
+
+
+def _remove_killed_writes(out_dir: Path) -> None:
+    """The arrays of a generation whose run was killed while writing them (io.atomic_path's temporary files, as
+    large as the index): never read, and no one else writes here while index_lock is held."""
+    for f in out_dir.glob(".*-*.npy.*.partial"):
+        name = f.name[1:].split("-", 1)[0]
+        if name in ARRAYS or name.startswith(EXTRA_PREFIX):
+            f.unlink(missing_ok=True)
 
 
 def _cleanup(out_dir: Path, manifest: dict) -> None:
