@@ -27,6 +27,7 @@ from itmatch.argtypes import (
     positive_int,
 )
 from itmatch.errors import ItmatchError
+from itmatch.retrieval.limits import MAX_K
 
 split_size = int_in(0, 99999)  # synth: image file names have five digits
 
@@ -295,12 +296,14 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
 def _cmd_search(args: argparse.Namespace) -> int:
     from itmatch.retrieval.names import public_id
-    from itmatch.retrieval.search import Searcher, read_captions_file
+    from itmatch.retrieval.search import Searcher, check_query, read_captions_file
 
     if (args.query is None) == (args.image is None):
         from itmatch.errors import ConfigError
 
         raise ConfigError("give either a text QUERY or --image PHOTO", hint="itmatch search INDEX 'a dog' -k 10")
+    if args.query is not None:
+        check_query(args.query)  # (before the model loads: seconds)
     placement = _placement(args)
     captions = read_captions_file(args.captions) if args.captions else None
     searcher = Searcher(Path(args.index), args.model, captions=captions, shortlist=args.shortlist,
@@ -314,8 +317,15 @@ def _cmd_search(args: argparse.Namespace) -> int:
                     "captions_without_known_word": len(searcher.captions_without_known_word), "results": results}
     else:
         # ids and paths escaped (docs/search.md): a name need not be UTF-8 and may hold a newline
-        results = [{**h.as_dict(), "path": public_id(str(searcher.path_of(h.id)))}
-                   for h in searcher.search(args.query, args.k)]
+        hits = searcher.search(args.query, args.k)
+        results = [{**h.as_dict(), "path": public_id(str(searcher.path_of(h.id)))} for h in hits]
+        gone = sum(not searcher.path_of(h.id).is_file() for h in hits)
+        if gone:  # (deleted or moved since the index was last updated: still ranked, not shown by the server)
+            from itmatch.retrieval.index import index_command
+
+            print(f"note: {gone} of these {len(hits)} photos are no longer where they were indexed (moved or "
+                  f"deleted); update the index: {index_command(args.index, searcher.index.manifest)}",
+                  file=sys.stderr)
         unknown = searcher.unknown_words(args.query)
         if unknown:  # (stderr as well: a reader of the ranked lines sees it)
             print(f"note: not in the model's vocabulary, read as <unk>: {', '.join(unknown)}", file=sys.stderr)
@@ -604,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("search", help="query an index: text -> photos, or --image PHOTO -> captions")
     s.add_argument("index", type=existing_dir, help="index directory written by `itmatch index`")
     s.add_argument("query", nargs="?", help="text query, e.g. 'a dog jumping over a fence'")
-    s.add_argument("-k", type=positive_int, default=10, help="number of results (default 10)")
+    s.add_argument("-k", type=int_in(1, MAX_K), default=10, help=f"number of results (1 to {MAX_K}, default 10)")
     s.add_argument("--image", type=existing_file, help="photo to find captions for (image-to-text; needs --captions)")
     s.add_argument("--captions", type=existing_file,
                    help="caption collection for --image: a text file, one caption a line")

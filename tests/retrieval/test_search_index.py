@@ -317,6 +317,21 @@ def test_cli_index_and_search(tiny_search_setup, tmp_path, capsys):
     assert "vocabulary" in capsys.readouterr().err
 
 
+def test_search_notes_results_whose_photo_is_gone_since_indexing(tiny_search_setup, photos, tmp_path, capsys):
+    """A photo deleted after indexing is still ranked (its encoding is in the index) until the next `itmatch index`:
+    the CLI says so, with the command that updates the index."""
+    out = tmp_path / "index"
+    _build(tiny_search_setup, photos, out)
+    assert main(["search", str(out), "a red circle", "-k", "12"]) == 0
+    assert "no longer where" not in capsys.readouterr().err
+    (photos / "test_00002.png").unlink()
+    assert main(["search", str(out), "a red circle", "-k", "12"]) == 0
+    printed = capsys.readouterr()
+    assert "test_00002.png" in printed.out
+    assert (f"note: 1 of these 12 photos are no longer where they were indexed (moved or deleted); update the index: "
+            f"itmatch index {photos} --model {tiny_search_setup['checkpoint']} --out {out}") in printed.err
+
+
 def test_scan_attention_matches_per_pair_reference():
     """ScanHead.attention (t2i) against Sec. 3.2 written out for one image and one caption at a time:
     s_kl = v_k . e_l, clipped l2 norm over words, alpha'_kl = softmax_k(lambda_1 * s_bar_kl)."""

@@ -63,9 +63,18 @@ def is_encoding_array(name: str) -> bool:
 
 
 def rebuild_hint(index_dir: Path | str, manifest: dict | None = None) -> str:
+    return f"rebuild it: {index_command(index_dir, manifest)} --force"
+
+
+def index_command(index_dir: Path | str, manifest: dict | None = None) -> str:
+    """The `itmatch index` command that updates the index (its photo folder and model, from its manifest)."""
+    from itmatch.pretrained import PRETRAINED_DIR
+
     images = (manifest or {}).get("images_root", "IMAGES_DIR")
     ckpt = ((manifest or {}).get("model") or {}).get("checkpoint", "CKPT")
-    return f"rebuild it: itmatch index {images} --model {ckpt} --out {index_dir} --force"
+    if Path(ckpt).parent == PRETRAINED_DIR:  # a shipped model: its name, which holds wherever itmatch is installed
+        ckpt = Path(ckpt).name
+    return f"itmatch index {images} --model {ckpt} --out {index_dir}"
 
 
 def model_identity(checkpoint: Path | str, backbone: str) -> dict[str, Any]:
@@ -218,8 +227,7 @@ class ImageIndex:
                 f"weights {identity.get('weights_hash', '')[:12]}",
                 path=self.root / MANIFEST,
                 hint=f"use the index's own checkpoint {built.get('checkpoint')}, or rebuild the index for this "
-                     f"model: itmatch index {self.manifest.get('images_root')} --model {identity.get('checkpoint')} "
-                     f"--out {self.root} --force")
+                     f"model: {index_command(self.root, {**self.manifest, 'model': identity})} --force")
 
 
 def load_index(index_dir: Path | str, verify: bool = True) -> ImageIndex:

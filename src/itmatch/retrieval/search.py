@@ -25,13 +25,12 @@ from itmatch.features.pipeline import UnreadableImage, decode_image
 from itmatch.inference import score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
+from itmatch.retrieval.limits import MAX_K, MAX_PIXELS, MAX_QUERY_CHARS, MAX_QUERY_WORDS, MAX_UPLOAD_BYTES
 from itmatch.retrieval.names import public_id
 
-MAX_QUERY_CHARS = 300
-MAX_QUERY_WORDS = 40
-MAX_K = 100
-MAX_UPLOAD_BYTES = 10 * 1024 * 1024
-MAX_PIXELS = 40_000_000  # ~ a 7300 x 5500 photo; larger is refused before decoding (decompression bombs)
+__all__ = ["MAX_K", "MAX_PIXELS", "MAX_QUERY_CHARS", "MAX_QUERY_WORDS", "MAX_UPLOAD_BYTES", "QueryError", "Searcher",
+           "check_k", "check_query", "open_upload", "read_captions_file"]
+
 IMAGE_FORMATS = frozenset({"JPEG", "PNG", "GIF", "BMP", "WEBP", "TIFF", "MPO"})
 
 
@@ -41,6 +40,21 @@ class QueryError(ItmatchError):
     def __init__(self, message: str, *, status: int = 422, hint: str | None = None) -> None:
         super().__init__(message, hint=hint)
         self.status = status
+
+
+def check_query(query: object) -> list[str]:
+    """The words of a query that can be searched by any model (QueryError: empty, over MAX_QUERY_CHARS characters
+    or MAX_QUERY_WORDS words); whether the model knows them is the Searcher's question."""
+    from itmatch.data.vocab import tokenize
+
+    if not isinstance(query, str) or not query.strip():
+        raise QueryError("empty query", hint="type a few words, e.g. 'a dog jumping over a fence'")
+    if len(query) > MAX_QUERY_CHARS:
+        raise QueryError(f"query of {len(query)} characters exceeds the limit of {MAX_QUERY_CHARS}")
+    words = tokenize(query)
+    if len(words) > MAX_QUERY_WORDS:
+        raise QueryError(f"query of {len(words)} words exceeds the limit of {MAX_QUERY_WORDS}")
+    return words
 
 
 def check_k(k: int) -> int:
@@ -162,15 +176,7 @@ class Searcher:
 
     def _checked(self, query: str) -> tuple[list[str], WordCoverage]:
         """The query's words and its vocabulary coverage, both computed once, after validation."""
-        from itmatch.data.vocab import tokenize
-
-        if not isinstance(query, str) or not query.strip():
-            raise QueryError("empty query", hint="type a few words, e.g. 'a dog jumping over a fence'")
-        if len(query) > MAX_QUERY_CHARS:
-            raise QueryError(f"query of {len(query)} characters exceeds the limit of {MAX_QUERY_CHARS}")
-        words = tokenize(query)
-        if len(words) > MAX_QUERY_WORDS:
-            raise QueryError(f"query of {len(words)} words exceeds the limit of {MAX_QUERY_WORDS}")
+        words = check_query(query)
         coverage = self.vocab.coverage(query)
         if not coverage.has_known_word:
             unknown = _distinct(coverage.unknown)
