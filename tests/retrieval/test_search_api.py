@@ -154,3 +154,22 @@ def test_web_page_and_static_files_are_served(client):
     for name, kind in (("app.js", "javascript"), ("style.css", "css")):
         resp = client.get(f"/static/{name}")
         assert resp.status_code == 200 and kind in resp.headers["content-type"]
+
+
+def test_a_port_in_use_is_said_before_the_model_loads(tiny_search_setup, tmp_path, monkeypatch):
+    """`itmatch serve` binds its port first (then serves on that very socket): a busy port is a one-line error at
+    once, not uvicorn's log line after the model has loaded."""
+    import socket
+
+    from itmatch.errors import ConfigError
+    from itmatch.retrieval import service
+
+    def loads(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(service, "Searcher", loads)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        with pytest.raises(ConfigError, match=rf"cannot listen on 127.0.0.1:{busy.getsockname()[1]}: Address already"):
+            service.serve(tmp_path, port=busy.getsockname()[1])

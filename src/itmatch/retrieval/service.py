@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -25,10 +26,9 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from itmatch.errors import ConfigError
+from itmatch.retrieval.limits import MAX_K, MAX_QUERY_CHARS, MAX_UPLOAD_BYTES
 from itmatch.retrieval.search import (
-    MAX_K,
-    MAX_QUERY_CHARS,
-    MAX_UPLOAD_BYTES,
     QueryError,
     Searcher,
     open_upload,
@@ -246,6 +246,7 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
     `shortlist` N > 0: text queries re-rank the first stage's top N photos (Searcher)."""
     import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    listening = listen(host, port)  # first: a port in use is said at once, not after the model has loaded
     searcher = Searcher(index_dir, checkpoint, images_dir=images_dir,
                         captions=read_captions_file(captions) if captions else None, shortlist=shortlist,
                         shortlist_index=shortlist_index, device=device, precision=precision,
@@ -256,4 +257,21 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
     log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error
-    uvicorn.run(create_app(searcher), host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    config = uvicorn.Config(create_app(searcher), host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for the server (ConfigError when it cannot be: in use, or not this machine's
+    address), as uvicorn binds one, so that it serves on this very socket."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (uvicorn's own: a restart need not wait)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                          hint="pass another --port, or stop what listens there") from None
+    sock.set_inheritable(True)
+    return sock
