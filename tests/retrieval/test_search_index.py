@@ -332,6 +332,19 @@ def test_search_notes_results_whose_photo_is_gone_since_indexing(tiny_search_set
             f"itmatch index {photos} --model {tiny_search_setup['checkpoint']} --out {out}") in printed.err
 
 
+def test_a_folder_without_manifest_is_told_what_to_do(tiny_search_setup, photos, tmp_path, capsys):
+    """Searching the photo folder itself, a first index that was stopped, or any other folder: each gets its own
+    fix (the photo folder's is not "rebuild it with --out PHOTOS --force", which would write the index into it)."""
+    stopped = tmp_path / "stopped"
+    (stopped / PARTS).mkdir(parents=True)
+    for folder, fix in ((photos, f"this is a photo folder: index it first (itmatch index {photos} --model"),
+                        (stopped, "stopped before it finished: run the same command again (it resumes)"),
+                        (tmp_path / "stopped" / PARTS, "give the --out folder of `itmatch index")):
+        assert main(["search", str(folder), "a red circle"]) == 2
+        err = capsys.readouterr().err
+        assert "not an index: manifest.json is missing" in err and fix in err and "--force" not in err
+
+
 def test_scan_attention_matches_per_pair_reference():
     """ScanHead.attention (t2i) against Sec. 3.2 written out for one image and one caption at a time:
     s_kl = v_k . e_l, clipped l2 norm over words, alpha'_kl = softmax_k(lambda_1 * s_bar_kl)."""

@@ -66,6 +66,18 @@ def rebuild_hint(index_dir: Path | str, manifest: dict | None = None) -> str:
     return f"rebuild it: {index_command(index_dir, manifest)} --force"
 
 
+def missing_manifest_hint(folder: Path) -> str:
+    """What to do with a folder given as an index that has no manifest: the first run into it was stopped, it is
+    the photos themselves, or it is something else."""
+    if (folder / PARTS).is_dir():
+        return "the first `itmatch index` into it stopped before it finished: run the same command again (it resumes)"
+    with contextlib.suppress(OSError):
+        if any(f.suffix.lower() in IMAGE_SUFFIXES for f in folder.iterdir()):
+            return (f"this is a photo folder: index it first (itmatch index {folder} --model "
+                    f"mmca_alpha0_lite2-flickr8k --out INDEX), then search INDEX")
+    return "give the --out folder of `itmatch index PHOTOS --model MODEL --out INDEX`"
+
+
 def index_command(index_dir: Path | str, manifest: dict | None = None) -> str:
     """The `itmatch index` command that updates the index (its photo folder and model, from its manifest)."""
     from itmatch.pretrained import PRETRAINED_DIR
@@ -136,7 +148,7 @@ def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
 def read_manifest(index_dir: Path) -> dict[str, Any]:
     path = index_dir / MANIFEST
     if not path.is_file():
-        raise DataError("not an index: manifest.json is missing", path=index_dir, hint=rebuild_hint(index_dir))
+        raise DataError("not an index: manifest.json is missing", path=index_dir, hint=missing_manifest_hint(index_dir))
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
