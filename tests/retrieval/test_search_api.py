@@ -137,6 +137,12 @@ def test_bomb_under_the_byte_limit_is_refused_before_decoding(searcher):
     _error(big.post("/api/search/image", content=_png((12000, 12000))), 413)
 
 
+def test_an_upload_that_is_not_an_image_is_named_plainly(client):
+    """(PIL's own message names the in-memory file object, "<_io.BytesIO object at 0x7f...>": not for a user)"""
+    error = _error(client.post("/api/search/image", content=b"%PDF-1.4 hello"), 415)
+    assert error["message"] == "not a readable image (cannot identify image file)"
+
+
 def test_metrics_count_requests_and_latency(searcher):
     c = TestClient(create_app(searcher))
     for _ in range(3):

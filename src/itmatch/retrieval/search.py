@@ -89,7 +89,9 @@ def open_upload(data: bytes, max_bytes: int = MAX_UPLOAD_BYTES, max_pixels: int 
     except UnreadableImage as exc:  # PIL's limit above max_pixels, undecodable bytes, truncated files
         if isinstance(exc.__cause__, Image.DecompressionBombError):
             raise QueryError(f"image refused as a decompression bomb ({exc.__cause__})", status=413) from None
-        raise QueryError(f"not a readable image ({exc.__cause__})", status=415, hint=formats) from None
+        # (PIL names the in-memory file it read, "<_io.BytesIO object at 0x...>": the upload has no name to give)
+        reason = re.sub(r"\s*<_io\.BytesIO object at 0x[0-9a-f]+>", "", str(exc.__cause__)).strip()
+        raise QueryError(f"not a readable image ({reason})", status=415, hint=formats) from None
 
 
 def read_captions_file(path: Path | str) -> list[str]:
