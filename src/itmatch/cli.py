@@ -286,11 +286,11 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
     if not is_main():  # (under torchrun: rank 0 reports)
         return 0
-    for item in summary["skipped"]:
-        print(f"skipped: {public_id(item['id'])}: {item['reason']}", file=sys.stderr)
+    # (each skipped file was named, with its reason, as it was met; the manifest lists them under "skipped")
+    skipped = f", {len(summary['skipped'])} unreadable file(s) skipped" if summary["skipped"] else ""
     print(f"{summary['images']} images in {public_id(summary['index'])}: {summary['encoded']} encoded, "
           f"{summary['reused']} reused; {len(summary['added'])} added, {len(summary['changed'])} changed, "
-          f"{len(summary['removed'])} removed since the last run ({summary['seconds']} s)")
+          f"{len(summary['removed'])} removed since the last run{skipped} ({summary['seconds']} s)")
     return 0
 
 
