@@ -122,6 +122,7 @@ def _png(size, colour=0) -> bytes:
     ("get", "/api/images/sub%2F..%2Ftest_00000.png", {}, 400),
     ("get", "/api/images/C:%5CWindows%5Cwin.ini", {}, 400),
     ("get", "/api/explain", {"params": {"q": "red", "id": "nope.png"}}, 404),
+    ("get", "/api/explain", {"params": {"q": "red"}}, 400),  # (no id: "no image id given")
     ("get", "/api/explain", {"params": {"q": "", "id": "test_00000.png"}}, 422),
     ("get", "/api/nothing-here", {}, 404),
 ])

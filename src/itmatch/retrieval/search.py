@@ -249,7 +249,9 @@ class Searcher:
         QueryError 400/404."""
         if image_id in self.position:  # before the checks: `C:x.png` or `\\x.png` may be real names
             return self.position[image_id]
-        if (not image_id or image_id.startswith(("/", "\\")) or ".." in Path(image_id).parts
+        if not image_id:
+            raise QueryError("no image id given", status=400, hint="pass id=, an id as returned by the search")
+        if (image_id.startswith(("/", "\\")) or ".." in Path(image_id).parts
                 or re.match(r"^[A-Za-z]:", image_id)):  # absolute, parent, or a Windows drive
             raise QueryError(f"invalid image id '{public_id(image_id)}'", status=400,
                              hint="ids are relative paths as returned by the search")
