@@ -291,6 +291,12 @@ def _cmd_index(args: argparse.Namespace) -> int:
     print(f"{summary['images']} images in {public_id(summary['index'])}: {summary['encoded']} encoded, "
           f"{summary['reused']} reused; {len(summary['added'])} added, {len(summary['changed'])} changed, "
           f"{len(summary['removed'])} removed since the last run{skipped} ({summary['seconds']} s)")
+    if not summary["images"]:
+        from itmatch.retrieval.index import IMAGE_SUFFIXES
+
+        print(f"note: no image found under {public_id(str(Path(args.images).resolve()))} (recursively; files ending "
+              f"in {', '.join(sorted(IMAGE_SUFFIXES))}; hidden ones left out): searches of this index find nothing",
+              file=sys.stderr)
     return 0
 
 

@@ -345,6 +345,15 @@ def test_a_folder_without_manifest_is_told_what_to_do(tiny_search_setup, photos,
         assert "not an index: manifest.json is missing" in err and fix in err and "--force" not in err
 
 
+def test_indexing_a_folder_without_images_says_so(tiny_search_setup, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("not a photo")
+    assert main(["index", str(empty), "--model", str(tiny_search_setup["checkpoint"]), "--out", str(tmp_path / "i"),
+                 "--quiet"]) == 0
+    assert f"note: no image found under {empty} (recursively; files ending in .bmp" in capsys.readouterr().err
+
+
 def test_scan_attention_matches_per_pair_reference():
     """ScanHead.attention (t2i) against Sec. 3.2 written out for one image and one caption at a time:
     s_kl = v_k . e_l, clipped l2 norm over words, alpha'_kl = softmax_k(lambda_1 * s_bar_kl)."""
