@@ -144,6 +144,13 @@ def test_an_upload_that_is_not_an_image_is_named_plainly(client):
     assert error["message"] == "not a readable image (cannot identify image file)"
 
 
+def test_a_photo_answers_head_as_get_without_the_body(client):
+    got, head = client.get("/api/images/test_00000.png"), client.head("/api/images/test_00000.png")
+    assert got.status_code == head.status_code == 200 and head.content == b""
+    assert head.headers["content-length"] == got.headers["content-length"] == str(len(got.content))
+    assert client.head("/api/images/nope.png").status_code == 404
+
+
 def test_metrics_count_requests_and_latency(searcher):
     c = TestClient(create_app(searcher))
     for _ in range(3):

@@ -218,7 +218,10 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
         return {"k": k, "captions_without_known_word": len(searcher.captions_without_known_word),
                 "results": searcher.search_image(image, k)}
 
+    # HEAD too: a browser or a link checker asks whether a photo is there without fetching it (out of the schema,
+    # where one function under two methods would have one operation id twice)
     @app.get("/api/images/{image_id:path}")
+    @app.head("/api/images/{image_id:path}", include_in_schema=False)
     def image(image_id: str):
         return FileResponse(searcher.image_path(image_id))
 
