@@ -324,8 +324,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
     else:
         # ids and paths escaped (docs/search.md): a name need not be UTF-8 and may hold a newline
         hits = searcher.search(args.query, args.k)
-        results = [{**h.as_dict(), "path": public_id(str(searcher.path_of(h.id)))} for h in hits]
-        gone = sum(not searcher.path_of(h.id).is_file() for h in hits)
+        paths = [searcher.path_of(h.id) for h in hits]
+        results = [{**h.as_dict(), "path": public_id(str(path))} for h, path in zip(hits, paths, strict=True)]
+        gone = sum(not path.is_file() for path in paths)
         if gone:  # (deleted or moved since the index was last updated: still ranked, not shown by the server)
             from itmatch.retrieval.index import index_command
 

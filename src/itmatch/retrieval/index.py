@@ -57,6 +57,11 @@ def extra_array(key: str) -> str:
     return f"{EXTRA_PREFIX}{key}"
 
 
+def is_index_array(name: str) -> bool:
+    """Whether an array name is one an index stores (the features, the encodings, an encoder's extras)."""
+    return name in ARRAYS or name.startswith(EXTRA_PREFIX)
+
+
 def is_encoding_array(name: str) -> bool:
     """Whether an array name holds the model's encodings (not the backbone features)."""
     return name in ("regions", "vectors") or name.startswith(EXTRA_PREFIX)
@@ -413,7 +418,8 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
         raise OverwriteError("exists and is not an index", path=out_dir,
                              hint="choose an empty or new --out, or pass --force")
     out_dir.mkdir(parents=True, exist_ok=True)
-    _remove_killed_writes(out_dir)
+    if dist.is_main():  # (the rank that holds index_lock and writes the arrays)
+        _remove_killed_writes(out_dir)
     parts_dir = out_dir / PARTS
 
     # Where each sha256's encodings (or at least features) can come from without running the CNN.
@@ -627,8 +633,7 @@ def _remove_killed_writes(out_dir: Path) -> None:
     """The arrays of a generation whose run was killed while writing them (io.atomic_path's temporary files, as
     large as the index): never read, and no one else writes here while index_lock is held."""
     for f in out_dir.glob(".*-*.npy.*.partial"):
-        name = f.name[1:].split("-", 1)[0]
-        if name in ARRAYS or name.startswith(EXTRA_PREFIX):
+        if is_index_array(f.name[1:].split("-", 1)[0]):
             f.unlink(missing_ok=True)
 
 
@@ -636,8 +641,7 @@ def _cleanup(out_dir: Path, manifest: dict) -> None:
     """Delete the arrays of older generations and the chunks the new manifest has absorbed."""
     current = {spec["file"] for spec in manifest["arrays"].values()}
     for f in out_dir.glob("*-*.npy"):
-        name = f.name.split("-", 1)[0]
-        if (name in ARRAYS or name.startswith(EXTRA_PREFIX)) and f.name not in current:
+        if is_index_array(f.name.split("-", 1)[0]) and f.name not in current:
             f.unlink(missing_ok=True)
     parts_dir = out_dir / PARTS
     if parts_dir.is_dir():

@@ -28,9 +28,6 @@ from itmatch.retrieval.first_stage import FirstStageIndex
 from itmatch.retrieval.limits import MAX_K, MAX_PIXELS, MAX_QUERY_CHARS, MAX_QUERY_WORDS, MAX_UPLOAD_BYTES
 from itmatch.retrieval.names import public_id
 
-__all__ = ["MAX_K", "MAX_PIXELS", "MAX_QUERY_CHARS", "MAX_QUERY_WORDS", "MAX_UPLOAD_BYTES", "QueryError", "Searcher",
-           "check_k", "check_query", "open_upload", "read_captions_file"]
-
 IMAGE_FORMATS = frozenset({"JPEG", "PNG", "GIF", "BMP", "WEBP", "TIFF", "MPO"})
 
 
