@@ -107,6 +107,7 @@ def _png(size, colour=0) -> bytes:
     ("get", "/api/search", {"params": {"q": "   "}}, 422),
     ("get", "/api/search", {"params": {"q": "red " * (MAX_QUERY_CHARS // 4 + 1)}}, 422),
     ("get", "/api/search", {"params": {"q": "qwzx plokm"}}, 422),
+    ("get", "/api/search?q=a%20red%20%FF%FE", {}, 422),  # not UTF-8 (was "none of the query's words is known")
     ("get", "/api/search", {"params": {"q": "red", "k": "many"}}, 422),
     ("get", "/api/search", {"params": {"q": "red", "k": 100000}}, 422),
     ("post", "/api/search", {"content": b'{"q": "red", '}, 400),
@@ -131,6 +132,11 @@ def test_bad_input_is_a_4xx_json_error_and_the_server_keeps_serving(client, capl
         _error(getattr(client, method)(url, **kwargs), status)
     assert any(str(status) in r.getMessage() for r in caplog.records)  # logged
     assert client.get("/api/search", params={"q": "a red circle", "k": 1}).status_code == 200
+
+
+def test_a_query_of_bytes_that_are_not_utf8_is_told_so(client):
+    error = _error(client.get("/api/search?q=a%20red%20%FF%FE"), 422)
+    assert error["message"] == "the query holds bytes that are not UTF-8 text"
 
 
 def test_bomb_under_the_byte_limit_is_refused_before_decoding(searcher):

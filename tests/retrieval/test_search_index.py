@@ -315,6 +315,9 @@ def test_cli_index_and_search(tiny_search_setup, tmp_path, capsys):
     assert len(captions) == 2 and all(isinstance(c["caption"], str) for c in captions)
     assert main(["search", str(out), "qwzx"]) == 2
     assert "vocabulary" in capsys.readouterr().err
+    # bytes that are not UTF-8 reach argv as lone surrogates (the tokenizer raised a TypeError on them)
+    assert main(["search", str(out), "a red \udcff\udcfe circle"]) == 2
+    assert "not UTF-8 text" in capsys.readouterr().err
 
 
 def test_search_notes_results_whose_photo_is_gone_since_indexing(tiny_search_setup, photos, tmp_path, capsys):

@@ -48,10 +48,20 @@ def check_query(query: object) -> list[str]:
         raise QueryError("empty query", hint="type a few words, e.g. 'a dog jumping over a fence'")
     if len(query) > MAX_QUERY_CHARS:
         raise QueryError(f"query of {len(query)} characters exceeds the limit of {MAX_QUERY_CHARS}")
+    if _undecoded_bytes(query):
+        raise QueryError("the query holds bytes that are not UTF-8 text",
+                         hint="send it as UTF-8 (the terminal's or the request's encoding)")
     words = tokenize(query)
     if len(words) > MAX_QUERY_WORDS:
         raise QueryError(f"query of {len(words)} words exceeds the limit of {MAX_QUERY_WORDS}")
     return words
+
+
+def _undecoded_bytes(text: str) -> bool:
+    """Whether `text` was decoded from bytes that are not UTF-8: Python reads such command-line arguments as lone
+    surrogates (surrogateescape), the HTTP server as U+FFFD (errors="replace"). Neither is a word, and the
+    tokenizer refuses surrogates with a TypeError."""
+    return any(c == "\ufffd" or "\ud800" <= c <= "\udfff" for c in text)
 
 
 def check_k(k: int) -> int:
