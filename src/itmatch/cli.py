@@ -290,7 +290,8 @@ def _cmd_index(args: argparse.Namespace) -> int:
     skipped = f", {len(summary['skipped'])} unreadable file(s) skipped" if summary["skipped"] else ""
     print(f"{summary['images']} images in {public_id(summary['index'])}: {summary['encoded']} encoded, "
           f"{summary['reused']} reused; {len(summary['added'])} added, {len(summary['changed'])} changed, "
-          f"{len(summary['removed'])} removed since the last run{skipped} ({summary['seconds']} s)")
+          f"{len(summary['renamed'])} renamed or moved, {len(summary['removed'])} removed since the last run"
+          f"{skipped} ({summary['seconds']} s)")
     if not summary["images"]:
         from itmatch.retrieval.index import IMAGE_SUFFIXES
 

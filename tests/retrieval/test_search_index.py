@@ -53,8 +53,8 @@ def test_incremental_add_change_delete_move(tiny_search_setup, photos, tmp_path)
     (photos / "test_00003.png").rename(photos / "moved.png")
     (photos / "notes.txt").write_text("not an image")
     upd = _build(tiny_search_setup, photos, out)
-    assert upd["added"] == ["moved.png", "new/a.png"]
-    assert upd["removed"] == ["test_00002.png", "test_00003.png"] and upd["changed"] == ["test_00001.png"]
+    assert upd["added"] == ["new/a.png"] and upd["renamed"] == [("test_00003.png", "moved.png")]
+    assert upd["removed"] == ["test_00002.png"] and upd["changed"] == ["test_00001.png"]
     assert upd["encoded"] == 2 and upd["images"] == 12 and upd["reused"] == 10  # the move costs no encoding
     index = load_index(out)
     assert "test_00002.png" not in index.ids and "new/a.png" in index.ids
@@ -622,3 +622,11 @@ def test_python_api_reports_unknown_words(tiny_search_setup):
     # image -> texts: a text without a known word is never ranked
     ranked = matcher.rank(str(photos[0]), ["zzz qqq xxx", "a red circle", "a blue square"], top_k=3)
     assert sorted(i for i, _ in ranked) == [1, 2]
+
+
+def test_a_renamed_photo_pairs_with_one_new_id_of_its_content():
+    from itmatch.retrieval.index import _compare_ids
+
+    old = {"a.png": "h1", "b.png": "h2", "c.png": "h3"}
+    now = {"a.png": "h1", "b2.png": "h2", "b3.png": "h2", "d.png": "h4"}  # b copied twice under new names
+    assert _compare_ids(old, now) == (["b3.png", "d.png"], ["c.png"], [("b.png", "b2.png")])

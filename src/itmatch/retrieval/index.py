@@ -312,6 +312,23 @@ def _save_npz(path: Path, data: dict[str, np.ndarray]) -> None:
     write_with(path, write)
 
 
+def _compare_ids(old: dict[str, str], now: dict[str, str]) -> tuple[list[str], list[str], list[tuple[str, str]]]:
+    """Ids (id -> content hash) added and removed since the last run, and the (old, new) pairs among them that
+    are one photo renamed or moved: a new id whose content is a removed id's (each removed id pairs once)."""
+    gone: dict[str, list[str]] = {}
+    for i in sorted(set(old) - set(now)):
+        gone.setdefault(old[i], []).append(i)
+    added, renamed = [], []
+    for i in sorted(set(now) - set(old)):
+        same = gone.get(now[i])
+        if same:
+            renamed.append((same.pop(0), i))
+        else:
+            added.append(i)
+    was = {o for o, _ in renamed}
+    return added, sorted(set(old) - set(now) - was), renamed
+
+
 def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | str, *, force: bool = False,
                 rehash: bool = False,
                 batch_size: int = 8, chunk: int = 64, progress: bool = True,
@@ -321,10 +338,11 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     backbone and the model on `device` (in `precision`; photos are decoded on the host; what is stored is
     float32 on the host, whatever the device).
 
-    Returns a summary: counts of images total / added (newly encoded) / reused / removed, skipped
-    unreadable files, seconds. An index built with another model is replaced only with `force` (its
-    backbone features are reused when the backbone is the same). `on_chunk(done, total)` is called after
-    each saved chunk (it may raise to stop the run, which then resumes from the saved chunks).
+    Returns a summary: counts of images total / encoded / reused, the ids added / changed / removed and the
+    (old, new) ids renamed or moved since the last run, skipped unreadable files, seconds. An index built with
+    another model is replaced only with `force` (its backbone features are reused when the backbone is the
+    same). `on_chunk(done, total)` is called after each saved chunk (it may raise to stop the run, which then
+    resumes from the saved chunks).
     `trust_modified` loads a checkpoint whose files differ from its manifest (engine/checkpoint.py).
 
     Under torchrun (docs/distributed.md) every rank calls this with the same arguments: rank r encodes its
@@ -541,9 +559,10 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
     skipped = unreadable + skipped
     old_ids = {e["id"]: e["sha256"] for e in old["images"]} if old is not None else {}
     now_ids = {r["id"]: r["sha256"] for r in records}
+    added, removed, renamed = _compare_ids(old_ids, now_ids)
     summary = {"index": str(out_dir), "images": len(records), "encoded": encoded_count,
                "reused": sum(1 for r in records if r["sha256"] not in encoded),
-               "added": sorted(set(now_ids) - set(old_ids)), "removed": sorted(set(old_ids) - set(now_ids)),
+               "added": added, "removed": removed, "renamed": renamed,
                "changed": sorted(i for i in set(now_ids) & set(old_ids) if now_ids[i] != old_ids[i]),
                "skipped": skipped}
     # (files that still cannot be read need no rewrite: they are listed in the old manifest already)
