@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from itmatch.data.captions import CaptionTable  # noqa: E402
-from itmatch.features import extract  # noqa: E402
+from itmatch.features import extract, extract_split  # noqa: E402
 from itmatch.features.pipeline import decode_image, preprocess, to_pixels  # noqa: E402
 
 FAMILY, SIZE = "efficientnet-lite", 224
@@ -87,14 +87,14 @@ def extraction_seconds(paths: list[Path], threads: int, out: Path) -> float:
     for path in paths:
         for c in range(5):
             table.add(path.name, f"caption {c}", "train")
-    chosen = extract.decode_threads
-    extract.decode_threads = lambda device: threads
+    chosen = extract_split.decode_threads
+    extract_split.decode_threads = lambda device: threads
     try:
         started = time.perf_counter()
         extract.extract_precomp(paths[0].parent, table, out, progress=False, force=True, batch_size=32)
         return time.perf_counter() - started
     finally:
-        extract.decode_threads = chosen
+        extract_split.decode_threads = chosen
 
 
 def compare_extraction(paths: list[Path], threads: int) -> None:

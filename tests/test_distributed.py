@@ -441,8 +441,9 @@ def test_extraction_merge_stopped_at_each_step_resumes_identically(tmp_path, mon
     after that of c3 too. The same command re-run then ends with the uninterrupted run's arrays and meta.json (`updated`
     included), not refused as another extraction's. The ranks run in this process one after the other."""
     from itmatch.data.captions import CaptionTable
-    from itmatch.data.precomp import read_precomp
+    from itmatch.data.precomp import progress_path, read_precomp
     from itmatch.features import extract as e
+    from itmatch.features import sharded as sharded_mod
 
     images = tmp_path / "images"
     images.mkdir()
@@ -467,7 +468,9 @@ def test_extraction_merge_stopped_at_each_step_resumes_identically(tmp_path, mon
         _photo(43).save(images / "im3.png")
         table.captions[5 + 2] = "an edited caption of picture 1"
     expected = sharded(ref)["splits"]["train"]
-    real_finish, real_write, real_memmap, renames = e._finish_array, e.write_json_atomic, e.open_memmap, []
+    # (the merge, features/sharded.py, writes the split's progress file, fills its partial arrays and renames them)
+    real_finish, real_write = sharded_mod.finish_array, sharded_mod.write_json_atomic
+    real_memmap, renames = sharded_mod.open_memmap, []
 
     def finish(final, *args):
         if Path(final).parent == out and stop in _RENAMES:  # (not a share's own arrays)
@@ -482,7 +485,7 @@ def test_extraction_merge_stopped_at_each_step_resumes_identically(tmp_path, mon
 
     def write(path, obj):
         real_write(path, obj)
-        if stop == "progress_written" and Path(path) == e.progress_path(out, "train") and dist.is_main() \
+        if stop == "progress_written" and Path(path) == progress_path(out, "train") and dist.is_main() \
                 and (out / ".shards-train" / "rank0-of-2" / "meta.json").exists():
             raise _MergeStopped
 
@@ -492,9 +495,9 @@ def test_extraction_merge_stopped_at_each_step_resumes_identically(tmp_path, mon
             raise _MergeStopped
         return real_memmap(path, *args, **kwargs)
 
-    monkeypatch.setattr(e, "_finish_array", finish)
-    monkeypatch.setattr(e, "write_json_atomic", write)
-    monkeypatch.setattr(e, "open_memmap", memmap)
+    monkeypatch.setattr(sharded_mod, "finish_array", finish)
+    monkeypatch.setattr(sharded_mod, "write_json_atomic", write)
+    monkeypatch.setattr(sharded_mod, "open_memmap", memmap)
     with pytest.raises(_MergeStopped):
         sharded(out)
     monkeypatch.undo()
@@ -522,8 +525,10 @@ def test_extraction_under_torchrun_refuses_another_unfinished_extraction_before_
     the same split refuses before any rank extracts its share (the merge would replace that extraction's progress
     file and partial array) and leaves both as they were; with `force` it discards them and runs."""
     from itmatch.data.captions import CaptionTable
+    from itmatch.data.precomp import progress_path
     from itmatch.errors import OverwriteError
     from itmatch.features import extract as e
+    from itmatch.features.progress import partial_path
 
     images, out = tmp_path / "images", tmp_path / "out"
     images.mkdir()
@@ -540,7 +545,7 @@ def test_extraction_under_torchrun_refuses_another_unfinished_extraction_before_
 
     with pytest.raises(_Stopped):
         e.extract_precomp(images, other, out, batch_size=2, progress=False, num_threads=1, on_batch=stop)
-    progress, partial = e.progress_path(out, "train"), e.partial_path(out, "train")
+    progress, partial = progress_path(out, "train"), partial_path(out, "train")
     before = {p: p.read_bytes() for p in (progress, partial)}
     for rank in (1, 0):
         with monkeypatch.context() as m:

@@ -158,12 +158,12 @@ def _images(tmp_path: Path, n: int) -> tuple[Path, Path]:
 
 def _extract_code(images: Path, captions: Path, out: Path, hook: str = "", extra: tuple[str, ...] = ()) -> str:
     """The extraction command (`extra`: more arguments); `hook` (statements run after `import
-    itmatch.features.extract as e`, with os and signal imported) may patch the extractor, e.g. to kill the
-    process at a chosen moment."""
+    itmatch.features.extract as e` and `import itmatch.features.extract_split as s`, one split's extraction,
+    with os and signal imported) may patch the extractor, e.g. to kill the process at a chosen moment."""
     argv = ["extract", str(images), str(captions), "--out", str(out), "--batch-size", "2", *extra]
     # Progress is saved every 2 images instead of 256 so that every kill leaves resumable state.
-    return ("import os, signal, sys\nimport itmatch.features.extract as e\ne.FLUSH_IMAGES = 2\n"
-            f"{hook}\nimport torch\ntorch.set_num_threads(1)\nfrom itmatch.cli import main\n"
+    return ("import os, signal, sys\nimport itmatch.features.extract as e\nimport itmatch.features.extract_split as s\n"
+            f"s.FLUSH_IMAGES = 2\n{hook}\nimport torch\ntorch.set_num_threads(1)\nfrom itmatch.cli import main\n"
             f"sys.exit(main({argv!r}))\n")
 
 
@@ -230,12 +230,12 @@ def test_extraction_update_killed_at_random_points_resumes_to_identical_arrays(t
 _UPDATE_KILLS = {
     "before_rename": ("def killed(*a):\n"
                       "    os.kill(os.getpid(), signal.SIGKILL)\n"
-                      "e._finish_array = killed"),
-    "after_rename": ("real = e._finish_array\n"
+                      "s.finish_array = killed"),
+    "after_rename": ("real = s.finish_array\n"
                      "def killed(*a):\n"
                      "    real(*a)\n"
                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
-                     "e._finish_array = killed"),
+                     "s.finish_array = killed"),
     "after_meta": ("real = e.write_json_atomic\n"
                    "def killed(path, obj):\n"
                    "    real(path, obj)\n"
@@ -286,12 +286,12 @@ _MORE_KILLS = {
                            "    real(*a, **k)\n"
                            "    os.kill(os.getpid(), signal.SIGKILL)\n"
                            "u.write_captions = killed"),
-    "between_renames": ("real = e._finish_array\n"
+    "between_renames": ("real = s.finish_array\n"
                         "def killed(*a):\n"
                         "    real(*a)\n"
                         "    if str(a[0]).endswith('train_ims_c3.npy'):\n"
                         "        os.kill(os.getpid(), signal.SIGKILL)\n"
-                        "e._finish_array = killed"),
+                        "s.finish_array = killed"),
 }
 
 

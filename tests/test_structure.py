@@ -179,7 +179,7 @@ def test_the_layer_checker_sees_a_planted_upward_import_and_circle(monkeypatch):
 
 def test_the_image_pipeline_is_the_only_decoder():
     """Extraction, the index, the API and pixel-input data decode images through features/pipeline.py only."""
-    for module in ("itmatch.features.extract", "itmatch.retrieval.index", "itmatch.retrieval.matcher",
+    for module in ("itmatch.features.extract_split", "itmatch.retrieval.index", "itmatch.retrieval.matcher",
                    "itmatch.data.images"):
         assert "Image.open(" not in source_file(module).read_text(encoding="utf-8"), module
         assert "itmatch.features.pipeline" in imported_modules(module), module

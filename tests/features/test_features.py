@@ -19,6 +19,7 @@ from itmatch.data.precomp import read_precomp
 from itmatch.errors import ConfigError, DataError, OverwriteError
 from itmatch.features import extract as extract_mod
 from itmatch.features import extract_precomp, load_backbone
+from itmatch.features import extract_split as split_mod
 from itmatch.features import updates as updates_mod
 
 FLICKR8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "flickr8k"
@@ -297,7 +298,7 @@ def test_crash_after_rename_finishes_without_recomputing(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(extract_mod, "write_captions", broken)
+    monkeypatch.setattr(split_mod, "write_captions", broken)
     with pytest.raises(Stop):
         extract_precomp(images, table, out, batch_size=4, progress=False)
     assert (out / "train_ims.npy").exists() and not (out / "train_caps.txt").exists()
@@ -405,13 +406,13 @@ def test_real_flickr8k_photos(tmp_path, lite0):
 def _decoded(monkeypatch) -> list[str]:
     """Record the ids the extractor decodes (the real decoder still runs)."""
     seen: list[str] = []
-    real = extract_mod._load_one
+    real = split_mod._load_one
 
     def spy(bb, images_dir, image_id):
         seen.append(image_id)
         return real(bb, images_dir, image_id)
 
-    monkeypatch.setattr(extract_mod, "_load_one", spy)
+    monkeypatch.setattr(split_mod, "_load_one", spy)
     return seen
 
 
@@ -529,14 +530,14 @@ def test_update_interrupted_while_replacing_its_features_resumes_and_records_wha
     extract_precomp(images, table, out, batch_size=2, progress=False)
     _image(43).save(images / "img3.png")
     table.captions[5 + 2] = "an edited caption of picture 1"
-    real = extract_mod._finish_array
+    real = split_mod.finish_array
 
     def stop(*args):
         if after:
             real(*args)
         raise Stop
 
-    monkeypatch.setattr(extract_mod, "_finish_array", stop)
+    monkeypatch.setattr(split_mod, "finish_array", stop)
     with pytest.raises(Stop):
         extract_precomp(images, table, out, batch_size=2, progress=False)
     monkeypatch.undo()
@@ -612,7 +613,7 @@ def test_multiscale_extraction_stopped_between_renames_resumes_to_identical_arra
         shutil.copytree(ref, out)
         _image(43).save(images / "img3.png")
     expected = extract_precomp(images, table, ref, batch_size=2, progress=False, scales="c3,c4,c5")
-    real, calls = extract_mod._finish_array, []
+    real, calls = split_mod.finish_array, []
 
     def stop(*args):
         real(*args)
@@ -620,7 +621,7 @@ def test_multiscale_extraction_stopped_between_renames_resumes_to_identical_arra
         if len(calls) == renamed:
             raise Stop
 
-    monkeypatch.setattr(extract_mod, "_finish_array", stop)
+    monkeypatch.setattr(split_mod, "finish_array", stop)
     with pytest.raises(Stop):
         extract_precomp(images, table, out, batch_size=2, progress=False, scales="c3,c4,c5")
     monkeypatch.undo()

@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from itmatch.device import module_device
 from itmatch.errors import CheckpointError, ConfigError
 from itmatch.features.pipeline import preprocess
 
@@ -146,6 +147,13 @@ class Backbone(nn.Module):
             for layer in self.batchnorm_layers():
                 layer.train(False)
         return self
+
+
+def stage_shapes(bb: Backbone) -> dict[str, tuple[int, int]]:
+    """(cells, channels) of every stage map at the backbone's input size (one dummy forward)."""
+    with torch.inference_mode():
+        maps = bb.stage_maps(torch.zeros(1, 3, bb.image_size, bb.image_size, device=module_device(bb)))
+    return {k: (int(v.shape[2] * v.shape[3]), int(v.shape[1])) for k, v in maps.items()}
 
 
 class EfficientNetLiteBackbone(Backbone):

@@ -154,7 +154,7 @@ def update_record(changes: dict[str, Any]) -> dict[str, Any]:
 
 def reuse_rows(out_dir: Path, split: str, ids: list[str], changed: list[str], extras: tuple[str, ...]
                 ) -> dict[str, Any]:
-    """`_extract_split`'s reuse arguments for an update: the row of every unchanged image in the split's
+    """`extract_split`'s reuse arguments for an update: the row of every unchanged image in the split's
     current arrays (opened memory-mapped; they are replaced only when the new ones are complete)."""
     old_rows = {image_id: r for r, image_id in enumerate(read_lines(ids_path(out_dir, split)))}
     stale = set(changed)
