@@ -578,8 +578,8 @@ def tag_cache(profile: Profile) -> str:
     return f"{profile.runs}/perturb/cache"
 
 
-def main() -> int:
-    global DRY_RUN
+def parse_arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, Profile]:
+    """The command line and the profile it runs, checked (a usage error for a row --config does not have)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(PROFILES), default="cpu",
                         help="cpu: the CPU schedule (docs/results/flickr8k.csv, default); gpu: the papers' schedules "
@@ -608,7 +608,7 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu"],
                         help="with --config gpu: train and evaluate its rows on the CPU (the same schedules, hours "
                              "per row; the rows' device column names the CPU)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     profile = PROFILES[args.config]
     if args.device and not profile.device:
         parser.error(f"--device {args.device} is for --config gpu; the CPU schedule runs where torch's 'auto' puts it")
@@ -617,6 +617,14 @@ def main() -> int:
     unknown = [r for r in args.row or [] if r not in profile.rows]
     if unknown:
         parser.error(f"unknown row(s) for --config {profile.name}: {', '.join(unknown)} (see --status)")
+    if args.recall and not args.row:
+        parser.error("--recall draws the rows named with --row (e.g. --row vsepp --row mmca_alpha0)")
+    return args, profile
+
+
+def main() -> int:
+    global DRY_RUN
+    args, profile = parse_arguments()
     rows = args.row or profile.rows
     if args.status:
         for row in rows:
@@ -634,8 +642,6 @@ def main() -> int:
         require_cuda()  # before any work
     check_rows_resolve(profile)
     if args.recall:
-        if not args.row:
-            parser.error("--recall draws the rows named with --row (e.g. --row vsepp --row mmca_alpha0)")
         recall_figure(rows, args.threads, profile)
         return 0
     if args.perturb:
