@@ -593,8 +593,8 @@ def parse_arguments(argv: list[str] | None = None) -> tuple[argparse.Namespace, 
     parser.add_argument("--history", action="store_true",
                         help="only copy the trained runs' epochs into the history CSV (no training, no evaluation)")
     parser.add_argument("--status", action="store_true",
-                        help="list every row of --config with where it stands (evaluated, trained, training, "
-                             "not started, checkpoint missing); runs nothing")
+                        help="list every row and study of --config (or those --row and --perturb name) with where "
+                             "it stands (evaluated, trained, training, not started, checkpoint missing); runs nothing")
     parser.add_argument("--dry-run", action="store_true",
                         help="check that every row's config resolves and print the commands; runs nothing")
     parser.add_argument("--eval-ranks", type=int, default=1,
@@ -626,10 +626,11 @@ def main() -> int:
     global DRY_RUN
     args, profile = parse_arguments()
     rows = args.row or profile.rows
-    if args.status:
-        for row in rows:
+    if args.status:  # the rows and studies named, or every one
+        named = bool(args.row or args.perturb)
+        for row in (args.row or []) if named else profile.rows:
             print(f"{row}: {row_status(row, profile)}")
-        for preset in args.perturb or ([] if args.row else PERTURB):
+        for preset in (args.perturb or []) if named else PERTURB:
             print(f"perturb {preset}: {study_status(preset, profile)}")
         return 0
     if args.history:

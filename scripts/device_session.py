@@ -549,7 +549,7 @@ def _row_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="verb", required=True)
     p = sub.add_parser("prepare", help="(here) pack photos and wheels into bundles of one call each")
@@ -602,10 +602,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=str(ROOT / RUNS), help="where the run directories go")
     p.add_argument("--force", action="store_true", help="replace a run directory that exists")
     p.set_defaults(func=take)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.func in (start, kickoff) and not (args.row or args.perturb):
-        parser.error(f"{args.verb}: name at least one --row or --perturb")
+    if args.func in (start, kickoff):
+        if not (args.row or args.perturb):
+            parser.error(f"{args.verb}: name at least one --row or --perturb")
+        check_items(args)
     return args.func(args)
+
+
+def check_items(args: argparse.Namespace) -> None:
+    """Stop before any device time goes to benches or features if a --row or --perturb is not the bench's: a
+    misspelt row failed in the background driver, seen only at the next `poll`, a call later. The bench of this
+    checkout checks them (`--status` of those rows, seconds; its lines say where each row stands)."""
+    named = [a for row in args.row for a in ("--row", row)] + [a for p in args.perturb for a in ("--perturb", p)]
+    check = subprocess.run([sys.executable, "bench/flickr8k.py", "--config", "gpu", "--status", *named], cwd=ROOT,
+                           env={**_environment(), "PYTHONPATH": f"{DEVICE_ROOT / 'site'}:{ROOT / 'src'}"},
+                           capture_output=True, text=True)
+    if check.returncode:
+        sys.exit(f"{args.verb}: nothing started: {check.stderr.strip().splitlines()[-1]}")
+    print(check.stdout, end="")
 
 
 if __name__ == "__main__":

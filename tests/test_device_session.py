@@ -20,6 +20,8 @@ def session(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "DEVICE_ROOT", tmp_path / "device")
+    # (the bench's check of the rows runs the bench, seconds a call: tested on its own below)
+    monkeypatch.setattr(module, "check_items", lambda args: None)
     return module
 
 
@@ -212,6 +214,20 @@ def test_kickoff_times_the_benches_before_the_rows_start_and_tests_beside_them(s
     events.clear()
     session.main(["kickoff", "--benches", "", "--perturb", "vsepp"])
     assert [e[0] for e in events] == ["start", "run"]
+
+
+def test_a_row_or_study_the_bench_does_not_have_stops_start_and_kickoff_before_anything(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("device_session_checked", ROOT / "scripts" / "device_session.py")
+    session = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(session)
+    monkeypatch.setattr(session, "DEVICE_ROOT", tmp_path / "device")
+    for argv in (["start", "--row", "scan_t2i_avg", "--row", "scan_t2i_avgg"],
+                 ["kickoff", "--perturb", "vsepp", "--row", "oan_lambda9"]):
+        with pytest.raises(SystemExit, match="nothing started: .*unknown row.*(scan_t2i_avgg|oan_lambda9)"):
+            session.main(argv)
+    with pytest.raises(SystemExit, match="nothing started: .*invalid choice: 'sman'"):
+        session.main(["start", "--perturb", "sman"])
+    assert not (tmp_path / "device").exists()  # no working copy, no bench, no driver
 
 
 def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(session, tmp_path, monkeypatch):

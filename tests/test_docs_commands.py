@@ -25,13 +25,15 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # `itmatch VERB` (also `python -m itmatch VERB`, torchrun's `-m itmatch VERB`), not `itmatch serve: error: ...`
 ITMATCH = re.compile(r"(?:^|[\s`(])itmatch ([a-z]+)(?=\s|$)")
 BENCH = re.compile(r"bench/flickr8k\.py(?=\s|$)")
+# scripts/device_session.py's verbs that run rows; docs/gpu.md's queue writes them without the script's name
+DEVICE = re.compile(r"(?:device_session\.py |^)((?:kickoff|start) --)")
 # Validators of paths (they would stat the docs' placeholders, PHOTOS or RUN/best); every other type stays.
 PATH_KINDS = {"existing_dir", "existing_file", "checkpoint_ref", "output_dir", "output_file"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    program: str  # "itmatch" or "bench"
+    program: str  # "itmatch", "bench" (bench/flickr8k.py) or "device" (scripts/device_session.py)
     where: str  # page:line
     words: tuple[str, ...]  # after the program's name
     whole: bool  # a code block's line (a whole command), not an inline mention of some of its options
@@ -44,30 +46,40 @@ def _commands() -> list[Command]:
     found = []
     for page in PAGES:
         name, in_block, pending, start = str(page.relative_to(ROOT)), False, "", 0
-        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+        prose: list[tuple[int, str]] = []  # the paragraph so far: an inline span may wrap onto the next line
+        for number, line in [*enumerate(page.read_text(encoding="utf-8").splitlines(), 1), (0, "")]:
+            if in_block or line.lstrip().startswith("```") or not line.strip():
+                found += _spans(name, prose)
+                prose = []
             if line.lstrip().startswith("```"):
                 in_block = not in_block
-                continue
-            if in_block:  # a line, or several joined by trailing backslashes
+            elif in_block:  # a line, or several joined by trailing backslashes
                 start = start if pending else number
                 pending += line.rstrip().removesuffix("\\") + " "
                 if not line.rstrip().endswith("\\"):
                     found += _read(f"{name}:{start}", pending, whole=True)
                     pending = ""
-            else:
-                found += [c for span in re.findall(r"`([^`]+)`", line) for c in _read(f"{name}:{number}", span, False)]
+            elif line.strip():
+                prose.append((number, line))
     return found
+
+
+def _spans(name: str, paragraph: list[tuple[int, str]]) -> list[Command]:
+    text = " ".join(line for _, line in paragraph)
+    starts = [n for n, line in paragraph for _ in range(len(line) + 1)]  # the line of each character
+    return [c for span in re.finditer(r"`([^`]+)`", text)
+            for c in _read(f"{name}:{starts[span.start()]}", span.group(1), whole=False)]
 
 
 def _read(where: str, text: str, whole: bool) -> list[Command]:
     text = re.split(r"\s#\s", text)[0].split("|")[0]  # a shell comment; what the command is piped into
     if "$" in text or "<" in text:  # shell variables and <placeholders> are not commands
         return []
-    for program, pattern in (("itmatch", ITMATCH), ("bench", BENCH)):
+    for program, pattern in (("itmatch", ITMATCH), ("bench", BENCH), ("device", DEVICE)):
         match = pattern.search(text)
         if match is None:
             continue
-        rest = text[match.start(1) if program == "itmatch" else match.end():]
+        rest = text[match.start(1) if program != "bench" else match.end():]
         rest = re.sub(r"\[|\]|\.\.\.|…", " ", rest)  # [optional] parts are read as given; "..." is elided text
         try:
             return [Command(program, where, tuple(shlex.split(rest)), whole)]
@@ -121,7 +133,7 @@ def test_the_docs_show_commands_of_every_kind():
     itmatch = [c for c in COMMANDS if c.program == "itmatch"]
     assert len(itmatch) > 100 and sum(c.whole for c in itmatch) > 25
     assert {c.words[0] for c in itmatch} >= {"train", "evaluate", "extract", "index", "search", "serve", "analyze"}
-    assert sum(c.program == "bench" for c in COMMANDS) > 30
+    assert sum(c.program == "bench" for c in COMMANDS) > 30 and sum(c.program == "device" for c in COMMANDS) > 8
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.program == "itmatch"], ids=lambda c: c.where)
@@ -170,3 +182,23 @@ def test_bench_command_parses_and_names_rows_of_its_schedule(command: Command, b
         bench.parse_arguments(words)
     except SystemExit as stop:
         pytest.fail(f"{command} does not parse, or names a row its --config does not have (exit {stop.code})")
+
+
+@pytest.fixture(scope="module")
+def device_session():
+    spec = importlib.util.spec_from_file_location("device_session_docs", ROOT / "scripts" / "device_session.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if c.program == "device"], ids=lambda c: c.where)
+def test_device_session_command_parses_and_names_rows_of_the_gpu_table(command: Command, bench, device_session):
+    """The GPU queue's commands (a misspelt row there costs a lent machine's call before `poll` shows it)."""
+    try:
+        args = device_session.build_parser().parse_args(list(command.words))
+    except SystemExit as stop:
+        pytest.fail(f"{command} does not parse (exit {stop.code})")
+    unknown = set(args.row) - set(bench.GPU.rows)
+    assert not unknown, f"{command}: not rows of --config gpu: {unknown}"
+    assert set(args.perturb) <= set(bench.PERTURB), f"{command}: no perturbation study of {args.perturb}"
