@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from itmatch.argtypes import output_dir
+from itmatch.argtypes import output_dir, output_file
 from itmatch.cli import build_parser, main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -130,6 +130,15 @@ def test_unwritable_output_directory_is_refused(tmp_path):
     for target in (locked, locked / "run"):
         with pytest.raises(argparse.ArgumentTypeError, match="not writable"):
             output_dir(str(target))
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux /sys (where no file may be created)")
+def test_an_output_file_where_no_file_can_be_created_is_refused_before_any_work(tmp_path):
+    """(`evaluate --json /sys/ev.json` scored every pair and failed at the end, naming its temporary file: /sys
+    passes the permission bits for root.) Trying leaves nothing behind where it works."""
+    with pytest.raises(argparse.ArgumentTypeError, match="cannot create /sys/itmatch.json"):
+        output_file("/sys/itmatch.json")
+    assert output_file(str(tmp_path / "new" / "metrics.json")) and not list(tmp_path.iterdir())
 
 
 def test_reader_leaving_the_pipe_is_not_an_error_and_the_command_carries_on(monkeypatch):

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,9 +156,23 @@ def output_dir(text: str) -> str:
 @_named("output_file")
 def output_file(text: str) -> str:
     """An output file: absent or a file, never a directory, in a directory we may write (files are replaced
-    atomically, through a temporary file beside them)."""
+    atomically, through a temporary file beside them).
+
+    An output file is written when the work is done, maybe hours later, so the directory is also tried: a file
+    is created there and removed. Permission bits do not tell (root passes them where a filesystem refuses
+    every file, as /sys does); an output directory needs no such try, the verbs create theirs first."""
     path = _given(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; an output file name is needed there")
     _check_creatable(text, path)
+    parent = path.absolute().parent
+    while not parent.exists():  # (missing folders are created with the file: their nearest existing one decides)
+        parent = parent.parent
+    try:
+        handle, probe = tempfile.mkstemp(dir=parent, prefix=".itmatch-probe-")
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} refuses new files ({exc.strerror})"
+                                         ) from None
+    os.close(handle)
+    os.unlink(probe)
     return text
