@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from itmatch.cli import main
+from itmatch.data.precomp import read_precomp
 from itmatch.engine.checkpoint import save_checkpoint
 from itmatch.engine.evaluate import evaluate_run
 from itmatch.errors import ConfigError, DataError
@@ -99,7 +100,7 @@ def test_threads_are_restored_after_the_run(checkpoints):
 def test_each_member_of_an_ensemble_reads_its_own_features(checkpoints, tiny_precomp, tmp_path):
     """Members trained on different features of the same items (another backbone: 9 cells of 24-d instead of
     6 of 32-d) each read their own data directory; the ensemble ranks their averaged score matrices."""
-    from itmatch.data.precomp import read_precomp, write_features
+    from itmatch.data.precomp import write_features
     from itmatch.engine.checkpoint import load_checkpoint
     from itmatch.engine.evaluate import split_scores
     from itmatch.engine.metrics import retrieval_metrics
@@ -135,3 +136,22 @@ def test_each_member_of_an_ensemble_reads_its_own_features(checkpoints, tiny_pre
     with pytest.raises(DataError, match="caption 3 is .* in one and 'a caption of another photo' in the other"):
         evaluate_run([checkpoints[1], wide], split="test", progress=False, device="cpu")
     assert main(["evaluate", str(checkpoints[1]), str(wide), "--split", "test", "--quiet"]) == 2
+
+
+def test_features_of_another_backbone_are_refused_although_their_width_fits(tiny_precomp, tmp_path):
+    """Lite0's and Lite2's cells are both 1280-d: the width check alone let a Lite0 model score Lite2 features
+    (a full table, exit 0). meta.json records the backbone, the checkpoint its data.backbone."""
+    def extracted_with(backbone: str) -> Path:
+        root = tmp_path / backbone
+        shutil.copytree(tiny_precomp, root)
+        meta = {"splits": {s: {"images": read_precomp(root, s).n_images} for s in ("train", "dev", "test")}}
+        (root / "meta.json").write_text(json.dumps({**meta, "backbone": backbone}))
+        return root
+
+    lite0, lite2 = extracted_with("lite0"), extracted_with("lite2")
+    checkpoint = _checkpoint("vsepp", lite0, tmp_path / "ckpt", 0)
+    assert json.loads((checkpoint / "config.json").read_text())["data"]["backbone"] == "lite0"
+    assert evaluate_run([checkpoint], split="test", progress=False, device="cpu").metrics["rsum"] >= 0
+    with pytest.raises(DataError, match="extracted with lite2, but the checkpoint's model was trained on lite0") as e:
+        evaluate_run([checkpoint], split="test", data=lite2, progress=False, device="cpu")
+    assert "--backbone lite0" in e.value.hint

@@ -17,7 +17,7 @@ from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import AnyVocab, unknown_word_report
 from itmatch.device import Placement, check_precision, module_device, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
-from itmatch.engine.inputs import check_image_dims, open_split
+from itmatch.engine.inputs import check_image_features, open_split
 from itmatch.engine.metrics import average_folds, retrieval_metrics
 from itmatch.engine.results import result_row, upsert_row
 from itmatch.errors import ConfigError, DataError, refuse_overwrite
@@ -333,7 +333,7 @@ def _open_eval_split(checkpoint: Checkpoint, split: str, data: str | Path | None
     elif image_inputs(cfg.model) == ("pixels",):
         cfg.data.images = checkpoint.data_path("images")
     opened = open_split(cfg, split, data_path=root)
-    check_image_dims(cfg, opened)  # (before a shape error deep in the image encoder)
+    check_image_features(cfg, opened)  # (before a shape error deep in the image encoder, or a silent misfit)
     return opened, root
 
 

@@ -3,8 +3,11 @@ feature array, cached multi-scale stage maps, or image files for pixel-input mod
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from itmatch.config import Config, get_key
-from itmatch.data.precomp import MultiScaleArray, PrecompSplit, read_precomp
+from itmatch.data.precomp import META_NAME, MultiScaleArray, PrecompSplit, read_precomp
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.registry import arch, image_inputs, pixel_backbone
 
@@ -54,8 +57,22 @@ def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
         setattr(holder, name, dim)
 
 
-def check_image_dims(cfg: Config, split: PrecompSplit) -> None:
-    """A trained model's channel counts against the features of `split` (evaluation): a DataError naming both."""
+def data_backbone(root: str | Path) -> str:
+    """The backbone that extracted a precomp directory's features, as its meta.json records it ("" if none)."""
+    meta = Path(root) / META_NAME
+    return json.loads(meta.read_text(encoding="utf-8")).get("backbone", "") if meta.is_file() else ""
+
+
+def check_image_features(cfg: Config, split: PrecompSplit) -> None:
+    """A trained model against the features of `split` (evaluation): the backbone that extracted them, then their
+    channel counts; a DataError naming both. (The channels alone do not tell: Lite0's 7 x 7 and Lite2's 9 x 9
+    cells are both 1280-d, and a Lite0 model scored Lite2's without a word.)"""
+    found = data_backbone(split.root)
+    if image_inputs(cfg.model) != ("pixels",) and cfg.data.backbone and found and found != cfg.data.backbone:
+        raise DataError(f"the {split.split!r} features here were extracted with {found}, but the checkpoint's model "
+                        f"was trained on {cfg.data.backbone} features", path=split.root / META_NAME,
+                        hint="evaluate on the data directory the checkpoint was trained on (its data.path, the "
+                             f"default), or on an extraction with --backbone {cfg.data.backbone}")
     for key, dim in image_dims(cfg, split).items():
         wanted = get_key(cfg, key)
         if wanted != dim:
