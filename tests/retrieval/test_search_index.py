@@ -572,6 +572,7 @@ def test_links_to_files_outside_the_folder_are_not_indexed(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="itmatch.retrieval"):
         assert scan_images(photos) == ["inside.jpg", "sub/link_in.jpg"]
     assert "link_out.jpg" in caplog.text and "outside" in caplog.text
+    assert f"index the folder they point to, {elsewhere}, or copy them in" in caplog.text  # (the library)
 
 
 def test_unknown_words_are_reported_and_captions_without_a_known_word_never_ranked(tiny_search_setup, tmp_path,

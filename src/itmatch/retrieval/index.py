@@ -140,11 +140,18 @@ def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
                 rel = (here / name).relative_to(root).as_posix()
                 # a link to a file outside the folder: the service never serves such files
                 # (Searcher.image_path), so indexing it would give results that cannot be shown
-                (found if (here / name).resolve().is_relative_to(real_root) else outside).append(rel)
+                target = (here / name).resolve()
+                if target.is_relative_to(real_root):
+                    found.append(rel)
+                else:
+                    outside.append((rel, target))
     if outside:
+        # (a folder of links into a photo library is common: name the folder to index instead)
+        where = os.path.commonpath([str(target.parent) for _, target in outside])
         log.warning("%d image(s) in %s are links to files outside it and are not indexed (the server only "
-                    "serves files inside the photo folder), e.g. %s; copy them in instead",
-                    len(outside), root, public_id(outside[0]))
+                    "serves files inside the photo folder, so that a link cannot expose other files), e.g. %s; "
+                    "index the folder they point to, %s, or copy them in", len(outside), public_id(str(root)),
+                    public_id(outside[0][0]), public_id(where))
     return sorted(found)
 
 
