@@ -229,6 +229,25 @@ def check_world(cfg: Config) -> None:
                           "train.batch_size to a multiple of the process count")
 
 
+def check_full_batch(cfg: Config, n_captions: int) -> None:
+    """An epoch is n_captions // train.batch_size full batches (the partial last one is dropped, bucketed or not:
+    `epoch_batches`; under torchrun the global batch is split across the ranks, so the count is the same), so a
+    batch larger than the training split trains nothing: refused here rather than a run of zero steps that
+    validates its untrained model and saves it as `best`."""
+    batch = cfg.train.batch_size
+    if batch <= n_captions:
+        return
+    where = f"the {n_captions} training captions of {cfg.data.path} (split {cfg.data.train_split!r})"
+    world = dist.world_size()
+    largest = n_captions - n_captions % world  # (a batch must split evenly across the ranks: check_world)
+    if largest >= 2:
+        ranks = f", a multiple of the {world} processes" if world > 1 else ""
+        hint = f"--set train.batch_size=N with N <= {largest}{ranks} (each epoch is captions // N steps)"
+    else:
+        hint = f"a batch needs at least {max(2, world)} captions (one per process, and negatives): add training data"
+    raise ConfigError(f"train.batch_size {batch} > {where}: no full batch (0 steps an epoch)", hint=hint)
+
+
 E = TypeVar("E", bound=Embeddings)
 
 
@@ -309,6 +328,7 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
             log.warning("data.%s is %r: the model is %s on a test split, so its test figures are optimistic (a "
                         "results row needs a dev split for selection)", key, getattr(cfg.data, key), use)
     train = open_split(cfg, cfg.data.train_split, train=True)
+    check_full_batch(cfg, len(train.training_captions))  # (before the dev split, the vocabulary and the model)
     val = open_split(cfg, cfg.data.val_split).head(cfg.train.val_images)
     if vocab is None:
         vocab = make_vocab(cfg, train.training_captions)
