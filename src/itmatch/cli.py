@@ -231,6 +231,25 @@ def _cmd_recall(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_attention(args: argparse.Namespace) -> int:
+    from itmatch.analysis.attention import attention_table, plot_word_attention
+    from itmatch.errors import refuse_overwrite
+    from itmatch.features.pipeline import decode_image
+    from itmatch.pretrained import resolve_checkpoint
+    from itmatch.retrieval.matcher import load
+
+    refuse_overwrite(args.out, args.force)
+    placement = _placement(args)
+    matcher = load(resolve_checkpoint(args.model), device=placement.device, precision=placement.precision,
+                   trust_modified=args.trust_modified)
+    photo = decode_image(args.photo)  # (upright RGB, as the model reads it)
+    attention = matcher.word_attention(photo, args.caption)
+    plot_word_attention(photo, attention, args.out, args.title or "")
+    print(attention_table(attention))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def _cmd_analyze(args: argparse.Namespace) -> int:
     from itmatch.analysis.perturb import run_perturbation_study
 
@@ -580,6 +599,17 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--title", help="the figure's title (default: the split, protocol and number of images)")
     a.add_argument("--force", action="store_true", help="replace an existing figure")
     a.set_defaults(func=_cmd_recall)
+    a = analyses.add_parser("attention", help="each word's attention over a photo's grid cells, drawn over the "
+                            "photo (SCAN Fig. 4/5), for a SCAN, SAVE or OAN model and one caption")
+    a.add_argument("model", type=checkpoint_ref, help="checkpoint directory (RUN/best) or a shipped model's name")
+    a.add_argument("photo", type=existing_file, help="the photo (JPEG, PNG, ...)")
+    a.add_argument("caption", help="the caption whose words' attention is drawn")
+    a.add_argument("--out", type=output_file, required=True, help="the figure (PNG)")
+    a.add_argument("--title", help="the figure's title (default: the score and what the maps are normalised over)")
+    a.add_argument("--force", action="store_true", help="replace an existing figure")
+    _add_device_arguments(a, "auto")
+    _add_trust_argument(a)
+    a.set_defaults(func=_cmd_attention)
     a = analyses.add_parser("tags", help="POS-tag a precomp split's training captions into a tag cache, for "
                             "`analyze perturb --tag-cache` on a machine without spaCy")
     a.add_argument("--data", type=existing_dir, required=True, help="precomp directory")

@@ -7,8 +7,10 @@ above it (docs/architecture.md)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,18 @@ from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two
 
 #: an image file's path, its bytes, or a decoded PIL image
 ImageInput = str | Path | bytes | Image.Image
+
+
+@dataclass
+class WordAttention:
+    """How a model attends from one caption's words to one image's grid cells, as it computes the pair's score
+    (SCAN's Fig. 4 and 5 draw these)."""
+
+    tokens: list[str]  # the caption's time steps: <start>, its words, <end> (SCAN scores all of them)
+    known: list[bool]  # per token, whether the vocabulary knows it (an unknown word is read as <unk>)
+    maps: np.ndarray  # [len(tokens), grid, grid]: each token's weights over the cells, row-major
+    normalised_over: str  # "regions" (t-i: each word's weights sum to 1) or "words" (i-t: each cell's over words)
+    score: float  # the pair's score
 
 
 class ImageTextMatcher:
@@ -159,6 +173,30 @@ class ImageTextMatcher:
                 top_k = min(top_k, int(readable.sum()))
         top = torch.topk(scores, min(top_k, scores.numel()))
         return [(int(i), float(s)) for s, i in zip(top.values, top.indices, strict=True)]
+
+    @torch.inference_mode()
+    def word_attention(self, image: ImageEmb | ImageInput, text: str) -> WordAttention:
+        """The model's attention from the words of `text` to the grid cells of `image` (a photo, or one image's
+        embedding from encode_images): ConfigError for a model whose score has no such attention (VSE++,
+        MMCA, SMAN)."""
+        head = self.model.head
+        if not head.has_word_attention:
+            raise ConfigError(f"the {self.checkpoint.config.model.arch} model has no per-word attention over "
+                              "regions", hint="attention maps need a SCAN, SAVE or OAN (with inter-modal "
+                                              "attention) model; see docs/search.md")
+        img = image if isinstance(image, ImageEmb) else self.encode_images([image])
+        txt = self.encode_texts([text])
+        with self.placement.arithmetic():
+            alpha, normalised_over = head.word_attention(img, txt)
+            score = float(self.model.score(img, txt)[0, 0])
+        length, regions = int(txt.lengths[0]), alpha.shape[0]
+        grid = math.isqrt(regions)
+        if grid * grid != regions:
+            raise DataError(f"the image has {regions} regions, not a square grid of cells to draw attention on")
+        coverage = self.vocab.coverage(text)
+        return WordAttention(tokens=["<start>", *coverage.words, "<end>"], known=[True, *coverage.known, True],
+                             maps=alpha[:, :length].float().cpu().T.reshape(length, grid, grid).numpy(),
+                             normalised_over=normalised_over, score=score)
 
     def _check_query(self, query: str) -> None:
         coverage = self.vocab.coverage(query)

@@ -283,31 +283,20 @@ class Searcher:
         Returns the words (with <start>/<end>, which SCAN scores as real time steps), for each word its
         weights over the grid as a [grid][grid] list (row-major, region r = cell (r // grid, r % grid)),
         the axis the weights are normalised over, and the pair's score."""
-        words = self.tokens(query)
+        self.tokens(query)  # (validation: empty, over-long or all-unknown queries)
         row = self.row_of(image_id)
-        head = self.model.head
-        if not head.has_word_attention:
-            raise QueryError(f"the {self.index.manifest['model']['arch']} model has no per-word attention over "
-                             "regions to explain", status=409,
-                             hint="explanations need a SCAN, SAVE or OAN (with inter-modal attention) model; "
-                                  "see docs/search.md")
-        img = self.images.take(slice(row, row + 1))
-        with self._lock, torch.inference_mode(), self.matcher.placement.arithmetic():
-            txt = self.encode_query(query)
-            alpha, normalised_over = head.word_attention(img, txt)
-            alpha = alpha.float().cpu()  # [k, L]
-            score = float(self.model.score(img, txt)[0, 0])
-        grid = self.index.grid
-        length = int(txt.lengths[0])
-        tokens = ["<start>", *words, "<end>"]
-        coverage = self.vocab.coverage(query)
-        known = [True, *coverage.known, True]  # (a word vocabulary: its words are `words`)
-        maps = alpha[:, :length].T.reshape(length, grid, grid)
-        return {"id": image_id, "query": query, "score": round(score, 6), "grid": [grid, grid],
-                "normalised_over": normalised_over,
-                "unknown_words": _distinct(coverage.unknown),
+        try:
+            with self._lock:
+                attention = self.matcher.word_attention(self.images.take(slice(row, row + 1)), query)
+        except ConfigError as exc:  # (a model without word attention: a conflict with this index, not bad input)
+            raise QueryError(exc.message, status=409, hint=exc.hint) from None
+        grid = attention.maps.shape[1]
+        return {"id": image_id, "query": query, "score": round(attention.score, 6), "grid": [grid, grid],
+                "normalised_over": attention.normalised_over,
+                "unknown_words": _distinct([t for t, k in zip(attention.tokens, attention.known, strict=True)
+                                            if not k]),
                 "words": [{"word": w, "known": kn, "weights": m.tolist()}
-                          for w, kn, m in zip(tokens, known, maps, strict=True)]}
+                          for w, kn, m in zip(attention.tokens, attention.known, attention.maps, strict=True)]}
 
 
 def _distinct(words: Sequence[str]) -> list[str]:
