@@ -1,12 +1,13 @@
 """Run configuration: a plain dataclass tree, loaded from YAML, overridable with `--set a.b=c`.
 Unknown keys, values of the wrong type and values outside a field's `option` rule are errors naming the key's
-path; a model family adds its own section (`register_options`). The resolved config is saved with every run
-and checkpoint."""
+path and where it was written (a YAML file's FILE:LINE, the `--set` it came from: `Layer`); a model family adds
+its own section (`register_options`). The resolved config is saved with every run and checkpoint."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import math
 import typing
@@ -247,34 +248,79 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     raise ConfigError(f"{key}: expected {typ.__name__}, got {value!r}")
 
 
-def update(obj: Any, values: dict[str, Any], prefix: str = "") -> Any:
+#: where a config key was written: (a YAML file, the line of the key) or (the `--set KEY=VALUE` that gave it, None)
+Origin = tuple[str | Path, int | None]
+
+
+class Layer(dict):
+    """A layer of config values (a nested dict, as `update` takes) that knows where each key was written:
+    `origins` maps dotted key paths, intermediate ones included, to their Origin. `load_yaml` and
+    `parse_overrides` return one, `merge_overrides` keeps them, and `update` names them in its errors."""
+
+    def __init__(self, data: dict[str, Any] | None = None, origins: dict[str, Origin] | None = None) -> None:
+        super().__init__(data or {})
+        self.origins: dict[str, Origin] = dict(origins or {})
+
+
+def locate(exc: ConfigError, origins: dict[str, Origin], key: str) -> None:
+    """Give `exc` (about dotted `key`) the place the key was written, or the nearest parent key's (a key brought
+    in by a YAML merge `<<:` has no line of its own), unless it names a place already."""
+    if exc.path is not None:
+        return
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        origin = origins.get(".".join(parts[:n]))
+        if origin is not None:
+            exc.path, exc.line = origin
+            return
+
+
+def update(obj: Any, values: dict[str, Any], prefix: str = "", origins: dict[str, Origin] | None = None) -> Any:
     """Apply a nested dict onto a dataclass tree in place; unknown keys and values outside a field's
-    `option` rule are errors. Keys in MOVED_KEYS are read at their new place."""
+    `option` rule are errors, naming where the key was written when `values` is a `Layer` (or `origins` are
+    given). Keys in MOVED_KEYS are read at their new place."""
+    if origins is None:
+        origins = getattr(values, "origins", {})
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of its fields, got {values!r}")
     if not prefix and MOVED_KEYS:
         values = _moved(values)
+        origins = {MOVED_KEYS.get(k, k): origin for k, origin in origins.items()}
     hints = typing.get_type_hints(type(obj))
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
         full = f"{prefix}{key}"
-        if not isinstance(key, str) or key not in fields:
-            raise ConfigError(f"unknown config key {full!r}",
-                              hint=f"valid keys here: {', '.join(sorted(prefix + n for n in fields))}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{full}: expected a mapping of its fields, got {value!r}")
-            update(current, value, f"{full}.")
-        else:
+        try:
+            if not isinstance(key, str) or key not in fields:
+                close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+                raise ConfigError(f"unknown config key {full!r}",
+                                  hint=f"did you mean {prefix}{close[0]}?" if close else
+                                  f"valid keys here: {', '.join(sorted(prefix + n for n in fields))}")
+            current = getattr(obj, key)
+            if dataclasses.is_dataclass(current):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{full}: expected a mapping of its fields, got {value!r}")
+                update(current, value, f"{full}.", origins)
+                continue
             rule = fields[key].metadata.get("rule")
             if isinstance(value, bool) and rule is not None and {"on", "off"} <= set(rule.choices or ()):
                 value = "on" if value else "off"  # YAML 1.1 reads on/off (and yes/no) as booleans
-            value = _coerce(value, hints[key], full)
+            try:
+                value = _coerce(value, hints[key], full)
+            except ConfigError as exc:
+                exc.hint = exc.hint or f"{full} takes {_a(hints[key].__name__)}, e.g. {current!r}"
+                raise
             if rule is not None:
                 rule.check(full, value)
             setattr(obj, key, value)
+        except ConfigError as exc:
+            locate(exc, origins, full)
+            raise
     return obj
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
 
 
 def _moved(values: dict[str, Any]) -> dict[str, Any]:
@@ -298,9 +344,10 @@ def _moved(values: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """["model.embed_size=512", ...] -> nested dict (values parsed as YAML scalars)."""
-    nested: dict[str, Any] = {}
+def parse_overrides(pairs: list[str]) -> Layer:
+    """["model.embed_size=512", ...] -> nested dict (values parsed as YAML scalars), a Layer whose errors in
+    `update` name the `--set` pair they came from."""
+    nested = Layer()
     for pair in pairs:
         if "=" not in pair:
             raise ConfigError(f"override {pair!r} is not KEY=VALUE", hint="e.g. --set model.embed_size=512")
@@ -322,6 +369,9 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         if isinstance(node.get(parts[-1]), dict):
             raise ConfigError(f"override {pair!r}: {key} has fields set by another override")
         node[parts[-1]] = value
+        for n in range(1, len(parts) + 1):  # a parent key: named by the first pair that set one of its fields
+            nested.origins.setdefault(".".join(parts[:n]), (f"--set {pair}", None))
+        nested.origins[key.strip()] = (f"--set {pair}", None)  # (the last pair of a key wins)
     return nested
 
 
@@ -343,23 +393,53 @@ def get_key(tree: Any, key: str) -> Any:
     return tree
 
 
-def merge_overrides(*layers: dict[str, Any]) -> dict[str, Any]:
+def merge_overrides(*layers: dict[str, Any]) -> Layer:
     """Nested override dicts merged in order (a later layer's value wins, mappings merge key by key), e.g. a
-    YAML config file's keys, then --set's."""
+    YAML config file's keys, then --set's; each key keeps the origin of the layer its value came from."""
+    merged = Layer(_merged(*layers))
+    for layer in layers:
+        origins = getattr(layer, "origins", {})
+        for key in _key_paths(layer):
+            if key in origins:
+                merged.origins[key] = origins[key]
+            else:  # (a layer that knows no origins, e.g. --data's, says nothing about where the key came from)
+                merged.origins.pop(key, None)
+    return merged
+
+
+def _merged(*layers: dict[str, Any]) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for layer in layers:
         for key, value in layer.items():
             if isinstance(value, dict) and isinstance(merged.get(key), dict):
-                merged[key] = merge_overrides(merged[key], value)
+                merged[key] = _merged(merged[key], value)
             else:
                 merged[key] = copy.deepcopy(value)
     return merged
 
 
-def load_yaml(path: str | Path) -> dict[str, Any]:
+def _key_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every dotted key path of a nested dict, the mappings' own keys included: {"a": {"b": 1}} -> a, a.b."""
+    paths = []
+    for key, value in tree.items():
+        paths.append(f"{prefix}{key}")
+        if isinstance(value, dict):
+            paths += _key_paths(value, f"{prefix}{key}.")
+    return paths
+
+
+def load_yaml(path: str | Path) -> Layer:
+    """A YAML config file as a Layer: errors about its keys name FILE:LINE. A key given twice in one mapping is
+    refused naming both lines (YAML keeps the last one silently)."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
+        try:
+            node = loader.get_single_node()  # (what yaml.safe_load does, with the nodes' lines kept)
+            origins = _key_origins(node, path)
+            data = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except FileNotFoundError:
         raise ConfigError("config file not found", path=path) from None
     except IsADirectoryError:
@@ -372,9 +452,34 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         mark = getattr(exc, "problem_mark", None)
         raise ConfigError(f"invalid YAML: {getattr(exc, 'problem', exc)}", path=path,
                           line=mark.line + 1 if mark else None) from None
+    if data is None:
+        return Layer()
     if not isinstance(data, dict):
         raise ConfigError("a config file must be a mapping", path=path)
-    return data
+    return Layer(data, origins)
+
+
+MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *anchor`
+
+
+def _key_origins(node: yaml.Node | None, path: Path, prefix: str = "",
+                 inside: frozenset[int] = frozenset()) -> dict[str, Origin]:
+    """(path, line) of every key of a mapping node and of the mappings in it, by dotted key path. A key given
+    twice in one mapping is a ConfigError naming both lines. Keys a merge (`<<:`) brings have no line of
+    their own (`locate` names their parent's)."""
+    if not isinstance(node, yaml.MappingNode) or id(node) in inside:  # (a mapping that holds itself by an alias)
+        return {}
+    origins: dict[str, Origin] = {}
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE_TAG:
+            continue
+        key, line = f"{prefix}{key_node.value}", key_node.start_mark.line + 1
+        if key in origins:
+            raise ConfigError(f"{key} is given twice, on lines {origins[key][1]} and {line} (YAML would keep the "
+                              f"last one without a word)", path=path, line=line, hint="keep one of them")
+        origins[key] = (path, line)
+        origins.update(_key_origins(value_node, path, f"{key}.", inside | {id(node)}))
+    return origins
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -9,7 +9,7 @@ import copy
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from itmatch.config import Config, ModelConfig, config_from_dict, update
+from itmatch.config import Config, ModelConfig, config_from_dict, locate, update
 from itmatch.data.vocab import AnyVocab
 from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher
@@ -102,14 +102,18 @@ def preset_config(name: str) -> Config:
 
 
 def resolve_config(preset: str | None, *layers: dict[str, Any]) -> Config:
-    """Defaults <- preset <- each layer (YAML file, CLI --set) in order."""
+    """Defaults <- preset <- each layer (YAML file, CLI --set) in order. Errors name where a key was written
+    when its layer is a `Layer` (FILE:LINE, the --set pair)."""
     cfg = preset_config(preset) if preset else Config()
     for layer in layers:
-        layer = dict(layer)
+        origins = getattr(layer, "origins", {})
         if "preset" in layer and layer["preset"] and not preset:
-            cfg = preset_config(layer["preset"])
-        layer.pop("preset", None)
-        update(cfg, layer)
+            try:
+                cfg = preset_config(layer["preset"])
+            except ConfigError as exc:
+                locate(exc, origins, "preset")
+                raise
+        update(cfg, {key: value for key, value in layer.items() if key != "preset"}, origins=origins)
     read_pixels_for_finetuning(cfg)
     return cfg
 
