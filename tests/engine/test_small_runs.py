@@ -3,6 +3,8 @@ before any work, and a run that has nothing left to do says so."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,10 @@ from conftest import make_precomp
 
 from itmatch import distributed as dist
 from itmatch.cli import main
-from itmatch.engine.train import check_full_batch, train
-from itmatch.errors import ConfigError
+from itmatch.config import Config, parse_overrides
+from itmatch.engine import train as train_module
+from itmatch.engine.train import check_full_batch, train, training_finished
+from itmatch.errors import CheckpointError, ConfigError
 from itmatch.models.registry import resolve_config
 
 QUICK = {"model": {"embed_size": 16, "word_dim": 8}, "train": {"epochs": 1, "val_images": 4}}
@@ -63,3 +67,54 @@ def test_the_bound_under_torchrun_is_a_multiple_of_the_processes(monkeypatch, ei
     assert "N <= 39, a multiple of the 3 processes" in err.value.hint
     with pytest.raises(ConfigError, match="needs at least 3 captions"):
         check_full_batch(cfg, 2)
+
+
+@pytest.fixture(scope="module")
+def finished(eight_photos, tmp_path_factory) -> Path:
+    """A run that has trained its 2 epochs."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    train(small_config(eight_photos, epochs=2, batch_size=8), run, progress=False)
+    return run
+
+
+def test_resuming_a_finished_run_says_so_without_loading_it(finished, tmp_path, monkeypatch, capsys):
+    """It loaded the weights and the data (14 s) to train nothing, and printed only the best dev rsum."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    state = json.loads((run / "last" / "state.json").read_text())
+
+    def no(*args, **kwargs):
+        raise AssertionError("loaded")
+
+    for name in ("load_checkpoint", "prepare_data", "build_model"):
+        monkeypatch.setattr(train_module, name, no)
+    result = train(Config(), run, resume=True, resume_overrides=parse_overrides(["train.epochs=2"]))
+    assert (result["best_rsum"], result["best_epoch"]) == (state["best_rsum"], state["best_epoch"])
+    assert result["best"] == state["best_result"]
+    best = f"best dev rsum {state['best_rsum']:.1f} at epoch {state['best_epoch']}"
+    assert f"{run} finished its 2 epochs ({best}); to train on: --resume --set train.epochs=N with N > 2" in \
+        capsys.readouterr().out
+    assert training_finished(run)
+    # an edited state.json is refused as a load would refuse it
+    (run / "last" / "state.json").write_text(json.dumps({**state, "epoch": 9}))
+    with pytest.raises(CheckpointError, match="state.json does not match the manifest"):
+        train(Config(), run, resume=True, progress=False)
+
+
+def test_resuming_with_fewer_epochs_than_trained_is_refused(finished, tmp_path, capsys):
+    """`--resume --set train.epochs=1` on a 2-epoch run trained nothing, said nothing, and rewrote config.json to
+    1 epoch for weights that have had 2."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    config = (run / "config.json").read_bytes()
+    with pytest.raises(ConfigError) as err:
+        train(Config(), run, resume=True, resume_overrides={"train": {"epochs": 1}}, progress=False)
+    assert f"{run} has trained 2 epochs (best dev rsum" in err.value.message
+    assert "more than train.epochs=1: a run cannot be cut back" in err.value.message
+    assert "--set train.epochs=N with N > 2 to train on" in err.value.hint
+    assert main(["train", "--out", str(run), "--resume", "--set", "train.epochs=1"]) == 2
+    assert f"error: --set train.epochs=1: {run} has trained 2 epochs" in capsys.readouterr().err
+    assert (run / "config.json").read_bytes() == config  # (was rewritten to 1 epoch)
+    # more epochs train on from where the run stopped
+    assert train(Config(), run, resume=True, resume_overrides={"train": {"epochs": 3}}, progress=False)
+    assert json.loads((run / "last" / "state.json").read_text())["epoch"] == 3

@@ -12,7 +12,7 @@ import pickle
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,10 +87,12 @@ def _mismatch(path: Path, size: int, digest: str) -> str | None:
     return None
 
 
-def verify_manifest(directory: str | Path, *, trust_modified: bool = False) -> int:
-    """Check every file listed in manifest.json (size, SHA-256) and return the manifest's version (0 when
-    there is none). A file that differs is a CheckpointError naming it, or with `trust_modified` a warning.
-    Checkpoints of older versions load with a one-line warning saying which files are not covered."""
+def verify_manifest(directory: str | Path, *, trust_modified: bool = False,
+                    files: Collection[str] | None = None) -> int:
+    """Check every file listed in manifest.json (size, SHA-256), or only those named in `files` (a reader of the
+    small JSON files that does not load the weights), and return the manifest's version (0 when there is none).
+    A file that differs is a CheckpointError naming it, or with `trust_modified` a warning. Checkpoints of older
+    versions load with a one-line warning saying which files are not covered."""
     directory = Path(directory)
     file = directory / MANIFEST
     manifest, version = _read_manifest(directory)
@@ -102,7 +104,7 @@ def verify_manifest(directory: str | Path, *, trust_modified: bool = False) -> i
         entries = [(str(name), int(e["bytes"]), str(e["sha256"])) for name, e in manifest["files"].items()]
     except (ValueError, KeyError, TypeError, AttributeError):
         raise CheckpointError("corrupt manifest", path=file, hint="the checkpoint is damaged; use another") from None
-    changed = [(name, why) for name, size, digest in entries
+    changed = [(name, why) for name, size, digest in entries if files is None or name in files
                if (why := _mismatch(directory / name, size, digest)) is not None]
     if changed and not trust_modified:
         name, why = changed[0]
@@ -327,13 +329,22 @@ def load_checkpoint(path: str | Path, *, expect_arch: str | None = None, trust_m
             path=path / WEIGHTS, hint="the checkpoint's files come from different models; retrain or re-save it")
     model.load_state_dict(weights)
     model.eval()
-    state = {}
-    if (path / STATE).is_file():
-        try:
-            state = json.loads((path / STATE).read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError):
-            raise CheckpointError("corrupt state.json", path=path / STATE) from None
-    return Checkpoint(path, model, config, vocab, state, searched)
+    return Checkpoint(path, model, config, vocab, read_state(path), searched)
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    """The training state of checkpoint `path` (state.json: epochs and batches done, best dev rsum, ...); {} when
+    it has none (a converted or older checkpoint)."""
+    file = Path(path) / STATE
+    if not file.is_file():
+        return {}
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError("corrupt state.json", path=file) from None
+    if not isinstance(state, dict):
+        raise CheckpointError("corrupt state.json: not a JSON object", path=file)
+    return state
 
 
 def init_weights_from(model: Matcher, source: Checkpoint) -> dict[str, Any]:

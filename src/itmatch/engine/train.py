@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from itmatch import distributed as dist
-from itmatch.config import Config, config_from_dict, flatten, get_key, update
+from itmatch.config import Config, config_from_dict, flatten, get_key, locate, update
 from itmatch.data.datasets import (
     CaptionTransform,
     LengthBucketSampler,
@@ -41,9 +41,12 @@ from itmatch.engine.checkpoint import (
     load_checkpoint,
     load_optimizer_state,
     load_trainer_state,
+    read_checkpoint_config,
+    read_state,
     recover_checkpoint,
     resolve_run_data_paths,
     save_checkpoint,
+    verify_manifest,
 )
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.inputs import fill_image_dims, open_split
@@ -370,6 +373,41 @@ def apply_resume_overrides(cfg: Config, overrides: dict[str, Any]) -> list[str]:
     return changed
 
 
+def finished_run(run_dir: Path, overrides: dict[str, Any], trust_modified: bool = False) -> dict[str, Any] | None:
+    """For `train --resume`: None when the run in `run_dir` has epochs left under the checkpoint's config with
+    `overrides` applied; its result and a "note" saying so when it has trained exactly its epochs (resuming
+    it loaded the data and the model to train nothing); a ConfigError when it has trained more than the
+    epochs asked for. That is refused, not taken as finished: its `best`, `last` and log hold the later epochs
+    too, and config.json would then claim fewer epochs than the weights have had. Reads the JSON files of `last`
+    only (checked against its manifest) and rewrites the run's config.json as every resume does, so it answers in
+    a moment."""
+    last = run_dir / "last"
+    verify_manifest(last, trust_modified=trust_modified, files=("config.json", "state.json"))
+    state = read_state(last)
+    if "epoch" not in state:  # (a checkpoint of an older version: the full path handles it)
+        return None
+    cfg = read_checkpoint_config(last)
+    apply_resume_overrides(cfg, overrides)  # (refused overrides are refused here, as they would be below)
+    done, batch, epochs = int(state["epoch"]), int(state.get("batch", 0)), cfg.train.epochs
+    if epochs > done:
+        return None
+    best = f"best dev rsum {state['best_rsum']:.1f} at epoch {state['best_epoch']}"
+    if epochs == done and batch == 0:
+        if dist.is_main():  # as every resume does: the run's config.json says what it was resumed with
+            write_json_atomic(run_dir / "config.json", config_for_checkpoint(cfg, run_dir))
+        return {"best_epoch": state["best_epoch"], "best_rsum": state["best_rsum"],
+                "best": state.get("best_result", {}),
+                "note": f"{run_dir} finished its {done} epochs ({best}); to train on: --resume --set "
+                        f"train.epochs=N with N > {done}"}
+    trained = f"{done} epochs" + (f" and {batch} batches of epoch {done + 1}" if batch else "")
+    exc = ConfigError(f"{run_dir} has trained {trained} ({best}), more than train.epochs={epochs}: a run cannot "
+                      f"be cut back, its checkpoints and metrics.jsonl hold every epoch trained",
+                      hint=f"leave train.epochs as it is to use the run as it stands, --set train.epochs=N with "
+                           f"N > {done} to train on, or train a {epochs}-epoch model in a new run (another --out)")
+    locate(exc, getattr(overrides, "origins", {}), "train.epochs")
+    raise exc
+
+
 def training_finished(run_dir: str | Path) -> bool:
     """Whether the run in `run_dir` has trained all its epochs. Not merely whether it has `best/`: a run stopped
     in its second epoch has the first epoch's `best`, and reusing that reports a half-trained model. `last`
@@ -424,6 +462,14 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         resolve_run_data_paths(cfg, run_dir)
         resume, force = False, True
         apply_resume_overrides(cfg, resume_overrides or {})
+    if resume:  # a finished run says so before its weights and data are loaded
+        finished = finished_run(run_dir, resume_overrides or {}, trust_modified)
+        if finished is not None:
+            note = finished.pop("note")
+            _log.info(note)
+            if progress:  # (where the epoch lines go; the CLI configures no logging handler)
+                tqdm.write(note)
+            return finished
     check_world(cfg)  # (before anything is written)
     header = ""
     if resume:
