@@ -235,3 +235,19 @@ def test_an_unknown_option_is_reported_by_its_verb_with_the_closest_known_one(tm
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert said in err and err.startswith(f"itmatch {argv[0]}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("argv", "command", "said"), [
+    (["train", "--preset", "vsepp", "--data", ".", "--out", "RUN"], "_cmd_train", "the same command with --resume"),
+    (["train", "--out", "RUN", "--resume"], "_cmd_train", "the same command continues from its last save"),
+    (["extract", ".", "README.md", "--out", "FEATURES"], "_cmd_extract", "the same command continues where it"),
+    (["evaluate", ".", "--resume-dir", "BLOCKS"], "_cmd_evaluate", "from the finished blocks in --resume-dir"),
+    (["evaluate", "."], "_cmd_evaluate", None),
+])
+def test_an_interrupted_verb_says_how_to_continue_its_work(monkeypatch, capsys, argv, command, said):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(f"itmatch.cli.{command}", interrupted)
+    assert main(argv) == 130
+    err = capsys.readouterr().err
+    assert err.startswith(f"itmatch {argv[0]}: interrupted") and (said in err if said else err.count(";") == 0)

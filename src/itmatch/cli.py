@@ -760,6 +760,18 @@ def describe_os_error(exc: OSError) -> str:
     return text
 
 
+def _how_to_continue(args: argparse.Namespace) -> str:
+    """What continues an interrupted verb's work, for those that keep it (docs/reliability.md), else ''."""
+    if args.verb == "train":
+        return ("; its last saved checkpoint is kept: the same command with --resume continues from there"
+                if not getattr(args, "resume", False) else "; the same command continues from its last save")
+    if args.verb in ("extract", "index", "demo") or getattr(args, "analysis", None) == "perturb":
+        return "; the same command continues where it stopped"
+    if args.verb == "evaluate" and args.resume_dir:
+        return "; the same command continues from the finished blocks in --resume-dir"
+    return ""
+
+
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     finished = False  # the command returned: every rank reaches the final barrier
@@ -773,7 +785,7 @@ def _run(argv: list[str] | None) -> int:
         print(f"itmatch {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"itmatch {args.verb}: interrupted", file=sys.stderr)
+        print(f"itmatch {args.verb}: interrupted{_how_to_continue(args)}", file=sys.stderr)
         return 130
     except OSError as exc:  # the environment refused (disk full, permissions, a directory for a file): no bug
         print(f"itmatch {args.verb}: error: {describe_os_error(exc)}", file=sys.stderr)
