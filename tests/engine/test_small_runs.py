@@ -4,16 +4,20 @@ before any work, and a run that has nothing left to do says so."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import make_precomp
+from conftest import WORDS, make_precomp
 
 from itmatch import distributed as dist
 from itmatch.cli import main
-from itmatch.config import Config, parse_overrides
+from itmatch.config import Config, config_from_dict, parse_overrides
+from itmatch.data.precomp import read_precomp, write_captions
+from itmatch.data.vocab import MIN_COUNT, build_vocab
 from itmatch.engine import train as train_module
+from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.train import check_full_batch, train, training_finished
 from itmatch.errors import CheckpointError, ConfigError
 from itmatch.models.registry import resolve_config
@@ -118,3 +122,66 @@ def test_resuming_with_fewer_epochs_than_trained_is_refused(finished, tmp_path, 
     # more epochs train on from where the run stopped
     assert train(Config(), run, resume=True, resume_overrides={"train": {"epochs": 3}}, progress=False)
     assert json.loads((run / "last" / "state.json").read_text())["epoch"] == 3
+
+
+@pytest.fixture(scope="module")
+def rare_words(eight_photos, tmp_path_factory) -> Path:
+    """The eight photos with captions of which a quarter of the words are seen once (`shape<i><j>`): SCAN's
+    vocabulary threshold (4) leaves them out."""
+    root = tmp_path_factory.mktemp("rare")
+    for name in ("dev", "test"):
+        for suffix in ("ims.npy", "caps.txt", "ids.txt"):
+            shutil.copy(eight_photos / f"{name}_{suffix}", root)
+    shutil.copy(eight_photos / "train_ims.npy", root)
+    write_captions(root, "train", [f"train{i}" for i in range(8)],
+                   [f"a {WORDS[i]} shape{i}{j} here" for i in range(8) for j in range(5)])
+    return root
+
+
+def test_training_says_its_vocabulary_and_the_training_words_it_reads_as_unknown(rare_words, tmp_path, capsys,
+                                                                                 caplog):
+    """Training said nothing of its vocabulary; evaluation said afterwards that 28 % of the words were unknown,
+    and the threshold (4) could not be changed."""
+    run = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="itmatch.train"):
+        train(small_config(rare_words, batch_size=8), run)
+    out = capsys.readouterr().out
+    assert ("vocabulary: 10 words (+ 4 special tokens), the training captions' words seen at least 4 times "
+            "(data.min_word_count)\ntraining captions: unknown words: 40 of 160 caption words (25.00%) read as "
+            "unknown") in out
+    assert "25.0% of the training captions' words are read as unknown" in caplog.text
+    assert "--set data.min_word_count=N, N < 4" in caplog.text
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["vocabulary"]
+    assert (record["size"], record["unknown"], record["words"], record["captions_read"]) == (14, 40, 160, 40)
+
+    caplog.clear()
+    every = tmp_path / "every"  # the threshold is a setting, saved with the run (its vocab.json holds the words)
+    cfg = small_config(rare_words, batch_size=8)
+    cfg.data.min_word_count = 1
+    with caplog.at_level(logging.WARNING, logger="itmatch.train"):
+        train(cfg, every, progress=False)
+    assert "read as unknown" not in caplog.text
+    ckpt = load_checkpoint(every / "best")
+    assert (len(ckpt.vocab), ckpt.config.data.min_word_count) == (54, 1)
+    assert json.loads((every / "metrics.jsonl").read_text().splitlines()[0])["vocabulary"]["unknown"] == 0
+    # it made the vocabulary, so it cannot change on resume; where there is nothing to build, it is refused
+    with pytest.raises(ConfigError, match="data.min_word_count=2: cannot change when resuming"):
+        train(Config(), every, resume=True, resume_overrides={"data": {"min_word_count": 2}, "train": {"epochs": 2}})
+    cfg = small_config(rare_words, init_from=str(every / "best"))
+    cfg.data.min_word_count = 2
+    with pytest.raises(ConfigError, match=r"data.min_word_count=2 has no effect: the vocabulary is train.init_from's"):
+        train(cfg, tmp_path / "init", progress=False)
+    assert not (tmp_path / "init").exists()
+
+
+def test_the_vocabulary_of_a_large_split_is_measured_on_a_sample(rare_words, monkeypatch, capsys):
+    monkeypatch.setattr(train_module, "COVERAGE_CAPTIONS", 10)
+    vocab = build_vocab(read_precomp(rare_words, "train").training_captions)
+    captions = read_precomp(rare_words, "train").training_captions
+    record = train_module.report_vocabulary(small_config(rare_words), vocab, captions, progress=True)
+    assert "1 in 4 of the 40 training captions: unknown words: 10 of 40 caption words" in capsys.readouterr().out
+    assert (record["vocabulary"]["captions"], record["vocabulary"]["captions_read"]) == (40, 10)
+
+
+def test_the_default_threshold_is_scans_and_older_configs_read_with_it():
+    assert config_from_dict({"data": {"path": "d"}}).data.min_word_count == MIN_COUNT == 4
