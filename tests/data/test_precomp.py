@@ -64,3 +64,28 @@ def test_f30k_caption_file_without_final_newline():
     from itmatch.data.precomp import read_lines
 
     assert len(read_lines(path)) == 5000
+
+
+def test_split_never_extracted_is_told_apart_from_an_unfinished_one(tmp_path):
+    """A dataset without a dev split (or a misspelt split name) was said to have an unfinished extraction,
+    with 'rerun the same itmatch extract command' as the fix, which cannot help."""
+    import json
+
+    from itmatch.data.precomp import progress_path
+
+    meta = {"format": "itmatch-precomp", "splits": {"train": {"images": 2}, "test": {"images": 2}}}
+    (tmp_path / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    with pytest.raises(DataError, match=r"split 'dev' is not in this dataset \(meta.json has: train, test\)") as err:
+        read_precomp(tmp_path, "dev")
+    hint = err.value.hint or ""
+    assert "data.val_split=train" in hint and "--split train" in hint and "--default-split dev" in hint
+    assert "rerun" not in hint
+    with pytest.raises(DataError, match="not in this dataset") as err:
+        read_precomp(tmp_path, "tset")
+    assert (err.value.hint or "").startswith("did you mean 'test'?")
+    # a split whose extraction started (its progress file is there) is the unfinished one
+    progress_path(tmp_path, "dev").write_text("{}", encoding="utf-8")
+    with pytest.raises(DataError, match="'dev' is not recorded as complete in meta.json: its extraction did not "
+                                        "finish") as err:
+        read_precomp(tmp_path, "dev")
+    assert "rerun the same `itmatch extract` command" in (err.value.hint or "")

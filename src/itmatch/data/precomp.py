@@ -7,6 +7,7 @@ Training pairs them with their image like the others; evaluation keeps the proto
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,17 @@ def ids_path(root: str | Path, split: str) -> Path:
 META_NAME = "meta.json"
 
 
+def partial_path(root: str | Path, split: str) -> Path:
+    """The main array of a split being extracted (renamed to `{split}_ims.npy` once every image is done)."""
+    return Path(root) / f"{split}_ims.npy.partial"
+
+
+def shards_root(root: str | Path, split: str) -> Path:
+    """Where the torchrun ranks of `itmatch extract` write their shares of `split` (removed once meta.json
+    records the split)."""
+    return Path(root) / f".shards-{split}"
+
+
 def progress_path(root: str | Path, split: str) -> Path:
     """The extractor's progress file of a split being extracted or updated (gone once it is complete)."""
     return Path(root) / f"{split}.progress.json"
@@ -67,10 +79,30 @@ def split_manifest(root: Path, split: str) -> dict | None:
         return None
     splits = data.get("splits")
     info = splits.get(split) if isinstance(splits, dict) else None
-    if not isinstance(info, dict):
+    if isinstance(info, dict):
+        return info
+    if extraction_started(root, split):
         raise DataError(f"split {split!r} is not recorded as complete in meta.json: its extraction did not "
                         f"finish", path=meta, hint="rerun the same `itmatch extract` command; it resumes")
-    return info
+    # never extracted: rerunning cannot help; the split name is wrong, or the captions have no such rows
+    has = [s for s in splits if isinstance(splits[s], dict)] if isinstance(splits, dict) else []
+    close = difflib.get_close_matches(split, has, n=1, cutoff=0.6)
+    meant = f"did you mean {close[0]!r}? " if close else ""
+    other = close[0] if close else (has[0] if has else "SPLIT")
+    raise DataError(f"split {split!r} is not in this dataset (meta.json has: {', '.join(has) or 'no split'})",
+                    path=meta, hint=f"{meant}use a split it has (itmatch evaluate --split {other}; itmatch train "
+                                    f"--set data.val_split={other}, or data.train_split={other}), or extract "
+                                    f"{split!r} into this directory: `itmatch extract` with caption rows of split "
+                                    f"{split!r} (a CSV split column, or --default-split {split})")
+
+
+def extraction_started(root: Path, split: str) -> bool:
+    """Did an `itmatch extract` run start on `split` in `root` (its progress file, partial or final arrays,
+    torchrun shares or caption files are there), so that a split meta.json does not record is unfinished
+    rather than never extracted?"""
+    traces = (progress_path(root, split), features_path(root, split), partial_path(root, split),
+              captions_path(root, split), shards_root(root, split))
+    return any(p.exists() for p in traces)
 
 
 def read_lines(path: Path) -> list[str]:

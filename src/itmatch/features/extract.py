@@ -33,6 +33,7 @@ from itmatch.data.precomp import (
     progress_path,
     read_lines,
     scale_path,
+    shards_root,
 )
 from itmatch.device import resolve
 from itmatch.errors import DataError, OverwriteError, refuse_overwrite
@@ -47,7 +48,7 @@ from itmatch.features.progress import (
     same_run_progress,
     split_complete,
 )
-from itmatch.features.sharded import extract_split_sharded, shards_root
+from itmatch.features.sharded import extract_split_sharded
 from itmatch.features.updates import (
     SourceChanges,
     caption_update_path,

@@ -19,7 +19,15 @@ from typing import Any
 import numpy as np
 from numpy.lib.format import open_memmap
 
-from itmatch.data.precomp import captions_path, features_path, ids_path, progress_path, scale_path, split_manifest
+from itmatch.data.precomp import (
+    captions_path,
+    features_path,
+    ids_path,
+    partial_path,
+    progress_path,
+    scale_path,
+    split_manifest,
+)
 from itmatch.errors import DataError, OverwriteError
 from itmatch.features.backbones import Backbone
 from itmatch.io import fsync_file
@@ -31,11 +39,6 @@ log = logging.getLogger("itmatch.features")
 PROGRESS_VERSION = 2
 # Bump when preprocessing changes in a way that changes the features (invalidates resumable state).
 PREPROCESS_VERSION = 1
-
-
-def partial_path(root: Path, split: str) -> Path:
-    """The main array of a split being extracted (renamed to `{split}_ims.npy` once every image is done)."""
-    return root / f"{split}_ims.npy.partial"
 
 
 def scale_partial(root: Path, split: str, scale: str) -> Path:

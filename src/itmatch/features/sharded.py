@@ -15,7 +15,15 @@ from numpy.lib.format import open_memmap
 
 from itmatch import distributed as dist
 from itmatch.data.captions import CaptionTable
-from itmatch.data.precomp import META_NAME, captions_path, ids_path, progress_path, scale_path, split_manifest
+from itmatch.data.precomp import (
+    META_NAME,
+    captions_path,
+    ids_path,
+    progress_path,
+    scale_path,
+    shards_root,
+    split_manifest,
+)
 from itmatch.device import Placement
 from itmatch.features.backbones import Backbone
 from itmatch.features.extract_split import BatchHook, extract_split
@@ -30,11 +38,6 @@ from itmatch.features.progress import (
 )
 from itmatch.fingerprint import FileRecord
 from itmatch.io import fsync_dir, remove_atomic_leftovers, write_json_atomic
-
-
-def shards_root(out_dir: Path, split: str) -> Path:
-    """Where the ranks write their shares of `split` (removed once meta.json records the split)."""
-    return out_dir / f".shards-{split}"
 
 
 def extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: Path, split: str,
