@@ -332,6 +332,41 @@ def test_every_row_skipped_is_an_error_saying_so(tmp_path: Path, capsys) -> None
     assert "all 5 caption row(s) were skipped" in message and "assigns no image to a split" not in message
 
 
+# ---------------------------------------------------------------------------------------- encodings
+
+def _latin1_sources(tmp_path: Path) -> dict[str, tuple[Path, int]]:
+    """One caption file per format, with a Latin-1 'é' on a known line, after more than a read buffer of
+    UTF-8 text (the offset of a streaming decoder's error counts from its chunk)."""
+    filler = [f"p{i}.jpg,a caption long enough to fill the decoder's buffer number {i},train" for i in range(200)]
+    csv_path = tmp_path / "mine.csv"
+    text = "image,caption,split\n" + "\n".join(filler) + "\n"
+    csv_path.write_bytes(text.encode() + "q.jpg,un café,train\n".encode("latin-1"))
+    token_root = _flickr_dir(tmp_path, _five("a.jpg") + ["b.jpg#0\tun café ."])
+    token = token_root / "Flickr8k.token.txt"
+    token.write_bytes(token.read_bytes().replace("café".encode(), "café".encode("latin-1")))
+    json_path = tmp_path / "dataset_mine.json"
+    entries = [_kimg(f"p{i}.jpg", "train") for i in range(40)] + [_kimg("q.jpg", "train")]
+    entries[-1]["sentences"][0]["raw"] = "un café"
+    text = json.dumps({"images": entries}, indent=1, ensure_ascii=False)
+    json_path.write_bytes(text.encode("latin-1"))
+    json_line = text[:text.index("café")].count("\n") + 1
+    return {"csv": (csv_path, 202), "flickr8k": (token, 6), "karpathy": (json_path, json_line)}
+
+
+@pytest.mark.parametrize("fmt", ["csv", "flickr8k", "karpathy"])
+def test_latin1_captions_name_the_line_and_the_conversion(tmp_path: Path, fmt: str) -> None:
+    """It said 'not UTF-8 text (invalid continuation byte at byte 307)': no line, no fix."""
+    path, line = _latin1_sources(tmp_path)[fmt]
+    with pytest.raises(DataError, match="not UTF-8 text") as err:
+        read_captions(path, default_split="train")
+    assert err.value.line == line and str(err.value).startswith(f"{path}:{line}: ")
+    hint = err.value.hint or ""
+    assert f"iconv -f latin1 -t utf-8 {path} > " in hint
+    converted = Path(hint.rsplit("then pass ", 1)[1])
+    assert converted.parent == path.parent and "-utf8" in converted.name
+    assert converted.name.endswith({"csv": ".csv", "flickr8k": ".token.txt", "karpathy": ".json"}[fmt])
+
+
 # ---------------------------------------------------------------------------------------- dispatching
 
 def test_read_captions_errors(tmp_path: Path) -> None:

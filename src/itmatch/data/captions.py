@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+import shlex
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -193,12 +195,48 @@ def _resolve_directory(directory: Path) -> tuple[Path, str]:
                     hint=f"expected {FLICKR8K_TOKEN_FILE} or one dataset_*.json; or pass the caption file")
 
 
+def not_utf8(path: Path) -> DataError:
+    """The error for a text file that does not decode as UTF-8: the line and byte of its first bad byte, and
+    how to convert the file. The file is decoded again here because the offset of a UnicodeDecodeError
+    raised while reading a stream counts from the decoder's current chunk, not from the start of the file."""
+    data = Path(path).read_bytes()
+    try:
+        data.decode("utf-8")
+        return DataError("not UTF-8 text", path=path)  # (the file changed since it failed to decode)
+    except UnicodeDecodeError as exc:
+        start, reason = exc.start, exc.reason
+    line = data.count(b"\n", 0, start) + 1
+    text_before = data[:start].decode("utf-8", "replace")
+    if any(ord(ch) > 127 and ch not in "\ufffd\ufeff" for ch in text_before):  # (a byte-order mark is no letter)
+        # valid UTF-8 letters before the bad byte: converting the whole file would garble them
+        hint = (f"the file mixes UTF-8 with another encoding: retype the accented letters of line {line} (and "
+                f"of any later line the next run names), or save the file as UTF-8 from the program that wrote it")
+    else:
+        # Windows programs write windows-1252, a latin1 superset that uses bytes 0x80-0x9f (curly quotes)
+        legacy = "windows-1252" if re.search(rb"[\x80-\x9f]", data) and _decodes(data, "cp1252") else "latin1"
+        # the converted copy keeps the name's endings (.csv, .token.txt, .json): format detection reads them
+        name = Path(path).name
+        head, dot, tail = name.partition(".")
+        converted = Path(path).with_name(f"{head}-utf8{dot}{tail}")
+        hint = (f"save the file as UTF-8, or convert it (it looks like {legacy}): iconv -f {legacy} -t utf-8 "
+                f"{shlex.quote(str(path))} > {shlex.quote(str(converted))}, then pass {converted}")
+    return DataError(f"not UTF-8 text ({reason} at byte {start})", path=path, line=line, hint=hint)
+
+
+def _decodes(data: bytes, encoding: str) -> bool:
+    try:
+        data.decode(encoding)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _first_line(path: Path) -> str:
     try:
         with open(path, encoding="utf-8-sig") as fh:
             return fh.readline()
-    except UnicodeDecodeError as exc:
-        raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
 
 
 def _read_text_lines(path: Path, what: str, hint: str | None = None) -> list[str]:
@@ -207,8 +245,8 @@ def _read_text_lines(path: Path, what: str, hint: str | None = None) -> list[str
         return path.read_text(encoding="utf-8-sig").splitlines()
     except FileNotFoundError:
         raise DataError(f"{what} not found", path=path, hint=hint) from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
 
 
 def _load_json(path: Path) -> object:
@@ -217,8 +255,8 @@ def _load_json(path: Path) -> object:
             return json.load(fh)
     except FileNotFoundError:
         raise DataError("file not found", path=path) from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+    except UnicodeDecodeError:
+        raise not_utf8(path) from None
     except json.JSONDecodeError as exc:
         raise DataError(f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})", path=path,
                         line=exc.lineno, hint="the file is truncated or not JSON; fetch it again") from None
@@ -563,6 +601,6 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
                 builder.add(image, caption, split or default_split, where=f"line {lineno}", line=lineno)
         except csv.Error as exc:
             raise DataError(f"malformed CSV: {exc}", path=path, line=reader.line_num) from None
-        except UnicodeDecodeError as exc:
-            raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+        except UnicodeDecodeError:
+            raise not_utf8(path) from None
     return builder.table()
