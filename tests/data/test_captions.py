@@ -286,11 +286,29 @@ def test_csv_wrong_header_shows_expected(tmp_path: Path) -> None:
 
 def test_csv_wrong_column_count_names_line(tmp_path: Path) -> None:
     path = tmp_path / "mine.csv"
-    path.write_text('image,caption\na.jpg,"two\nlines"\nb.jpg,fine\nc.jpg,a dog, running\n', encoding="utf-8")
+    path.write_text('image,caption\na.jpg,"a dog, quoted"\nb.jpg,fine\nc.jpg,a dog, running\n', encoding="utf-8")
     with pytest.raises(DataError, match="expected 2 columns") as err:
         read_csv(path)
-    assert err.value.line == 5  # physical line, after a quoted caption spanning two lines
-    assert str(err.value).startswith(f"{path}:5: ")
+    assert err.value.line == 4
+    assert str(err.value).startswith(f"{path}:4: ")
+    assert "quote captions that contain commas" in (err.value.hint or "")
+
+
+@pytest.mark.parametrize("rest", [
+    'a.jpg,"a dog, running\nb.jpg,"A cat",train\nb.jpg,c2,train\n',  # the next quote closes it: 3 columns
+    'a.jpg,"a dog, running\nb.jpg,"A cat, sitting",train\n',  # ... 4 columns ("found 4": the wrong fix)
+    'a.jpg,"a dog, running,train\nb.jpg,A cat,train\n',  # open to the end of the file: 2 columns
+    'a.jpg,"a dog\nrunning",train\n',  # closed on the next line: a caption spanning lines
+])
+def test_csv_unterminated_quote_is_named_at_its_line(tmp_path: Path, rest: str) -> None:
+    """A quote left open made the csv module read the next rows into one field: the error was a column
+    count (with 'quote captions that contain commas' as its fix) or an image short of captions."""
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption,split\n" + "a.jpg,fine,train\n" * 3 + rest, encoding="utf-8")
+    with pytest.raises(DataError, match="unterminated quote") as err:
+        read_csv(path)
+    assert err.value.line == 5 and str(err.value).startswith(f"{path}:5: ")
+    assert "close the quote" in (err.value.hint or "") and "contain commas" not in (err.value.hint or "")
 
 
 @pytest.mark.parametrize(("row", "words"), [("a.jpg,hi,validation", "unknown split"),

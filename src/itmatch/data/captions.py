@@ -396,6 +396,23 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None) -> Capt
     return builder.table()
 
 
+OPEN_QUOTE_HINT = ('close the quote on that line, at the end of its caption ("a dog, running"); write a quote '
+                   'that is part of a caption twice ("a ""big"" dog"); a caption may not span lines')
+
+
+def _refuse_open_quote(row: list[str], path: Path, lineno: int, end: int) -> None:
+    """A field that holds a line break comes from a quote left open: the csv module reads on, through the
+    next rows, to the next quote character, and what comes out (one caption swallowing several rows, a
+    wrong column count, an image short of captions) hides the cause. Captions are single lines (the precomp
+    layout holds one a line), so a line break is refused here, naming the line the quote opens on."""
+    for field_text in row:
+        if "\n" in field_text or "\r" in field_text:
+            opening = field_text.splitlines()[0].strip()
+            raise DataError(f"unterminated quote: the quoted field that starts on this line ({opening[:40]!r}) is "
+                            f"not closed on it, so the lines after it, up to line {end}, were read into it",
+                            path=path, line=lineno, hint=OPEN_QUOTE_HINT)
+
+
 def _check_split_name(split: str, path: Path) -> None:
     if split not in CSV_SPLITS:
         raise DataError(f"unknown default split {split!r}", path=path,
@@ -578,6 +595,7 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
                 lineno, prev_end = prev_end + 1, reader.line_num
                 if not row or (len(row) == 1 and not row[0].strip()):
                     continue
+                _refuse_open_quote(row, path, lineno, reader.line_num)
                 if len(row) != ncols:
                     raise DataError(f"expected {ncols} columns ({','.join(names)}), found {len(row)}",
                                     path=path, line=lineno,
