@@ -116,6 +116,23 @@ def test_flickr8k_missing_split_file(tmp_path: Path) -> None:
         read_flickr8k(root)
     assert err.value.path == root / "Flickr_8k.devImages.txt"
     assert "dataset_flickr8k.json" in (err.value.hint or "")
+    # one list missing beside the others is a partial benchmark split: --default-split does not paper over it
+    with pytest.raises(DataError, match="Flickr_8k.devImages.txt is missing"):
+        read_captions(root, default_split="train")
+
+
+def test_flickr8k_token_file_without_split_files_takes_the_default_split(tmp_path: Path) -> None:
+    """The fix spoke the Python API (fmt='karpathy'), and --default-split did not apply to a token file."""
+    root = _flickr_dir(tmp_path, _five("a.jpg") + _five("b.jpg"), splits={}, images=["a.jpg", "b.jpg"])
+    token = root / "Flickr8k.token.txt"
+    with pytest.raises(DataError, match="Flickr_8k.trainImages.txt is missing") as err:
+        read_captions(token)
+    hint = err.value.hint or ""
+    assert f"itmatch extract IMAGES {token} --out DIR --default-split train" in hint
+    assert "itmatch extract IMAGES dataset_flickr8k.json --out DIR" in hint and "fmt=" not in hint
+    table = read_captions(token, default_split="train")
+    assert table.splits == ["train"] * 10 and list(table.grouped("train")) == ["a.jpg", "b.jpg"]
+    assert read_flickr8k(root, default_split="dev").splits == ["dev"] * 10
 
 
 def test_flickr8k_overlapping_splits(tmp_path: Path) -> None:

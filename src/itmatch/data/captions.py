@@ -128,7 +128,8 @@ def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: st
     `images_dir`, when given, is where image ids are looked up; captions of images that are missing
     there are reported in `table.skipped` and dropped (features cannot be extracted for them).
     `default_split` is the split of the rows whose source names none (a CSV without a split column, a
-    COCO file whose name says no split, Flickr8K images in no split list); "" leaves them unassigned.
+    COCO file whose name says no split, Flickr8K images in no split list, or every image of a token file
+    that has no split files beside it); "" leaves them unassigned.
     """
     _check_split_name(default_split, Path(source))
     table = _read_any(Path(source), images_dir, fmt, default_split)
@@ -138,7 +139,10 @@ def read_captions(source: str | Path, *, images_dir: Path | None = None, fmt: st
 
 
 def _read_any(path: Path, images_dir: Path | None, fmt: str, default_split: str) -> CaptionTable:
-    read_csv_here = partial(read_csv, default_split=default_split)  # so that its split check sees the default
+    # the readers whose rows may name no split see the default: CSV checks it, Flickr8K accepts a token file
+    # without split files when there is one
+    read_csv_here = partial(read_csv, default_split=default_split)
+    read_token_here = partial(read_flickr8k, default_split=default_split)
     if fmt not in ("auto", *FORMATS):
         raise DataError(f"unknown caption format {fmt!r}", path=path,
                         hint=f"use one of: auto, {', '.join(FORMATS)}")
@@ -149,7 +153,7 @@ def _read_any(path: Path, images_dir: Path | None, fmt: str, default_split: str)
         path, detected = _resolve_directory(path)
         fmt = detected if fmt == "auto" else fmt
     if fmt == "flickr8k":
-        return read_flickr8k(path, images_dir=images_dir)
+        return read_token_here(path, images_dir=images_dir)
     if fmt == "csv":
         return read_csv_here(path, images_dir=images_dir)
     if fmt == "karpathy":
@@ -161,7 +165,7 @@ def _read_any(path: Path, images_dir: Path | None, fmt: str, default_split: str)
     if name.endswith(".csv"):
         return read_csv_here(path, images_dir=images_dir)
     if name.endswith((".token.txt", ".token")):
-        return read_flickr8k(path, images_dir=images_dir)
+        return read_token_here(path, images_dir=images_dir)
     if name.endswith(".json"):
         data = _load_json(path)  # parsed once: COCO/Karpathy files are up to ~150 MB
         if isinstance(data, dict) and "annotations" in data:
@@ -170,14 +174,21 @@ def _read_any(path: Path, images_dir: Path | None, fmt: str, default_split: str)
             return _karpathy_from_json(data, path, images_dir=images_dir)
         raise DataError("JSON file is neither Karpathy ('images' with 'sentences') nor COCO captions "
                         "('images' and 'annotations')", path=path,
-                        hint="pass fmt='karpathy' or fmt='coco' if the file is one of them")
+                        hint=f"if the file is one of them, say which: {_format_option('karpathy')} or "
+                             f"{_format_option('coco')}")
     first = _first_line(path)
     if "\t" in first and "#" in first.split("\t", 1)[0]:
-        return read_flickr8k(path, images_dir=images_dir)
+        return read_token_here(path, images_dir=images_dir)
     if first.strip().lower().startswith("image,caption"):
         return read_csv_here(path, images_dir=images_dir)
     raise DataError("cannot tell the caption format of this file", path=path,
-                    hint=f"pass fmt= one of {', '.join(FORMATS)}")
+                    hint=f"say which it is: --format one of {', '.join(FORMATS)} (Python: fmt=); a CSV's "
+                         f"first line is {CSV_HEADER}")
+
+
+def _format_option(fmt: str) -> str:
+    """How a hint names a format: the CLI option, with the Python API's keyword beside it (both read hints)."""
+    return f"--format {fmt} (Python: fmt={fmt!r})"
 
 
 def _resolve_directory(directory: Path) -> tuple[Path, str]:
@@ -327,13 +338,16 @@ class _Builder:
         return table
 
 
-def read_flickr8k(source: str | Path, *, images_dir: Path | None = None) -> CaptionTable:
+def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default_split: str = "") -> CaptionTable:
     """Read the official Flickr8K captions (`IMAGE.jpg#k<TAB>caption`) with the official splits.
 
     `source` is `Flickr8k.token.txt` or its directory. The split lists `Flickr_8k.{train,dev,test}Images.txt`
     must sit beside it (they *are* the benchmark: without them test numbers are not comparable). Images
-    in no split list get split "". `images_dir` defaults to an `images/` (or the official
-    `Flicker8k_Dataset/`) folder beside the token file when one exists.
+    in no split list get split `default_split` ("" by default). Captions of one's own in this format may
+    come without split lists: when none of the three is there and `default_split` is given
+    (`itmatch extract ... --default-split train`), every image gets that split; one list missing beside
+    the others is still an error (a partial benchmark split). `images_dir` defaults to an `images/` (or
+    the official `Flicker8k_Dataset/`) folder beside the token file when one exists.
 
     A row whose image is in no split list and not on disk (or, with no image folder at all, in no split
     list) cannot be used, so it is reported in `table.skipped` and dropped: the official file has one,
@@ -348,14 +362,21 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None) -> Capt
         images_dir = next((root / d for d in FLICKR8K_IMAGE_DIRS if (root / d).is_dir()), None)
     on_disk = _ImageCheck(images_dir)
 
+    _check_split_name(default_split, path)
     split_of: dict[str, str] = {}
+    present = [name for name in FLICKR8K_SPLIT_FILES.values() if (root / name).is_file()]
     for split, name in FLICKR8K_SPLIT_FILES.items():
         split_path = root / name
+        if not present and default_split:
+            break  # captions of one's own in the token format: every image gets the default split
         if not split_path.is_file():
+            files = ", ".join(FLICKR8K_SPLIT_FILES.values())
+            own = (f"for captions of your own without split lists, remove {', '.join(present)} and name the split: "
+                   if present else "for captions of your own without split lists, name the split: ")
             raise DataError(f"Flickr8K split file {name} is missing", path=split_path,
-                            hint=f"put {', '.join(FLICKR8K_SPLIT_FILES.values())} (from Flickr8k_text.zip) "
-                                 f"beside {path.name}, or use the Karpathy file dataset_flickr8k.json "
-                                 f"with fmt='karpathy'")
+                            hint=f"put {files} (from Flickr8k_text.zip) beside {path.name} for the official "
+                                 f"splits; {own}itmatch extract IMAGES {path} --out DIR --default-split train; "
+                                 f"or use the Karpathy file: itmatch extract IMAGES dataset_flickr8k.json --out DIR")
         for lineno, line in enumerate(_read_text_lines(split_path, "split file"), 1):
             image = line.strip()
             if not image:
@@ -392,7 +413,7 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None) -> Capt
             builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is {where} "
                                              f"not in {images_dir}")
             continue
-        builder.add(image, caption, split or "")
+        builder.add(image, caption, split or default_split)
     return builder.table()
 
 
