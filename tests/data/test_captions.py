@@ -402,6 +402,40 @@ def test_latin1_captions_name_the_line_and_the_conversion(tmp_path: Path, fmt: s
     assert converted.name.endswith({"csv": ".csv", "flickr8k": ".token.txt", "karpathy": ".json"}[fmt])
 
 
+# ----------------------------------------------------------------------------------- missing photos
+
+@pytest.mark.parametrize(("name", "closest"), [
+    ("p/a.jpg", "'a.jpg' (the folder part differs)"),
+    ("A.JPG", "'a.jpg' (only the case differs)"),
+    ("a", "'a.jpg' (it has an extension)"),
+    ("a.png", "'a.jpg' (the extension differs)"),
+    ("sub/b.jpg", "'b.jpg'"),
+])
+def test_every_name_wrong_says_what_names_are_relative_to_and_the_closest_file(
+        tmp_path: Path, name: str, closest: str) -> None:
+    """The fix only said to check the folder: the names were right but for a prefix, the case or the extension."""
+    (tmp_path / "imgs").mkdir()
+    for real in ("a.jpg", "b.jpg", "zzz.jpg"):
+        (tmp_path / "imgs" / real).write_bytes(b"")
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption,split\n" + f"{name},a dog,train\n" * 5, encoding="utf-8")
+    with pytest.raises(DataError, match="all 5 caption row") as err:
+        read_csv(path, images_dir=tmp_path / "imgs")
+    hint = err.value.hint or ""
+    assert f"relative to the images folder {tmp_path / 'imgs'}" in hint
+    assert f"{name!r} is not there; the closest file is {closest}" in hint
+
+
+def test_closest_name_is_looked_for_in_subfolders(tmp_path: Path) -> None:
+    from itmatch.data.captions import closest_image_name
+
+    (tmp_path / "imgs" / "2014").mkdir(parents=True)
+    (tmp_path / "imgs" / "2014" / "a.jpg").write_bytes(b"")
+    found = closest_image_name(tmp_path / "imgs", "a.jpg")
+    assert found == "the closest file is '2014/a.jpg' (the folder part differs)"
+    assert closest_image_name(tmp_path / "imgs", "nothing-like-it.gif") is None
+
+
 # ---------------------------------------------------------------------------------------- dispatching
 
 def test_read_captions_errors(tmp_path: Path) -> None:

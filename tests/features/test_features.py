@@ -660,6 +660,15 @@ def test_image_in_two_splits_and_extra_captions_are_reported(tmp_path, caplog):
         extract_precomp(images, table, tmp_path / "other", batch_size=4, progress=False)
 
 
+def test_missing_images_error_names_the_closest_file(tmp_path):
+    images, table = _dataset(tmp_path, n=2)
+    table.image_ids[:5] = ["IMG0.JPG"] * 5
+    with pytest.raises(DataError, match="1 of 2 images of split 'train'") as err:
+        extract_precomp(images, table, tmp_path / "out", batch_size=4, progress=False)
+    hint = err.value.hint or ""
+    assert "the closest file is 'img0.jpg' (only the case differs)" in hint and "--skip-bad-images" in hint
+
+
 def test_cli_extracts_a_csv_without_split_column_into_the_named_split(tmp_path, capsys):
     from itmatch.cli import main
 

@@ -6,11 +6,14 @@ Readers for Flickr8K, Karpathy JSON, COCO captions JSON and a plain CSV live bel
 from __future__ import annotations
 
 import csv
+import difflib
 import json
+import os
 import re
 import shlex
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -298,13 +301,75 @@ class _ImageCheck:
         return self._cache[image_id]
 
 
+# Files listed to suggest the closest name of a missing image: enough for COCO's 123k photos in two folders,
+# bounded so that a mistaken images folder (a home directory) costs a moment, not a walk of the disk; the
+# fuzzy match (difflib, quadratic in name length, linear in files) only runs on folders up to FUZZY_FILES.
+MAX_LISTED_FILES = 300_000
+FUZZY_FILES = 20_000
+
+
+def _listing(images_dir: Path) -> list[str]:
+    """Paths of the files in `images_dir` and its subfolders (one level down), relative, with '/'."""
+    listed: list[str] = []
+    for top, dirs, files in os.walk(images_dir):
+        rel = Path(top).relative_to(images_dir)
+        listed.extend((rel / f).as_posix() for f in sorted(files))
+        dirs.sort()
+        if rel.parts:
+            dirs.clear()
+        if len(listed) > MAX_LISTED_FILES:
+            break
+    return listed
+
+
+def closest_image_name(images_dir: Path, name: str) -> str | None:
+    """A phrase naming the file under `images_dir` that the image name `name` most likely meant and how the
+    two differ (case, folder part, extension), or None when nothing is close."""
+    listed = _listing(images_dir)
+    wanted = name.replace("\\", "/").strip("/")
+
+    def base(f: str) -> str:
+        return f.rsplit("/", 1)[-1]
+
+    def stem(f: str) -> str:
+        return os.path.splitext(base(f))[0].casefold()
+
+    has_extension = bool(os.path.splitext(base(wanted))[1])
+    tests: list[tuple[str, Callable[[str], bool]]] = [
+        ("only the case differs", lambda f: f.casefold() == wanted.casefold()),
+        ("the folder part differs", lambda f: base(f) == base(wanted)),
+        ("the folder part and the case differ", lambda f: base(f).casefold() == base(wanted).casefold()),
+        ("the extension differs" if has_extension else "it has an extension", lambda f: stem(f) == stem(wanted)),
+    ]
+    for how, same in tests:
+        found = next((f for f in listed if same(f)), None)
+        if found is not None:
+            return f"the closest file is {found!r} ({how})"
+    close = difflib.get_close_matches(wanted, listed, n=1, cutoff=0.8) if len(listed) <= FUZZY_FILES else []
+    return f"the closest file is {close[0]!r}" if close else None
+
+
+def missing_image_hint(images_dir: Path | None, first_missing: str) -> str:
+    """The fix for image names that are not found: what they are relative to, and the closest real file
+    name of the first missing one when there is one."""
+    if images_dir is None:
+        return "check the image names of the caption file"
+    close = closest_image_name(images_dir, first_missing)
+    nearest = f" {first_missing!r} is not there; {close}." if close else ""
+    return (f"image names are paths relative to the images folder {images_dir} (the file {images_dir}/NAME "
+            f"must exist).{nearest} Correct the names in the caption file, or pass the folder they are "
+            f"relative to as the images folder")
+
+
 class _Builder:
     """Collects rows per image in first-appearance order, then emits them grouped."""
 
-    def __init__(self, source: Path) -> None:
+    def __init__(self, source: Path, images_dir: Path | None = None) -> None:
         self.source = source
+        self.images_dir = images_dir  # (named in the error when every row is skipped)
         self.groups: OrderedDict[str, list[tuple[str, str]]] = OrderedDict()
         self.skipped: list[str] = []
+        self.first_missing: str | None = None  # the first image name not found in images_dir
         self.first_seen: dict[str, tuple[str, str]] = {}  # image id -> (split, where its first row is)
 
     def add(self, image_id: str, caption: str, split: str, where: str = "", line: int | None = None) -> None:
@@ -317,15 +382,21 @@ class _Builder:
                             hint=SPLIT_LEAK_HINT)
         self.groups.setdefault(image_id, []).append((caption, split))
 
-    def skip(self, where: str, message: str) -> None:
+    def skip(self, where: str, message: str, missing: str | None = None) -> None:
+        """Report and drop a row; `missing`: the image name it gives, when the reason is that the image
+        file is not there (the first one is matched against the folder for the error's fix)."""
         self.skipped.append(f"{where}: {message}")
+        if missing is not None and self.first_missing is None:
+            self.first_missing = missing
 
     def table(self) -> CaptionTable:
         if self.skipped and not self.groups:  # nothing left to use: an error, not a warning and an empty table
             shown = "; ".join(self.skipped[:3]) + ("; ..." if len(self.skipped) > 3 else "")
+            hint = (missing_image_hint(self.images_dir, self.first_missing) if self.first_missing is not None
+                    else "check that the images folder is the one the file's image names refer to, and that the "
+                         "images are there")
             raise DataError(f"all {len(self.skipped)} caption row(s) were skipped, none is left: {shown}",
-                            path=self.source, hint="check that the images folder is the one the file's image "
-                                                   "names refer to, and that the images are there")
+                            path=self.source, hint=hint)
         table = CaptionTable(source=str(self.source), skipped=list(self.skipped))
         for image_id, rows in self.groups.items():
             for caption, split in rows:
@@ -387,7 +458,7 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
 
     lines = _read_text_lines(path, "Flickr8K caption file",
                              hint=f"pass the path of {FLICKR8K_TOKEN_FILE} or the directory holding it")
-    builder = _Builder(path)
+    builder = _Builder(path, images_dir)
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -411,7 +482,7 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
         if not on_disk(image):
             where = "in no split file and" if split is None else f"in the {split} split but"
             builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is {where} "
-                                             f"not in {images_dir}")
+                                             f"not in {images_dir}", missing=image)
             continue
         builder.add(image, caption, split or default_split)
     return builder.table()
@@ -479,7 +550,7 @@ def _karpathy_from_json(data: object, path: Path, *, images_dir: Path | None) ->
     _expect(images, list, path, "'images'", "a list of images")
     assert isinstance(images, list)
     on_disk = _ImageCheck(images_dir)
-    builder = _Builder(path)
+    builder = _Builder(path, images_dir)
     seen: set[str] = set()
     for i, entry in enumerate(images):
         loc = f"images[{i}]"
@@ -504,7 +575,7 @@ def _karpathy_from_json(data: object, path: Path, *, images_dir: Path | None) ->
         seen.add(image_id)
         if not on_disk(image_id):
             builder.skip(_where(path, loc), f"skipped {len(sentences)} caption(s) of {image_id!r}: "
-                                            f"image not found in {images_dir}")
+                                            f"image not found in {images_dir}", missing=image_id)
             continue
         for j, sentence in enumerate(sentences):
             sloc = f"{loc}.sentences[{j}]"
@@ -561,7 +632,7 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
 
     per_image: dict[object, list[str]] = {}
     on_disk = _ImageCheck(images_dir)
-    builder = _Builder(path)
+    builder = _Builder(path, images_dir)
     for j, ann in enumerate(annotations):
         loc = f"annotations[{j}]"
         _expect(ann, dict, path, loc, "an object with 'image_id' and 'caption'")
@@ -574,7 +645,7 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
             continue
         if not on_disk(file_of[image]):
             builder.skip(_where(path, loc), f"skipped caption of {file_of[image]!r}: "
-                                            f"image not found in {images_dir}")
+                                            f"image not found in {images_dir}", missing=file_of[image])
             continue
         per_image.setdefault(image, []).append(caption)
     for image, file_name in file_of.items():
@@ -597,7 +668,7 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
     if not path.is_file():
         raise DataError("CSV file not found", path=path)
     on_disk = _ImageCheck(images_dir)
-    builder = _Builder(path)
+    builder = _Builder(path, images_dir)
     with open(path, encoding="utf-8-sig", newline="") as fh:
         reader = csv.reader(fh)
         try:
@@ -635,7 +706,7 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
                                          "(dev is the validation split)")
                 if not on_disk(image):
                     builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: "
-                                                     f"image not found in {images_dir}")
+                                                     f"image not found in {images_dir}", missing=image)
                     continue
                 builder.add(image, caption, split or default_split, where=f"line {lineno}", line=lineno)
         except csv.Error as exc:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from itmatch import distributed as dist
-from itmatch.data.captions import CaptionTable
+from itmatch.data.captions import CaptionTable, missing_image_hint
 from itmatch.data.precomp import (
     META_NAME,
     captions_path,
@@ -220,8 +220,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             source = table.source or "the caption table"
             raise DataError(f"{len(missing)} of {len(ids)} images of split {split!r} named in {source} are "
                             f"not in {images_dir}, e.g. {missing[0]!r}", path=images_dir / missing[0],
-                            hint="check the images folder (it must hold the files the captions name), "
-                                 "or pass --skip-bad-images to drop them and their captions")
+                            hint=f"{missing_image_hint(images_dir, missing[0])}; or pass --skip-bad-images to "
+                                 f"drop them and their captions")
 
     extras = parse_extract_scales(scales)
     bb = load_backbone(backbone).to(placement.device)
