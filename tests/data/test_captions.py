@@ -436,6 +436,18 @@ def test_closest_name_is_looked_for_in_subfolders(tmp_path: Path) -> None:
     assert closest_image_name(tmp_path / "imgs", "nothing-like-it.gif") is None
 
 
+def test_skipped_rows_warning_points_at_the_caller(tmp_path: Path) -> None:
+    """The warning named a line inside the readers (`return read_csv_here(...)`), not the caller's."""
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.jpg").write_bytes(b"")
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption\na.jpg,one\nb.jpg,two\n", encoding="utf-8")
+    for read in (read_captions, read_csv):
+        with pytest.warns(SkippedRowsWarning) as caught:
+            read(path, images_dir=tmp_path / "imgs")
+        assert caught[0].filename == __file__
+
+
 # ---------------------------------------------------------------------------------------- dispatching
 
 def test_read_captions_errors(tmp_path: Path) -> None:

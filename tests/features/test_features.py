@@ -660,6 +660,27 @@ def test_image_in_two_splits_and_extra_captions_are_reported(tmp_path, caplog):
         extract_precomp(images, table, tmp_path / "other", batch_size=4, progress=False)
 
 
+def test_skipped_caption_rows_are_recorded_in_meta(tmp_path):
+    """A row naming a missing photo was printed, and nowhere recorded."""
+    from itmatch.data.captions import SkippedRowsWarning, read_captions
+
+    images, _ = _dataset(tmp_path, n=2)
+    csv = tmp_path / "mine.csv"
+    rows = "".join(f"img{i}.{'jpg' if i == 0 else 'png'},caption {c} of {i},train\n"
+                   for i in range(2) for c in range(5))
+    csv.write_text("image,caption,split\n" + rows + "gone.jpg,a ghost,train\n", encoding="utf-8")
+    with pytest.warns(SkippedRowsWarning):
+        table = read_captions(csv, images_dir=images)
+    out = tmp_path / "out"
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    assert meta["skipped_captions"] == [f"{csv}:12: skipped caption of 'gone.jpg': image not found in {images}"]
+    assert json.loads((out / "meta.json").read_text())["skipped_captions"] == meta["skipped_captions"]
+    # the row removed: every split is kept as it was, and meta.json says no row is skipped any more
+    csv.write_text("image,caption,split\n" + rows, encoding="utf-8")
+    meta = extract_precomp(images, read_captions(csv, images_dir=images), out, batch_size=4, progress=False)
+    assert "skipped_captions" not in meta and "skipped_captions" not in json.loads((out / "meta.json").read_text())
+
+
 def test_missing_images_error_names_the_closest_file(tmp_path):
     images, table = _dataset(tmp_path, n=2)
     table.image_ids[:5] = ["IMG0.JPG"] * 5

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shlex
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -361,6 +362,15 @@ def missing_image_hint(images_dir: Path | None, first_missing: str) -> str:
             f"relative to as the images folder")
 
 
+def _caller_level() -> int:
+    """The `stacklevel` that points a warning raised in this module at the code that called the reader: the
+    readers call each other (read_captions -> read_csv -> _Builder.table), so no fixed level is right."""
+    frame, level = sys._getframe(1), 1  # the frame that calls warnings.warn
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class _Builder:
     """Collects rows per image in first-appearance order, then emits them grouped."""
 
@@ -405,7 +415,7 @@ class _Builder:
             shown = "\n  ".join(self.skipped[:3])
             more = f"\n  ... and {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
             warnings.warn(f"{self.source}: skipped {len(self.skipped)} caption row(s):\n  {shown}{more}",
-                          SkippedRowsWarning, stacklevel=3)
+                          SkippedRowsWarning, stacklevel=_caller_level())
         return table
 
 

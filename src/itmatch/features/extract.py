@@ -179,6 +179,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     `extra_captions`: what to do with the captions of an image beyond the 5 the precomp layout holds:
     "drop" (reported, listed in meta.json) or "keep" (written to `{split}_extra_caps.tsv`; training pairs
     them with their image, evaluation keeps the protocol's 5 per image).
+    The caption rows the reader skipped (`table.skipped`, e.g. naming a photo that is not there) are
+    listed in meta.json `skipped_captions`.
     A split an earlier run completed is checked against its sources (docs/reliability.md): images
     whose size and mtime are unchanged are trusted without reading them, unless `rehash`.
     Under torchrun every rank calls this with the same arguments and extracts a share of the images
@@ -275,6 +277,11 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             meta = old
     meta.update({"format": "itmatch-precomp", "itmatch_version": _version(), **bmeta})
     meta.setdefault("splits", {})
+    # the rows of the caption source read this time that name no usable image: recorded beside the splits
+    # (meta.json of the last run describes the last caption source), never only printed
+    meta.pop("skipped_captions", None)
+    if table.skipped:
+        meta["skipped_captions"] = list(table.skipped)
     if extras:
         shapes = stage_shapes(bb)
         meta["scales"] = {s: {"file": f"{{split}}_ims_{s}.npy" if s != "c5" else "{split}_ims.npy",
@@ -339,4 +346,12 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             for written in (progress_path(out_dir, split), meta_file):
                 remove_atomic_leftovers(written)
             shutil.rmtree(shards_root(out_dir, split), ignore_errors=True)
+    if dist.is_main() and meta["splits"]:
+        # when every split was kept as it was nothing above wrote meta.json, but the skipped rows may have changed
+        try:
+            recorded = json.loads(meta_file.read_text(encoding="utf-8")).get("skipped_captions")
+        except (OSError, ValueError, AttributeError):
+            recorded = ()  # (unreadable: written anew)
+        if recorded != meta.get("skipped_captions"):
+            write_json_atomic(meta_file, meta)
     return dist.broadcast_object(meta)
