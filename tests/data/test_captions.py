@@ -156,6 +156,12 @@ def test_real_flickr8k() -> None:
     assert all("2258277193_586949ec62.jpg.1" in s and "Flickr8k.token.txt:" in s for s in table.skipped)
     ids, caps = table.precomp_rows("test")
     assert len(ids) == 1000 and len(caps) == 5000
+    # Flickr8K has 10 captions that repeat another of their image's 5 exactly (14 images when case is ignored):
+    # an image with 5 keeps them all, so the precomp rows are the file's own, in its order
+    for split in ("train", "dev", "test"):
+        ids, caps = table.precomp_rows(split)
+        assert caps == [c for i in ids for c in groups[i]]
+    assert sum(len(c) - len(set(c)) for c in groups.values()) == 10
 
 
 # ------------------------------------------------------------------------------------------ Karpathy
@@ -514,6 +520,39 @@ def test_csv_without_split_column_gets_the_default_split(tmp_path: Path) -> None
         read_captions(mixed)
     with pytest.raises(DataError, match="unknown default split 'validation'"):
         read_captions(path, default_split="validation")
+
+
+def test_images_short_of_captions_are_counted_and_located(tmp_path: Path) -> None:
+    """Only the first short image was named, without its line, and the fix did not say the rule."""
+    path = tmp_path / "mine.csv"
+    rows = [f"{name}.jpg,caption {c} of {name},train" for name in "abcdef" for c in range(1 if name in "bcdf" else 5)]
+    path.write_text("image,caption,split\n" + "\n".join(rows) + "\n", encoding="utf-8")
+    with pytest.raises(DataError, match=r"4 of 6 images of split 'train' have fewer than 5 captions") as err:
+        read_csv(path).precomp_rows("train")
+    text = str(err.value)
+    assert f"'b.jpg' has 1 ({path}:7)" in text and f"'c.jpg' has 1 ({path}:8)" in text
+    assert f"'d.jpg' has 1 ({path}:9)" in text and "and 1 more" in text and "f.jpg" not in text
+    assert "give every image 5 captions" in (err.value.hint or "") and "no option for fewer" in err.value.hint
+
+
+def test_repeated_captions_are_dropped_before_the_cut_to_five() -> None:
+    """7 rows with one caption three times kept the repeat three times and left 2 distinct captions out."""
+    table = CaptionTable()
+    for caption in ("a dog", "a dog", "A  dog ", "one", "two", "three", "four", "five"):
+        table.add("seven.jpg", caption, "train")
+    for caption in ("x", "x", "y", "z", "w"):  # 5 with a repeat (Flickr8K has 10 such): all kept
+        table.add("five.jpg", caption, "train")
+    for caption in ("p", "p", "p", "q", "q", "r"):  # 3 distinct of 6: repeats fill the slots, in file order
+        table.add("six.jpg", caption, "train")
+    ids, caps = table.precomp_rows("train")
+    assert ids == ["seven.jpg", "five.jpg", "six.jpg"]
+    assert caps[:5] == ["a dog", "one", "two", "three", "four"]
+    assert caps[5:10] == ["x", "x", "y", "z", "w"] and caps[10:] == ["p", "p", "p", "q", "r"]
+    chosen = table.select("train")
+    assert [table.captions[r] for r in chosen["seven.jpg"].duplicates] == ["a dog", "A  dog "]
+    assert [table.captions[r] for r in chosen["seven.jpg"].extra] == ["five"]
+    assert chosen["five.jpg"].duplicates == [] and len(chosen["six.jpg"].duplicates) == 1
+    assert table.extra_captions("train") == {"seven.jpg": 1}
 
 
 def test_extra_captions_are_counted_per_image() -> None:

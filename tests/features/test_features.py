@@ -653,11 +653,42 @@ def test_image_in_two_splits_and_extra_captions_are_reported(tmp_path, caplog):
     out = tmp_path / "out"
     with caplog.at_level(logging.WARNING, logger="itmatch.features"):
         meta = extract_precomp(images, table, out, batch_size=4, progress=False)
-    assert meta["splits"]["train"]["extra_captions"] == {"left_out": 2, "images": {"img1.png": 2}}
+    assert meta["splits"]["train"]["extra_captions"] == {
+        "left_out": 2, "images": {"img1.png": 2}, "captions": {"img1.png": ["a sixth caption", "a seventh caption"]}}
     assert "2 caption(s) of 1 image(s) beyond the 5 per image" in caplog.text
     table.add("img0.jpg", "the same photo in the test split", "test")
     with pytest.raises(DataError, match="'img0.jpg' is in both the train split"):
         extract_precomp(images, table, tmp_path / "other", batch_size=4, progress=False)
+
+
+def test_repeated_captions_are_dropped_first_and_reported(tmp_path, caplog):
+    """An image with repeats among more than 5 captions kept its first 5 by file order, the repeats included,
+    and left distinct captions out, recording only how many."""
+    images, base = _dataset(tmp_path, n=2)
+
+    def with_img1(captions: list[str]) -> CaptionTable:
+        table = CaptionTable(source=base.source)
+        for caption in base.grouped()["img0.jpg"]:
+            table.add("img0.jpg", caption, "train")
+        for caption in captions:
+            table.add("img1.png", caption, "train")
+        return table
+
+    distinct = [f"picture 1 caption {c}" for c in range(5)]
+    repeated = [distinct[0], distinct[0], "Picture 1  caption 0", distinct[1], distinct[0], *distinct[2:], "a sixth"]
+    out = tmp_path / "out"
+    with caplog.at_level(logging.WARNING, logger="itmatch.features"):
+        meta = extract_precomp(images, with_img1(repeated), out, batch_size=4, progress=False)
+    entry = meta["splits"]["train"]
+    assert entry["duplicate_captions"] == {"dropped": 3, "images": {"img1.png": 3}}
+    assert "3 repeated caption(s) of 1 image(s) dropped" in caplog.text and "img1.png x3" in caplog.text
+    assert entry["extra_captions"] == {"left_out": 1, "images": {"img1.png": 1}, "captions": {"img1.png": ["a sixth"]}}
+    assert read_precomp(out, "train").captions[5:] == distinct
+
+    # the repeats removed from the captions: the split is kept, and meta.json no longer reports them
+    meta = extract_precomp(images, with_img1([*distinct, "a sixth"]), out, batch_size=4, progress=False)
+    assert "duplicate_captions" not in meta["splits"]["train"] and meta["splits"]["train"]["extra_captions"]
+    assert "duplicate_captions" not in json.loads((out / "meta.json").read_text())["splits"]["train"]
 
 
 def test_skipped_caption_rows_are_recorded_in_meta(tmp_path):
@@ -734,7 +765,9 @@ def test_extra_captions_kept_as_training_captions(tmp_path, caplog):
     assert "extra captions changed" in caplog.text
     assert read_precomp(out, "train").extra[1] == (1, "an edited seventh caption")
     meta = extract_precomp(images, table, out, batch_size=4, progress=False)
-    assert meta["splits"]["train"]["extra_captions"] == {"left_out": 2, "images": {"img1.png": 2}}
+    assert meta["splits"]["train"]["extra_captions"] == {
+        "left_out": 2, "images": {"img1.png": 2},
+        "captions": {"img1.png": ["a sixth caption", "an edited seventh caption"]}}
     assert not (out / "train_extra_caps.tsv").exists() and read_precomp(out, "train").extra == []
 
     (out / "train_extra_caps.tsv").write_text("0\tfine\n7\tout of range\n", encoding="utf-8")

@@ -25,6 +25,27 @@ CAPTIONS_PER_IMAGE = 5
 
 
 @dataclass
+class ImageRows:
+    """How the precomp layout uses the caption rows of one image (indices into the CaptionTable):
+    `kept` fill its `per_image` slots, `extra` are the distinct captions beyond them (left out, or kept for
+    training with --extra-captions keep), `duplicates` repeat a caption the image already has and are dropped.
+    An image with `per_image` rows or fewer keeps them all, repeats included: dropping one would leave it
+    short of the layout's count."""
+
+    kept: list[int]
+    extra: list[int] = field(default_factory=list)
+    duplicates: list[int] = field(default_factory=list)
+
+
+def caption_key(caption: str) -> str:
+    """What makes two captions of one image the same caption: equal after whitespace is collapsed and case
+    folded. Case is ignored because every text encoder itmatch ships reads lower case (the word vocabularies
+    lower-case before tokenizing, MMCA's MiniLM WordPiece is uncased), so two captions that differ only in
+    case are one training example twice, and would take the slot of a distinct caption."""
+    return " ".join(caption.split()).casefold()
+
+
+@dataclass
 class CaptionTable:
     """Column-oriented caption table: row r says caption `captions[r]` describes `image_ids[r]`,
     which belongs to split `splits[r]` (train/dev/test/testall, or "" when the source has none)."""
@@ -35,25 +56,38 @@ class CaptionTable:
     source: str = ""
     # Problems that were reported and skipped (e.g. a caption naming a missing image).
     skipped: list[str] = field(default_factory=list)
+    # Where each row comes from ("file:line", or "file (images[3].sentences[0])" for JSON), so that an error
+    # about an image can point at its rows; "" (or missing, for tables built in code) when unknown.
+    locations: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.captions)
 
-    def add(self, image_id: str, caption: str, split: str = "") -> None:
+    def add(self, image_id: str, caption: str, split: str = "", location: str = "") -> None:
         self.image_ids.append(image_id)
         self.captions.append(caption)
         self.splits.append(split)
+        self.locations.append(location)
+
+    def location(self, row: int) -> str:
+        """Where row `row` is, or the table's source when the row's place is not known."""
+        where = self.locations[row] if row < len(self.locations) else ""
+        return where or self.source or f"row {row}"
 
     def split_names(self) -> list[str]:
         return list(OrderedDict.fromkeys(self.splits))
 
+    def _rows(self, split: str | None = None) -> OrderedDict[str, list[int]]:
+        """Row indices per image, images in first-appearance order, optionally one split only."""
+        groups: OrderedDict[str, list[int]] = OrderedDict()
+        for row, (image_id, s) in enumerate(zip(self.image_ids, self.splits, strict=True)):
+            if split is None or s == split:
+                groups.setdefault(image_id, []).append(row)
+        return groups
+
     def grouped(self, split: str | None = None) -> OrderedDict[str, list[str]]:
         """Captions per image, images in first-appearance order, optionally one split only."""
-        groups: OrderedDict[str, list[str]] = OrderedDict()
-        for image_id, caption, s in zip(self.image_ids, self.captions, self.splits, strict=True):
-            if split is None or s == split:
-                groups.setdefault(image_id, []).append(caption)
-        return groups
+        return OrderedDict((image_id, [self.captions[r] for r in rows]) for image_id, rows in self._rows(split).items())
 
     def check_disjoint_splits(self) -> None:
         """Raise DataError naming the first image whose captions sit in two splits (test data would leak
@@ -66,26 +100,57 @@ class CaptionTable:
                                 f"{first_row}) and the {split or '(none)'} split (row {row})",
                                 path=self.source or None, hint=SPLIT_LEAK_HINT)
 
+    def select(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> OrderedDict[str, ImageRows]:
+        """Which rows of each image of `split` the precomp layout holds (`ImageRows`). An image with more
+        than `per_image` rows drops its repeated captions (`caption_key`) first, so that the cut to
+        `per_image` never keeps a repeat while leaving out a distinct caption; it keeps its first `per_image`
+        distinct captions in file order (repeats fill the slots only when it has fewer distinct ones), as
+        the Karpathy splits used by SCAN keep their first 5. Without repeats this is the first `per_image`."""
+        chosen: OrderedDict[str, ImageRows] = OrderedDict()
+        for image_id, rows in self._rows(split).items():
+            if len(rows) <= per_image:
+                chosen[image_id] = ImageRows(kept=rows)
+                continue
+            seen: set[str] = set()
+            distinct, repeats = [], []
+            for r in rows:
+                key = caption_key(self.captions[r])
+                (repeats if key in seen else distinct).append(r)
+                seen.add(key)
+            fill = repeats[:max(0, per_image - len(distinct))]
+            chosen[image_id] = ImageRows(kept=sorted(distinct[:per_image] + fill), extra=distinct[per_image:],
+                                         duplicates=repeats[len(fill):])
+        return chosen
+
     def extra_captions(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> dict[str, int]:
-        """{image id: how many of its captions come after the first `per_image`} for the images of
-        `split` that have more (the precomp layout holds exactly `per_image` per image)."""
-        return {image_id: len(group) - per_image for image_id, group in self.grouped(split).items()
-                if len(group) > per_image}
+        """{image id: how many of its distinct captions come after the `per_image` it keeps} for the images
+        of `split` that have more (`select`; repeated captions are not counted)."""
+        return {image_id: len(rows.extra) for image_id, rows in self.select(split, per_image).items() if rows.extra}
 
     def precomp_rows(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> tuple[list[str], list[str]]:
         """(image ids, captions) in the precomp order: captions per_image*i .. per_image*i+per_image-1
-        belong to image i. Images with more captions keep their first `per_image` (as the Karpathy
-        splits used by SCAN do; `extra_captions` says which, and the extractor reports them); an image
-        with fewer is an error."""
+        belong to image i. Images with more captions keep `per_image` of them (`select` says which, and the
+        extractor reports the others); images with fewer are an error naming how many there are and where
+        the first ones are."""
         ids: list[str] = []
         caps: list[str] = []
-        for image_id, group in self.grouped(split).items():
-            if len(group) < per_image:
-                raise DataError(f"image {image_id!r} in split {split!r} has {len(group)} captions, "
-                                f"the precomp layout needs {per_image}", path=self.source or None,
-                                hint="add the missing captions or drop the image from the split")
+        short: list[tuple[str, list[int]]] = []
+        for image_id, rows in self.select(split, per_image).items():
+            if len(rows.kept) < per_image:
+                short.append((image_id, rows.kept))
+                continue
             ids.append(image_id)
-            caps.extend(group[:per_image])
+            caps.extend(self.captions[r] for r in rows.kept)
+        if short:
+            shown = "; ".join(f"{image_id!r} has {len(kept)} ({self.location(kept[0])})"
+                              for image_id, kept in short[:3])
+            more = f"; and {len(short) - 3} more" if len(short) > 3 else ""
+            raise DataError(f"{len(short)} of {len(short) + len(ids)} images of split {split!r} have fewer than "
+                            f"{per_image} captions: {shown}{more}", path=self.source or None,
+                            hint=f"give every image {per_image} captions (the precomp layout and the evaluation "
+                                 f"protocol hold exactly {per_image} per image; itmatch has no option for fewer), "
+                                 f"or remove the rows of these images; captions beyond {per_image} are fine "
+                                 f"(reported, or trained on with --extra-captions keep)")
         if not ids:
             raise DataError(f"split {split!r} has no images", path=self.source or None,
                             hint=f"available splits: {', '.join(self.split_names()) or 'none'}")
@@ -377,20 +442,22 @@ class _Builder:
     def __init__(self, source: Path, images_dir: Path | None = None) -> None:
         self.source = source
         self.images_dir = images_dir  # (named in the error when every row is skipped)
-        self.groups: OrderedDict[str, list[tuple[str, str]]] = OrderedDict()
+        self.groups: OrderedDict[str, list[tuple[str, str, str]]] = OrderedDict()  # id -> (caption, split, location)
         self.skipped: list[str] = []
         self.first_missing: str | None = None  # the first image name not found in images_dir
         self.first_seen: dict[str, tuple[str, str]] = {}  # image id -> (split, where its first row is)
 
-    def add(self, image_id: str, caption: str, split: str, where: str = "", line: int | None = None) -> None:
-        """Add one row; `where` (e.g. "line 12") and `line` locate it for the error an image in two
-        splits raises."""
+    def add(self, image_id: str, caption: str, split: str, *, line: int | None = None, entry: str = "") -> None:
+        """Add one row, found on `line` of a text source or at `entry` of a JSON one (e.g.
+        "images[3].sentences[0]"): the table records where, and an image in two splits names both rows."""
+        where = f"line {line}" if line is not None else entry
         first_split, first_where = self.first_seen.setdefault(image_id, (split, where))
         if first_split != split:
             raise DataError(f"image {image_id!r} is in both the {first_split or '(none)'} split ({first_where}) "
                             f"and the {split or '(none)'} split ({where})", path=self.source, line=line,
                             hint=SPLIT_LEAK_HINT)
-        self.groups.setdefault(image_id, []).append((caption, split))
+        location = f"{self.source}:{line}" if line is not None else _where(self.source, entry) if entry else ""
+        self.groups.setdefault(image_id, []).append((caption, split, location))
 
     def skip(self, where: str, message: str, missing: str | None = None) -> None:
         """Report and drop a row; `missing`: the image name it gives, when the reason is that the image
@@ -409,8 +476,8 @@ class _Builder:
                             path=self.source, hint=hint)
         table = CaptionTable(source=str(self.source), skipped=list(self.skipped))
         for image_id, rows in self.groups.items():
-            for caption, split in rows:
-                table.add(image_id, caption, split)
+            for caption, split, location in rows:
+                table.add(image_id, caption, split, location)
         if self.skipped:
             shown = "\n  ".join(self.skipped[:3])
             more = f"\n  ... and {len(self.skipped) - 3} more" if len(self.skipped) > 3 else ""
@@ -494,7 +561,7 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
             builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is {where} "
                                              f"not in {images_dir}", missing=image)
             continue
-        builder.add(image, caption, split or default_split)
+        builder.add(image, caption, split or default_split, line=lineno)
     return builder.table()
 
 
@@ -594,7 +661,7 @@ def _karpathy_from_json(data: object, path: Path, *, images_dir: Path | None) ->
                 raise DataError(f"{sloc}: no 'raw' caption", path=path,
                                 hint="Karpathy sentences are {\"raw\": \"...\", \"tokens\": [...]}")
             builder.add(image_id, _caption_text(sentence["raw"], path, f"{sloc}.raw"),
-                        KARPATHY_SPLITS[raw_split])
+                        KARPATHY_SPLITS[raw_split], entry=sloc)
     return builder.table()
 
 
@@ -640,7 +707,7 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
             raise DataError(f"{loc}: image id {entry['id']!r} is listed twice", path=path)
         file_of[entry["id"]] = entry["file_name"]
 
-    per_image: dict[object, list[str]] = {}
+    per_image: dict[object, list[tuple[str, str]]] = {}  # image id -> (caption, its annotation's location)
     on_disk = _ImageCheck(images_dir)
     builder = _Builder(path, images_dir)
     for j, ann in enumerate(annotations):
@@ -657,10 +724,10 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
             builder.skip(_where(path, loc), f"skipped caption of {file_of[image]!r}: "
                                             f"image not found in {images_dir}", missing=file_of[image])
             continue
-        per_image.setdefault(image, []).append(caption)
+        per_image.setdefault(image, []).append((caption, loc))
     for image, file_name in file_of.items():
-        for caption in per_image.get(image, ()):
-            builder.add(file_name, caption, split)
+        for caption, loc in per_image.get(image, ()):
+            builder.add(file_name, caption, split, entry=loc)
     return builder.table()
 
 
@@ -718,7 +785,7 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
                     builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: "
                                                      f"image not found in {images_dir}", missing=image)
                     continue
-                builder.add(image, caption, split or default_split, where=f"line {lineno}", line=lineno)
+                builder.add(image, caption, split or default_split, line=lineno)
         except csv.Error as exc:
             raise DataError(f"malformed CSV: {exc}", path=path, line=reader.line_num) from None
         except UnicodeDecodeError:

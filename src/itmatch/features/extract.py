@@ -117,24 +117,36 @@ def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: b
                          hint="pass --force to re-extract the split, or write to another --out")
 
 
-def _sync_extra_captions(out_dir: Path, split: str, table: CaptionTable, kept_ids: list[str], per_image: int,
-                         keep: bool) -> dict[str, Any]:
-    """Captions beyond `per_image` of the split's rows `kept_ids`: written to `{split}_extra_caps.tsv`
-    (when its content differs) if `keep`, else reported as left out (and an older such file removed, so
-    that no stale one sits beside the split). Returns the split's meta.json entry for them."""
+def _left_out_captions(out_dir: Path, split: str, table: CaptionTable, kept_ids: list[str], per_image: int,
+                       keep: bool) -> dict[str, Any]:
+    """The captions of the split's rows `kept_ids` that the precomp layout does not hold (`CaptionTable.select`),
+    reported and recorded, never dropped silently: repeats of a caption an image already has are dropped
+    (meta.json `duplicate_captions`: how many, of which images); distinct captions beyond `per_image` are
+    written to `{split}_extra_caps.tsv` (when its content differs) if `keep`, else recorded with their text
+    as left out (`extra_captions`; an older such file is removed, so that no stale one sits beside the
+    split). Returns the split's meta.json entries for them."""
     kept = set(kept_ids)
-    extra = {i: group[per_image:] for i, group in table.grouped(split).items() if len(group) > per_image and i in kept}
+    chosen = {i: rows for i, rows in table.select(split, per_image).items() if i in kept}
+    entry: dict[str, Any] = {}
+    repeats = {i: len(rows.duplicates) for i, rows in chosen.items() if rows.duplicates}
+    if repeats:
+        dropped = sum(repeats.values())
+        log.warning("split %s: %d repeated caption(s) of %d image(s) dropped (the same text as another caption of "
+                    "the image, ignoring case and spacing), so that the %d per image kept are distinct (%s)", split,
+                    dropped, len(repeats), per_image, examples([f"{i} x{n}" for i, n in repeats.items()]))
+        entry["duplicate_captions"] = {"dropped": dropped, "images": repeats}
+    extra = {i: [table.captions[r] for r in rows.extra] for i, rows in chosen.items() if rows.extra}
     path = extra_captions_path(out_dir, split)
     counts = {i: len(c) for i, c in extra.items()}
     total = sum(counts.values())
     if not keep or not extra:
         path.unlink(missing_ok=True)
         if not extra:
-            return {}
+            return entry
         log.warning("split %s: %d caption(s) of %d image(s) beyond the %d per image the precomp layout holds "
-                    "were left out (%s); pass --extra-captions keep to train on them", split, total, len(extra),
-                    per_image, examples([f"{i} +{n}" for i, n in counts.items()]))
-        return {"extra_captions": {"left_out": total, "images": counts}}
+                    "were left out (%s; their text is in %s); pass --extra-captions keep to train on them", split,
+                    total, len(extra), per_image, examples([f"{i} +{n}" for i, n in counts.items()]), META_NAME)
+        return {**entry, "extra_captions": {"left_out": total, "images": counts, "captions": extra}}
     lines = extra_captions_text(kept_ids, extra)
     digest = text_sha256(lines)
     current = file_sha256(path) if path.exists() else None  # (read once: compared for the log and the write)
@@ -143,7 +155,7 @@ def _sync_extra_captions(out_dir: Path, split: str, table: CaptionTable, kept_id
     if current != digest:
         write_text_atomic(path, "\n".join(lines) + "\n")
     log.info("split %s: %d extra caption(s) of %d image(s) kept in %s", split, total, len(extra), path.name)
-    return {"extra_captions": {"kept": total, "images": counts, "file": path.name, "sha256": digest}}
+    return {**entry, "extra_captions": {"kept": total, "images": counts, "file": path.name, "sha256": digest}}
 
 
 def parse_extract_scales(spec: str | list[str] | None) -> tuple[str, ...]:
@@ -176,9 +188,10 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     `num_threads` sets torch's intra-op threads for the run (default: leave torch's setting).
     `scales` ("c3,c4,c5" or a list) also writes the finer stage maps (SAVE's c3/c4) beside the main
     array, from the same forward pass (docs/save.md).
-    `extra_captions`: what to do with the captions of an image beyond the 5 the precomp layout holds:
-    "drop" (reported, listed in meta.json) or "keep" (written to `{split}_extra_caps.tsv`; training pairs
-    them with their image, evaluation keeps the protocol's 5 per image).
+    `extra_captions`: what to do with the distinct captions of an image beyond the 5 the precomp layout holds
+    (repeats of one of its captions are dropped first, reported and counted in meta.json):
+    "drop" (reported, listed with their text in meta.json) or "keep" (written to `{split}_extra_caps.tsv`;
+    training pairs them with their image, evaluation keeps the protocol's 5 per image).
     The caption rows the reader skipped (`table.skipped`, e.g. naming a photo that is not there) are
     listed in meta.json `skipped_captions`.
     A split an earlier run completed is checked against its sources (docs/reliability.md): images
@@ -302,7 +315,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                     if not dist.is_main():
                         continue
                     info = refreshed_info(out_dir, split, old_info, ch)
-                    info.update(_sync_extra_captions(out_dir, split, table, ch.kept_ids, per, keep_extra))
+                    info.update(_left_out_captions(out_dir, split, table, ch.kept_ids, per, keep_extra))
                     if info == old_info:
                         log.info("split %s is complete and its sources are unchanged; kept", split)
                         caption_update_path(out_dir, split).unlink(missing_ok=True)  # a reverted update's
@@ -336,7 +349,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             # and meta.json may already record the new image files)
             updated = info.pop("updated", None)
             meta["splits"][split] = {**info, "fingerprint": fingerprints[split],
-                                     **_sync_extra_captions(out_dir, split, table, kept_ids, per, keep_extra)}
+                                     **_left_out_captions(out_dir, split, table, kept_ids, per, keep_extra)}
             if updated is not None:
                 meta["splits"][split]["updated"] = updated
             write_json_atomic(meta_file, meta)

@@ -108,13 +108,18 @@ def source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str], 
                           records, pending, known)
 
 
+#: the keys of a split's meta.json entry that report captions the precomp layout does not hold (extract.py
+#: `_left_out_captions`): recomputed by every run from the captions, so an update drops them before
+CAPTION_REPORT_KEYS = ("extra_captions", "duplicate_captions")
+
+
 def refreshed_info(out_dir: Path, split: str, old: dict[str, Any], ch: SourceChanges) -> dict[str, Any]:
     """A split whose features are current: rewrite its captions if they changed and return its updated
     meta.json entry (new fingerprints, e.g. touched files' mtimes; extra captions left to the caller).
     What changed is written to the split's marker (`caption_update_path`) before the captions are rewritten:
     a run stopped before meta.json records it finds the captions current, and takes the record from there
     (`_pending_caption_update`; the caller removes the marker after writing meta.json)."""
-    info = {k: v for k, v in old.items() if k != "extra_captions"}
+    info = {k: v for k, v in old.items() if k not in CAPTION_REPORT_KEYS}
     info["captions_sha256"] = text_sha256(ch.kept_caps)
     if ch.records is not None:
         info["image_files"] = ch.records
