@@ -101,8 +101,10 @@ def test_resuming_a_finished_run_says_so_without_loading_it(finished, tmp_path, 
     assert training_finished(run)
     # an edited state.json is refused as a load would refuse it
     (run / "last" / "state.json").write_text(json.dumps({**state, "epoch": 9}))
-    with pytest.raises(CheckpointError, match="state.json does not match the manifest"):
+    with pytest.raises(CheckpointError, match="state.json does not match the manifest") as err:
         train(Config(), run, resume=True, progress=False)
+    # what continues the run instead (the hint named RUN/best, which --resume cannot take)
+    assert f"train on from {run / 'best'} in a new run: --set train.init_from={run / 'best'}" in err.value.hint
 
 
 def test_resuming_with_fewer_epochs_than_trained_is_refused(finished, tmp_path, capsys):

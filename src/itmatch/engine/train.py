@@ -13,7 +13,8 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,7 +52,7 @@ from itmatch.engine.checkpoint import (
 from itmatch.engine.evaluate import evaluate_models, format_unknown_words
 from itmatch.engine.inputs import fill_image_dims, open_split
 from itmatch.engine.resident import resident_images
-from itmatch.errors import ConfigError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
 from itmatch.models.losses import triplet_loss
@@ -482,6 +483,18 @@ def training_finished(run_dir: str | Path) -> bool:
     return state["epoch"] >= epochs and state.get("batch", 0) == 0  # (older runs: no "batch")
 
 
+@contextmanager
+def _resuming(run_dir: Path) -> Iterator[None]:
+    """A `last` that cannot be read cannot be resumed: the error says what can continue the run instead."""
+    try:
+        yield
+    except CheckpointError as exc:
+        best = run_dir / "best"
+        instead = (f"; or train on from {best} in a new run: --set train.init_from={best} --out NEW_RUN (its "
+                   "weights; the optimizer state and the epoch count start over)") if best.is_dir() else ""
+        raise CheckpointError(exc.message, path=exc.path, line=exc.line, hint=(exc.hint or "") + instead) from None
+
+
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
           transform: CaptionTransform | None = None, progress: bool = True, device: str | None = None,
           precision: str | None = None, resume_overrides: dict[str, Any] | None = None,
@@ -524,7 +537,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         resume, force = False, True
         apply_resume_overrides(cfg, resume_overrides or {})
     if resume:  # a finished run says so before its weights and data are loaded
-        finished = finished_run(run_dir, resume_overrides or {}, trust_modified)
+        with _resuming(run_dir):
+            finished = finished_run(run_dir, resume_overrides or {}, trust_modified)
         if finished is not None:
             note = finished.pop("note")
             _log.info(note)
@@ -534,7 +548,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     check_world(cfg)  # (before anything is written)
     header = ""
     if resume:
-        ckpt = load_checkpoint(last, trust_modified=trust_modified)
+        with _resuming(run_dir):
+            ckpt = load_checkpoint(last, trust_modified=trust_modified)
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
         changed = apply_resume_overrides(cfg, resume_overrides or {})
         if "data.path" not in changed:
