@@ -552,6 +552,13 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             ckpt = load_checkpoint(last, trust_modified=trust_modified)
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
         changed = apply_resume_overrides(cfg, resume_overrides or {})
+        if "train.batch_size" in changed and state["batch"]:
+            # the epoch's batch list is rebuilt at the new size and its first `batch` entries skipped as done:
+            # they are not the captions already seen, so some would be used twice in the epoch and others never
+            raise ConfigError(f"{run_dir} stopped in the middle of epoch {state['epoch'] + 1} (batch "
+                              f"{state['batch']}): train.batch_size changes only at an epoch's end",
+                              hint="resume without changing train.batch_size; change it on a run that stopped "
+                                   "at an epoch's end (train.checkpoint_every=0 saves only there)")
         if "data.path" not in changed:
             ckpt.data_path()  # where it looked, if the data is not where the checkpoint says
         if changed:  # the run's log says from which step on its settings differ
