@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 from typing import NoReturn
 
@@ -73,12 +74,14 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_extract(args: argparse.Namespace) -> int:
-    from itmatch.data.captions import read_captions
+    from itmatch.data.captions import SkippedRowsWarning, read_captions
     from itmatch.features.extract import extract_precomp
 
     placement = _placement(args)
     images = Path(args.images)
-    table = read_captions(args.captions, images_dir=images, fmt=args.format, default_split=args.default_split)
+    with warnings.catch_warnings():  # (its one-line summary warning: each skipped row is printed below)
+        warnings.simplefilter("ignore", SkippedRowsWarning)
+        table = read_captions(args.captions, images_dir=images, fmt=args.format, default_split=args.default_split)
     for problem in table.skipped:
         print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
@@ -94,17 +97,21 @@ def _cmd_extract(args: argparse.Namespace) -> int:
 
 
 def _without_file_records(meta: dict) -> dict:
-    """meta.json for printing: each split's per-image lists (file fingerprints, captions left out) replaced by
-    their length (meta.json has them in full)."""
+    """meta.json for printing: its per-image and per-row lists (file fingerprints, captions left out or dropped as
+    repeats, skipped caption rows, each printed as it was met) replaced by their length (meta.json has them in
+    full)."""
+    def counted(record: dict, *keys: str) -> dict:
+        return {**record, **{k: len(record[k]) for k in keys if isinstance(record.get(k), (dict, list))}}
+
     def short(info: dict) -> dict:
-        info = dict(info)
-        if isinstance(info.get("image_files"), dict):
-            info["image_files"] = len(info["image_files"])
-        if isinstance(info.get("extra_captions"), dict):  # {"left_out": N, "images": {id: n}}
-            info["extra_captions"] = {**info["extra_captions"], "images": len(info["extra_captions"]["images"])}
+        info = counted(info, "image_files")
+        for key in ("extra_captions", "duplicate_captions"):  # {"left_out": N, "images": {id: n}, "captions": ...}
+            if isinstance(info.get(key), dict):
+                info[key] = counted(info[key], "images", "captions")
         return info
 
-    return {**meta, "splits": {name: short(info) for name, info in meta.get("splits", {}).items()}}
+    return {**counted(meta, "skipped_captions"),
+            "splits": {name: short(info) for name, info in meta.get("splits", {}).items()}}
 
 
 def _resolve_train_config(args: argparse.Namespace):

@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -737,6 +738,28 @@ def test_cli_extracts_a_csv_without_split_column_into_the_named_split(tmp_path, 
     printed = json.loads(shown.out)
     assert printed["splits"]["train"]["image_files"] == 2  # per-file records are in meta.json, not printed
     assert read_precomp(out, "train").ids == ["img0.jpg", "img1.png"]
+
+
+def test_cli_names_each_skipped_row_once_and_prints_counts_of_the_lists_meta_json_holds(tmp_path, capsys):
+    """A row naming a photo that is not there was reported twice (a raw Python warning line, then the row); the
+    printed meta.json listed every skipped row, left-out and repeated caption in full."""
+    from itmatch.cli import main
+
+    images, _ = _dataset(tmp_path, n=2)
+    rows = [f"img{i}.{'jpg' if i == 0 else 'png'},caption {c} of {i},train\n" for i in range(2) for c in range(5)]
+    rows += ["img0.jpg,caption 0 of 0,train\n", "img0.jpg,a sixth caption,train\n", "gone.jpg,a lost one,train\n"]
+    csv = tmp_path / "mine.csv"
+    csv.write_text("image,caption,split\n" + "".join(rows), encoding="utf-8")
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        assert main(["extract", str(images), str(csv), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    shown = capsys.readouterr()
+    assert shown.err.count("gone.jpg") == 1 and not [w for w in raised if "gone.jpg" in str(w.message)]
+    printed = json.loads(shown.out)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert printed["skipped_captions"] == 1 and len(meta["skipped_captions"]) == 1
+    train = printed["splits"]["train"]
+    assert train["extra_captions"]["captions"] == 1 and train["duplicate_captions"]["images"] == 1
 
 
 def test_extra_captions_kept_as_training_captions(tmp_path, caplog):
