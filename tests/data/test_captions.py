@@ -239,7 +239,7 @@ def _coco(tmp_path: Path, name: str = "captions_val2014.json") -> Path:
             {"id": 1, "image_id": 3, "caption": "three one"},
             {"id": 2, "image_id": 7, "caption": "seven one\n"},
             {"id": 3, "image_id": 99, "caption": "orphan"},
-            {"id": 4, "image_id": 3, "caption": "three two"},
+            {"id": 4, "image_id": 3, "caption": "three\ntwo\u2028too"},
         ],
     }
     path = tmp_path / name
@@ -252,7 +252,8 @@ def test_coco_groups_in_image_order_and_skips_unknown_ids(tmp_path: Path) -> Non
     with pytest.warns(SkippedRowsWarning):
         table = read_captions(path)
     assert table.image_ids == ["COCO_val2014_7.jpg", "COCO_val2014_3.jpg", "COCO_val2014_3.jpg"]
-    assert table.captions == ["seven one", "three one", "three two"]
+    # a line break inside a caption is a space (one caption a line in the precomp layout; U+2028 split it in two)
+    assert table.captions == ["seven one", "three one", "three two too"]
     assert set(table.splits) == {"dev"}
     assert len(table.skipped) == 1 and "annotations[2]" in table.skipped[0] and "99" in table.skipped[0]
 

@@ -599,8 +599,12 @@ def _expect(value: object, kind: type | tuple[type, ...], path: Path, location: 
 
 
 def _caption_text(value: object, path: Path, location: str) -> str:
+    """A JSON caption as one line: a line break inside it ('\\n', or one of Unicode's others, e.g. U+2028, which
+    the caption file's reader also splits on) is read as the space it stands for, since the precomp layout holds
+    one caption a line and the tokenizer reads any break as a space. (It failed late, in write_captions, without
+    a location; one the check missed split a caption in two.)"""
     _expect(value, str, path, location, "a caption string")
-    text = str(value).strip()
+    text = " ".join(str(value).splitlines()).strip()
     if not text:
         raise DataError(f"{location}: empty caption", path=path, hint="remove the caption or write it")
     return text
