@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 
 from itmatch.data.precomp import write_captions, write_features
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str) -> ModuleType:
+    """A script of the repository (bench/*.py, scripts/*.py) imported as a fresh module, its main not run; it
+    stays in sys.modules under its own name (its dataclasses look their module up)."""
+    name = "script_" + relative.removesuffix(".py").replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, REPO / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 WORDS = ["red", "blue", "green", "circle", "square", "triangle", "big", "small", "left", "right"]
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"

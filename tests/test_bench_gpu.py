@@ -4,7 +4,6 @@ row resumes and a row whose checkpoint is missing is reported."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import load_script
 
 from itmatch.config import load_yaml, parse_overrides
 from itmatch.engine.train import train
@@ -23,12 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_flickr8k", ROOT / "bench" / "flickr8k.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    return load_script("bench/flickr8k.py")
 
 
 def test_every_row_of_the_issue_is_defined_and_resolves(bench):

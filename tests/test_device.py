@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WORDS
+from conftest import WORDS, load_script
 
 from itmatch.cli import main
 from itmatch.data.datasets import PairBatch, pad_tokens
@@ -407,11 +407,7 @@ def _synchronising_call():  # what torch's sync debug mode does at a synchronisi
 def test_the_sync_census_counts_each_waiting_line_of_our_source():
     """bench/gpu.py syncs (CUDA only) counts the warnings of torch.cuda.set_sync_debug_mode per line of itmatch's
     source; here the source is this file and the warnings are made by hand."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_bench", Path(__file__).resolve().parents[1] / "bench" / "gpu.py")
-    gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu)
+    gpu = load_script("bench/gpu.py")
     shown = warnings.showwarning
     with gpu.counted_syncs(Path(__file__).resolve().parent) as sites:
         for _ in range(3):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import threading
@@ -10,15 +9,14 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture()
 def session(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("device_session", ROOT / "scripts" / "device_session.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("scripts/device_session.py")
     monkeypatch.setattr(module, "DEVICE_ROOT", tmp_path / "device")
     # (the bench's check of the rows runs the bench, seconds a call: tested on its own below)
     monkeypatch.setattr(module, "check_items", lambda args: None)
@@ -217,9 +215,7 @@ def test_kickoff_times_the_benches_before_the_rows_start_and_tests_beside_them(s
 
 
 def test_a_row_or_study_the_bench_does_not_have_stops_start_and_kickoff_before_anything(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("device_session_checked", ROOT / "scripts" / "device_session.py")
-    session = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(session)
+    session = load_script("scripts/device_session.py")  # (with its check_items)
     monkeypatch.setattr(session, "DEVICE_ROOT", tmp_path / "device")
     for argv in (["start", "--row", "scan_t2i_avg", "--row", "scan_t2i_avgg"],
                  ["kickoff", "--perturb", "vsepp", "--row", "oan_lambda9"]):

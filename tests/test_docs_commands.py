@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from itmatch.cli import build_parser
 from itmatch.config import MOVED_KEYS, Config
@@ -120,12 +119,7 @@ KEYS = _config_keys()
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_flickr8k_docs", ROOT / "bench" / "flickr8k.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    return load_script("bench/flickr8k.py")
 
 
 def test_the_docs_show_commands_of_every_kind():
@@ -186,10 +180,7 @@ def test_bench_command_parses_and_names_rows_of_its_schedule(command: Command, b
 
 @pytest.fixture(scope="module")
 def device_session():
-    spec = importlib.util.spec_from_file_location("device_session_docs", ROOT / "scripts" / "device_session.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/device_session.py")
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if c.program == "device"], ids=lambda c: c.where)

@@ -5,12 +5,12 @@ their results rows and on real photos."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import load_script
 from safetensors.torch import load_file
 
 import itmatch
@@ -28,10 +28,7 @@ SHARED = ROOT.parent / "shared" / "data"
 
 
 def ship_main(argv: list[str]) -> int:
-    spec = importlib.util.spec_from_file_location("ship_pretrained", ROOT / "scripts" / "ship_pretrained.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return load_script("scripts/ship_pretrained.py").main(argv)
 
 
 @pytest.fixture(scope="module")
