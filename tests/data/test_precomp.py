@@ -89,3 +89,12 @@ def test_split_never_extracted_is_told_apart_from_an_unfinished_one(tmp_path):
                                         "finish") as err:
         read_precomp(tmp_path, "dev")
     assert "rerun the same `itmatch extract` command" in (err.value.hint or "")
+
+
+@pytest.mark.parametrize("caption", ["a dog\n", "a dog\nrunning", "a dog\u2028running", "a dog\r"])
+def test_a_caption_that_would_not_be_one_line_of_the_file_is_refused(tmp_path, caption):
+    """The caption file holds one caption a line and is read back with splitlines(): a break anywhere in a caption,
+    a final one too ('a dog\\n' passed a check of splitlines' count), would shift every later caption."""
+    captions = [caption] + [f"caption {i}" for i in range(4)]
+    with pytest.raises(DataError, match="empty or spans lines"):
+        write_captions(tmp_path, "train", ["a.jpg"], captions)

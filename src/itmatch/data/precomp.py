@@ -327,7 +327,7 @@ def write_captions(root: str | Path, split: str, ids: list[str], captions: list[
     if len(captions) != per_image * len(ids):
         raise DataError(f"{len(captions)} captions for {len(ids)} images (need {per_image} each)")
     for i, cap in enumerate(captions):
-        if len(cap.splitlines()) != 1 or not cap.strip():  # (every break the caption file's reader splits on)
+        if cap.splitlines() != [cap] or not cap.strip():  # (any break the file's reader splits on, a final one too)
             raise DataError(f"caption {i} of image {ids[i // per_image]!r} is empty or spans lines")
     write_text_atomic(captions_path(root, split), "\n".join(captions) + "\n")
     write_text_atomic(ids_path(root, split), "\n".join(ids) + "\n")
