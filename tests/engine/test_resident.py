@@ -102,16 +102,16 @@ def test_a_run_resumed_mid_epoch_with_resident_features_and_workers_ends_identic
     _assert_same_weights(tmp_path / "full", tmp_path / "run")
 
 
-def test_a_run_stopped_mid_epoch_keeps_its_batch_size_until_the_epoch_ends(tiny_precomp, tmp_path):
+def test_a_run_stopped_mid_epoch_keeps_its_batch_order_until_the_epoch_ends(tiny_precomp, tmp_path):
     """The resumed epoch's batches are rebuilt at the new size and its first `batch` of them skipped as done:
     not the captions already seen (some would be trained on twice in the epoch, others never)."""
     killed = _config("meanpool", tiny_precomp, resident="off", checkpoint_every=2)
     with pytest.raises(_Stop):
         train(killed, tmp_path / "run", progress=False, transform=_stop_after(32 * 5 + 3))
-    with pytest.raises(ConfigError, match="stopped in the middle of epoch 1 .batch 4.: train.batch_size changes "
-                                          "only at an epoch's end"):
-        train(killed, tmp_path / "run", resume=True, progress=False,
-              resume_overrides=parse_overrides(["train.batch_size=16"]))
+    for setting in ("train.batch_size=16", "train.seed=7", "train.bucket_by_length=true"):
+        with pytest.raises(ConfigError, match=f"stopped in the middle of epoch 1 .batch 4.: {setting.split('=')[0]}"
+                                              " changes the order of an epoch's batches"):
+            train(killed, tmp_path / "run", resume=True, progress=False, resume_overrides=parse_overrides([setting]))
     train(killed, tmp_path / "run", resume=True, progress=False)  # (the same size resumes)
 
 

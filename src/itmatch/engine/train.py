@@ -401,6 +401,9 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
     return train, val, vocab
 
 
+# the settings epoch_batches builds an epoch's batches from (with the training captions themselves)
+BATCH_ORDER_KEYS = ("train.batch_size", "train.seed", "train.bucket_by_length")
+
 # what `itmatch train --resume --set KEY=VALUE` may change: the schedule and where the data is; anything
 # else (model, loss, data.vocab) made the checkpoint's weights and optimizer state what they are
 RESUME_KEYS = ("train.", "data.path", "data.images")
@@ -552,13 +555,15 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             ckpt = load_checkpoint(last, trust_modified=trust_modified)
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
         changed = apply_resume_overrides(cfg, resume_overrides or {})
-        if "train.batch_size" in changed and state["batch"]:
-            # the epoch's batch list is rebuilt at the new size and its first `batch` entries skipped as done:
-            # they are not the captions already seen, so some would be used twice in the epoch and others never
+        reordering = [key for key in BATCH_ORDER_KEYS if key in changed]
+        if reordering and state["batch"]:
+            # the epoch's batch list is rebuilt with the new setting and its first `batch` entries skipped as
+            # done: they are not the captions already seen, so some would be used twice in the epoch, others never
             raise ConfigError(f"{run_dir} stopped in the middle of epoch {state['epoch'] + 1} (batch "
-                              f"{state['batch']}): train.batch_size changes only at an epoch's end",
-                              hint="resume without changing train.batch_size; change it on a run that stopped "
-                                   "at an epoch's end (train.checkpoint_every=0 saves only there)")
+                              f"{state['batch']}): {', '.join(reordering)} changes the order of an epoch's "
+                              "batches, so it changes only at an epoch's end",
+                              hint=f"resume without changing {', '.join(reordering)}; change it on a run that "
+                                   "stopped at an epoch's end (train.checkpoint_every=0 saves only there)")
         if "data.path" not in changed:
             ckpt.data_path()  # where it looked, if the data is not where the checkpoint says
         if changed:  # the run's log says from which step on its settings differ
