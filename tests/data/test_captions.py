@@ -434,7 +434,7 @@ def test_every_name_wrong_says_what_names_are_relative_to_and_the_closest_file(
 
 
 def test_closest_name_is_looked_for_in_subfolders(tmp_path: Path) -> None:
-    from itmatch.data.captions import closest_image_name
+    from itmatch.data.caption_hints import closest_image_name
 
     (tmp_path / "imgs" / "2014").mkdir(parents=True)
     (tmp_path / "imgs" / "2014" / "a.jpg").write_bytes(b"")

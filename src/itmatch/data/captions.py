@@ -6,19 +6,15 @@ Readers for Flickr8K, Karpathy JSON, COCO captions JSON and a plain CSV live bel
 from __future__ import annotations
 
 import csv
-import difflib
 import json
-import os
-import re
-import shlex
 import sys
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from itmatch.data.caption_hints import missing_image_hint, not_utf8
 from itmatch.errors import DataError
 
 CAPTIONS_PER_IMAGE = 5
@@ -275,42 +271,6 @@ def _resolve_directory(directory: Path) -> tuple[Path, str]:
                     hint=f"expected {FLICKR8K_TOKEN_FILE} or one dataset_*.json; or pass the caption file")
 
 
-def not_utf8(path: Path) -> DataError:
-    """The error for a text file that does not decode as UTF-8: the line and byte of its first bad byte, and
-    how to convert the file. The file is decoded again here because the offset of a UnicodeDecodeError
-    raised while reading a stream counts from the decoder's current chunk, not from the start of the file."""
-    data = Path(path).read_bytes()
-    try:
-        data.decode("utf-8")
-        return DataError("not UTF-8 text", path=path)  # (the file changed since it failed to decode)
-    except UnicodeDecodeError as exc:
-        start, reason = exc.start, exc.reason
-    line = data.count(b"\n", 0, start) + 1
-    text_before = data[:start].decode("utf-8", "replace")
-    if any(ord(ch) > 127 and ch not in "\ufffd\ufeff" for ch in text_before):  # (a byte-order mark is no letter)
-        # valid UTF-8 letters before the bad byte: converting the whole file would garble them
-        hint = (f"the file mixes UTF-8 with another encoding: retype the accented letters of line {line} (and "
-                f"of any later line the next run names), or save the file as UTF-8 from the program that wrote it")
-    else:
-        # Windows programs write windows-1252, a latin1 superset that uses bytes 0x80-0x9f (curly quotes)
-        legacy = "windows-1252" if re.search(rb"[\x80-\x9f]", data) and _decodes(data, "cp1252") else "latin1"
-        # the converted copy keeps the name's endings (.csv, .token.txt, .json): format detection reads them
-        name = Path(path).name
-        head, dot, tail = name.partition(".")
-        converted = Path(path).with_name(f"{head}-utf8{dot}{tail}")
-        hint = (f"save the file as UTF-8, or convert it (it looks like {legacy}): iconv -f {legacy} -t utf-8 "
-                f"{shlex.quote(str(path))} > {shlex.quote(str(converted))}, then pass {converted}")
-    return DataError(f"not UTF-8 text ({reason} at byte {start})", path=path, line=line, hint=hint)
-
-
-def _decodes(data: bytes, encoding: str) -> bool:
-    try:
-        data.decode(encoding)
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
 def _first_line(path: Path) -> str:
     try:
         with open(path, encoding="utf-8-sig") as fh:
@@ -365,66 +325,6 @@ class _ImageCheck:
             except (OSError, ValueError):  # a name no file can have (NUL byte, too long)
                 self._cache[image_id] = False
         return self._cache[image_id]
-
-
-# Files listed to suggest the closest name of a missing image: enough for COCO's 123k photos in two folders,
-# bounded so that a mistaken images folder (a home directory) costs a moment, not a walk of the disk; the
-# fuzzy match (difflib, quadratic in name length, linear in files) only runs on folders up to FUZZY_FILES.
-MAX_LISTED_FILES = 300_000
-FUZZY_FILES = 20_000
-
-
-def _listing(images_dir: Path) -> list[str]:
-    """Paths of the files in `images_dir` and its subfolders (one level down), relative, with '/'."""
-    listed: list[str] = []
-    for top, dirs, files in os.walk(images_dir):
-        rel = Path(top).relative_to(images_dir)
-        listed.extend((rel / f).as_posix() for f in sorted(files))
-        dirs.sort()
-        if rel.parts:
-            dirs.clear()
-        if len(listed) > MAX_LISTED_FILES:
-            break
-    return listed
-
-
-def closest_image_name(images_dir: Path, name: str) -> str | None:
-    """A phrase naming the file under `images_dir` that the image name `name` most likely meant and how the
-    two differ (case, folder part, extension), or None when nothing is close."""
-    listed = _listing(images_dir)
-    wanted = name.replace("\\", "/").strip("/")
-
-    def base(f: str) -> str:
-        return f.rsplit("/", 1)[-1]
-
-    def stem(f: str) -> str:
-        return os.path.splitext(base(f))[0].casefold()
-
-    has_extension = bool(os.path.splitext(base(wanted))[1])
-    tests: list[tuple[str, Callable[[str], bool]]] = [
-        ("only the case differs", lambda f: f.casefold() == wanted.casefold()),
-        ("the folder part differs", lambda f: base(f) == base(wanted)),
-        ("the folder part and the case differ", lambda f: base(f).casefold() == base(wanted).casefold()),
-        ("the extension differs" if has_extension else "it has an extension", lambda f: stem(f) == stem(wanted)),
-    ]
-    for how, same in tests:
-        found = next((f for f in listed if same(f)), None)
-        if found is not None:
-            return f"the closest file is {found!r} ({how})"
-    close = difflib.get_close_matches(wanted, listed, n=1, cutoff=0.8) if len(listed) <= FUZZY_FILES else []
-    return f"the closest file is {close[0]!r}" if close else None
-
-
-def missing_image_hint(images_dir: Path | None, first_missing: str) -> str:
-    """The fix for image names that are not found: what they are relative to, and the closest real file
-    name of the first missing one when there is one."""
-    if images_dir is None:
-        return "check the image names of the caption file"
-    close = closest_image_name(images_dir, first_missing)
-    nearest = f" {first_missing!r} is not there; {close}." if close else ""
-    return (f"image names are paths relative to the images folder {images_dir} (the file {images_dir}/NAME "
-            f"must exist).{nearest} Correct the names in the caption file, or pass the folder they are "
-            f"relative to as the images folder")
 
 
 def _caller_level() -> int:
