@@ -145,7 +145,7 @@ def test_features_of_another_backbone_are_refused_although_their_width_fits(tiny
         root = tmp_path / backbone
         shutil.copytree(tiny_precomp, root)
         meta = {"splits": {s: {"images": read_precomp(root, s).n_images} for s in ("train", "dev", "test")}}
-        (root / "meta.json").write_text(json.dumps({**meta, "backbone": backbone}))
+        (root / "meta.json").write_text(json.dumps({**meta, "format": "itmatch-precomp", "backbone": backbone}))
         return root
 
     lite0, lite2 = extracted_with("lite0"), extracted_with("lite2")

@@ -65,18 +65,26 @@ def progress_path(root: str | Path, split: str) -> Path:
     return Path(root) / f"{split}.progress.json"
 
 
-def split_manifest(root: Path, split: str) -> dict | None:
-    """What `itmatch extract` recorded about a split in meta.json (its manifest, written last); None for
-    directories not written by the extractor (hand-made or SCAN's own precomp files)."""
-    meta = root / META_NAME
+def read_meta(root: str | Path) -> dict | None:
+    """The meta.json `itmatch extract` wrote in `root`; None for directories it did not write (hand-made or SCAN's
+    own precomp files)."""
+    meta = Path(root) / META_NAME
     if not meta.is_file():
         return None
     try:
         data = json.loads(meta.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise DataError("corrupt meta.json", path=meta, hint="re-extract, or delete it for hand-made data") from None
-    if not isinstance(data, dict) or data.get("format") != "itmatch-precomp":
+    return data if isinstance(data, dict) and data.get("format") == "itmatch-precomp" else None
+
+
+def split_manifest(root: Path, split: str) -> dict | None:
+    """What `itmatch extract` recorded about a split in meta.json (its manifest, written last); None for
+    directories not written by the extractor (hand-made or SCAN's own precomp files)."""
+    data = read_meta(root)
+    if data is None:
         return None
+    meta = root / META_NAME
     splits = data.get("splits")
     info = splits.get(split) if isinstance(splits, dict) else None
     if isinstance(info, dict):

@@ -3,11 +3,10 @@ feature array, cached multi-scale stage maps, or image files for pixel-input mod
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from itmatch.config import Config, get_key
-from itmatch.data.precomp import META_NAME, MultiScaleArray, PrecompSplit, read_precomp
+from itmatch.data.precomp import META_NAME, MultiScaleArray, PrecompSplit, read_meta, read_precomp
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.registry import arch, image_inputs, pixel_backbone
 
@@ -59,8 +58,7 @@ def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
 
 def data_backbone(root: str | Path) -> str:
     """The backbone that extracted a precomp directory's features, as its meta.json records it ("" if none)."""
-    meta = Path(root) / META_NAME
-    return json.loads(meta.read_text(encoding="utf-8")).get("backbone", "") if meta.is_file() else ""
+    return str((read_meta(root) or {}).get("backbone", ""))
 
 
 def check_image_features(cfg: Config, split: PrecompSplit) -> None:

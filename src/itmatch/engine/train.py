@@ -50,7 +50,7 @@ from itmatch.engine.checkpoint import (
     verify_manifest,
 )
 from itmatch.engine.evaluate import evaluate_models, format_unknown_words
-from itmatch.engine.inputs import fill_image_dims, open_split
+from itmatch.engine.inputs import data_backbone, fill_image_dims, open_split
 from itmatch.engine.resident import resident_images
 from itmatch.errors import CheckpointError, ConfigError, OverwriteError
 from itmatch.io import write_json_atomic
@@ -395,9 +395,8 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
         vocab = make_vocab(cfg, train.training_captions)
     cfg.model.vocab_size = len(vocab)
     fill_image_dims(cfg, train)
-    meta = Path(cfg.data.path) / "meta.json"
-    if not cfg.data.backbone and meta.is_file():
-        cfg.data.backbone = json.loads(meta.read_text(encoding="utf-8")).get("backbone", "")
+    if not cfg.data.backbone:
+        cfg.data.backbone = data_backbone(cfg.data.path)
     return train, val, vocab
 
 

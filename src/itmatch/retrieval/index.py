@@ -146,12 +146,13 @@ def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
                 else:
                     outside.append((rel, target))
     if outside:
-        # (a folder of links into a photo library is common: name the folder to index instead)
+        # (a folder of links into a photo library is common: name the folder to index instead, unless the links
+        # point into trees that share only the filesystem's root)
         where = os.path.commonpath([str(target.parent) for _, target in outside])
+        instead = f"index the folder they point to, {public_id(where)}, or " if os.path.dirname(where) != where else ""
         log.warning("%d image(s) in %s are links to files outside it and are not indexed (the server only "
                     "serves files inside the photo folder, so that a link cannot expose other files), e.g. %s; "
-                    "index the folder they point to, %s, or copy them in", len(outside), public_id(str(root)),
-                    public_id(outside[0][0]), public_id(where))
+                    "%scopy them in", len(outside), public_id(str(root)), public_id(outside[0][0]), instead)
     return sorted(found)
 
 
