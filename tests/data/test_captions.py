@@ -565,3 +565,14 @@ def test_extra_captions_are_counted_per_image() -> None:
     assert table.extra_captions("train") == {"seven.jpg": 2}
     ids, caps = table.precomp_rows("train")
     assert ids == ["seven.jpg", "five.jpg"] and caps[:5] == [f"c{c}" for c in range(5)]
+
+
+def test_closest_name_is_an_exact_variant_only(tmp_path: Path) -> None:
+    """A fuzzy match suggested another photo (one digit less), and took seconds on a large folder."""
+    from itmatch.data.caption_hints import closest_image_name
+
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "COCO_val2014_000000013456.jpg").write_bytes(b"")
+    assert closest_image_name(tmp_path / "imgs", "COCO_val2014_000000123456.png") is None
+    assert closest_image_name(tmp_path / "imgs", "COCO_val2014_000000013456.png") == (
+        "the closest file is 'COCO_val2014_000000013456.jpg' (the extension differs)")

@@ -4,7 +4,6 @@ The caption readers (captions.py) raise and report with these."""
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import shlex
@@ -52,10 +51,8 @@ def _decodes(data: bytes, encoding: str) -> bool:
 
 
 # Files listed to suggest the closest name of a missing image: enough for COCO's 123k photos in two folders,
-# bounded so that a mistaken images folder (a home directory) costs a moment, not a walk of the disk; the
-# fuzzy match (difflib, quadratic in name length, linear in files) only runs on folders up to FUZZY_FILES.
+# bounded so that a mistaken images folder (a home directory) costs a moment, not a walk of the disk.
 MAX_LISTED_FILES = 300_000
-FUZZY_FILES = 20_000
 
 
 def _listing(images_dir: Path) -> list[str]:
@@ -74,7 +71,8 @@ def _listing(images_dir: Path) -> list[str]:
 
 def closest_image_name(images_dir: Path, name: str) -> str | None:
     """A phrase naming the file under `images_dir` that the image name `name` most likely meant and how the
-    two differ (case, folder part, extension), or None when nothing is close."""
+    two differ (case, folder part, extension), or None when no file differs from it in only these ways. (No
+    fuzzy match: a near name is another photo as often as a typo, e.g. COCO ids one digit apart.)"""
     listed = _listing(images_dir)
     wanted = name.replace("\\", "/").strip("/")
 
@@ -95,8 +93,7 @@ def closest_image_name(images_dir: Path, name: str) -> str | None:
         found = next((f for f in listed if same(f)), None)
         if found is not None:
             return f"the closest file is {found!r} ({how})"
-    close = difflib.get_close_matches(wanted, listed, n=1, cutoff=0.8) if len(listed) <= FUZZY_FILES else []
-    return f"the closest file is {close[0]!r}" if close else None
+    return None
 
 
 def missing_image_hint(images_dir: Path | None, first_missing: str) -> str:
