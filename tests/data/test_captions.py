@@ -567,6 +567,22 @@ def test_extra_captions_are_counted_per_image() -> None:
     assert ids == ["seven.jpg", "five.jpg"] and caps[:5] == [f"c{c}" for c in range(5)]
 
 
+def test_evaluation_splits_keep_their_first_five_in_file_order() -> None:
+    """Repeats were dropped before the cut in every split: a COCO test image with 6-7 captions was scored on
+    other captions than SCAN's first 5, so results stopped being comparable with the papers'."""
+    captions = ("a dog", "A  dog", "one", "two", "three", "four", "three")
+    table = CaptionTable()
+    for split in ("train", "dev", "test", "testall"):
+        for caption in captions:
+            table.add(f"{split}.jpg", caption, split)
+    assert table.precomp_rows("train")[1] == ["a dog", "one", "two", "three", "four"]
+    for split in ("dev", "test", "testall"):
+        assert table.precomp_rows(split)[1] == list(captions[:5])
+        rows = table.select(split)[f"{split}.jpg"]
+        assert [table.captions[r] for r in rows.extra] == ["four"]
+        assert [table.captions[r] for r in rows.duplicates] == ["three"]
+
+
 def test_closest_name_is_an_exact_variant_only(tmp_path: Path) -> None:
     """A fuzzy match suggested another photo (one digit less), and took seconds on a large folder."""
     from itmatch.data.caption_hints import closest_image_name

@@ -18,6 +18,10 @@ from itmatch.data.caption_hints import missing_image_hint, not_utf8
 from itmatch.errors import DataError
 
 CAPTIONS_PER_IMAGE = 5
+# Splits trained on: they may drop an image's repeated captions before the cut to CAPTIONS_PER_IMAGE, since a
+# repeat is one example twice; evaluation splits keep the protocol's captions as they are (`select`). restval
+# is read as train (KARPATHY_SPLITS) and named here for tables built in code.
+TRAINING_SPLITS = frozenset({"train", "restval"})
 
 
 @dataclass
@@ -97,11 +101,17 @@ class CaptionTable:
                                 path=self.source or None, hint=SPLIT_LEAK_HINT)
 
     def select(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> OrderedDict[str, ImageRows]:
-        """Which rows of each image of `split` the precomp layout holds (`ImageRows`). An image with more
-        than `per_image` rows drops its repeated captions (`caption_key`) first, so that the cut to
-        `per_image` never keeps a repeat while leaving out a distinct caption; it keeps its first `per_image`
-        distinct captions in file order (repeats fill the slots only when it has fewer distinct ones), as
-        the Karpathy splits used by SCAN keep their first 5. Without repeats this is the first `per_image`."""
+        """Which rows of each image of `split` the precomp layout holds (`ImageRows`).
+
+        Evaluation splits (every split but TRAINING_SPLITS) keep an image's first `per_image` rows in file
+        order, repeats included, as SCAN's precomp files do: the scored captions are the papers' (COCO and
+        Karpathy images have up to 7), so results stay comparable. In a training split an image with more than
+        `per_image` rows drops its repeated captions (`caption_key`) first, so that the cut never keeps a
+        repeat while leaving out a distinct caption: it keeps its first `per_image` distinct captions in file
+        order (repeats fill the slots only when it has fewer distinct ones). In both, the rows after the kept
+        ones that repeat a caption of the image are `duplicates`, the others `extra`. Without repeats this is
+        the first `per_image` everywhere."""
+        training = split in TRAINING_SPLITS
         chosen: OrderedDict[str, ImageRows] = OrderedDict()
         for image_id, rows in self._rows(split).items():
             if len(rows) <= per_image:
@@ -113,9 +123,14 @@ class CaptionTable:
                 key = caption_key(self.captions[r])
                 (repeats if key in seen else distinct).append(r)
                 seen.add(key)
-            fill = repeats[:max(0, per_image - len(distinct))]
-            chosen[image_id] = ImageRows(kept=sorted(distinct[:per_image] + fill), extra=distinct[per_image:],
-                                         duplicates=repeats[len(fill):])
+            if training:
+                fill = repeats[:max(0, per_image - len(distinct))]
+                kept = sorted(distinct[:per_image] + fill)
+            else:
+                kept = rows[:per_image]
+            taken = set(kept)
+            chosen[image_id] = ImageRows(kept=kept, extra=[r for r in distinct if r not in taken],
+                                         duplicates=[r for r in repeats if r not in taken])
         return chosen
 
     def extra_captions(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> dict[str, int]:
