@@ -583,6 +583,13 @@ def test_evaluation_splits_keep_their_first_five_in_file_order() -> None:
         assert [table.captions[r] for r in rows.duplicates] == ["three"]
 
 
+def test_flickr8k_default_split_without_split_lists_or_images(tmp_path: Path) -> None:
+    """Every row was skipped ('all 5 caption row(s) were skipped'): the default split came after the check."""
+    root = _flickr_dir(tmp_path, _five("a.jpg"), splits={})
+    table = read_flickr8k(root / "Flickr8k.token.txt", default_split="train")
+    assert table.splits == ["train"] * 5 and not table.skipped
+
+
 def test_closest_name_is_an_exact_variant_only(tmp_path: Path) -> None:
     """A fuzzy match suggested another photo (one digit less), and took seconds on a large folder."""
     from itmatch.data.caption_hints import closest_image_name

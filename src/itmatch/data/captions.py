@@ -466,7 +466,8 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
         if not caption:
             raise DataError(f"empty caption for {image}#{k}", path=path, line=lineno,
                             hint="remove the line or write the caption")
-        split = split_of.get(image)
+        # the default applies before the check below: without split lists it is every image's split
+        split = split_of.get(image) or default_split or None
         if images_dir is None and split is None:
             builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is in no split "
                                              f"file and there is no image folder to find it in")
@@ -476,7 +477,7 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
             builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is {where} "
                                              f"not in {images_dir}", missing=image)
             continue
-        builder.add(image, caption, split or default_split, line=lineno)
+        builder.add(image, caption, split or "", line=lineno)
     return builder.table()
 
 
