@@ -322,7 +322,7 @@ def test_csv_wrong_column_count_names_line(tmp_path: Path) -> None:
     'a.jpg,"a dog, running\nb.jpg,"A cat",train\nb.jpg,c2,train\n',  # the next quote closes it: 3 columns
     'a.jpg,"a dog, running\nb.jpg,"A cat, sitting",train\n',  # ... 4 columns ("found 4": the wrong fix)
     'a.jpg,"a dog, running,train\nb.jpg,A cat,train\n',  # open to the end of the file: 2 columns
-    'a.jpg,"a dog\nrunning",train\n',  # closed on the next line: a caption spanning lines
+    'a.jpg,"a dog\nrunning\n',  # open to the end of the file, no row swallowed
 ])
 def test_csv_unterminated_quote_is_named_at_its_line(tmp_path: Path, rest: str) -> None:
     """A quote left open made the csv module read the next rows into one field: the error was a column
@@ -581,6 +581,20 @@ def test_evaluation_splits_keep_their_first_five_in_file_order() -> None:
         rows = table.select(split)[f"{split}.jpg"]
         assert [table.captions[r] for r in rows.extra] == ["four"]
         assert [table.captions[r] for r in rows.duplicates] == ["three"]
+
+
+@pytest.mark.parametrize("caption", ['"a dog\r\nrunning on grass"', '"a dog\nrunning on grass"',
+                                     "a dog\u2028running on grass", "a dog\x85running on grass",
+                                     "a dog\x0crunning on grass"])
+def test_csv_caption_with_a_line_break_is_one_caption(tmp_path: Path, caption: str) -> None:
+    """A closed multi-line cell (spreadsheets write them) was called an unterminated quote; a U+2028, \\x85 or
+    \\x0c passed the reader and failed later, in write_captions, without a file or line."""
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption,split\n" + f"a.jpg,{caption},train\n" + "a.jpg,fine,train\n" * 4,
+                    encoding="utf-8", newline="")
+    table = read_csv(path)
+    assert table.captions[0] == "a dog running on grass" and len(table) == 5
+    assert table.location(1).endswith(":3" if "\n" not in caption else ":4")
 
 
 def test_flickr8k_default_split_without_split_lists_or_images(tmp_path: Path) -> None:

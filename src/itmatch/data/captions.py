@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import sys
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -482,19 +484,25 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
 
 
 OPEN_QUOTE_HINT = ('close the quote on that line, at the end of its caption ("a dog, running"); write a quote '
-                   'that is part of a caption twice ("a ""big"" dog"); a caption may not span lines')
+                   'that is part of a caption twice ("a ""big"" dog")')
+# A line that begins as a CSV row does (IMAGE.ext,): met inside a field that spans lines, it is the next row,
+# read into the field by a quote left open, not the rest of a caption.
+ROW_START = re.compile(r'\s*[^\s,"]+\.[A-Za-z0-9]{2,5}\s*,')
 
 
-def _refuse_open_quote(row: list[str], path: Path, lineno: int, end: int) -> None:
-    """A field that holds a line break comes from a quote left open: the csv module reads on, through the
-    next rows, to the next quote character, and what comes out (one caption swallowing several rows, a
-    wrong column count, an image short of captions) hides the cause. Captions are single lines (the precomp
-    layout holds one a line), so a line break is refused here, naming the line the quote opens on."""
+def _refuse_open_quote(row: list[str], raw: str, path: Path, lineno: int, end: int) -> None:
+    """A quote left open makes the csv module read on, through the next rows, to the next quote character,
+    and what comes out (one caption swallowing several rows, a wrong column count, an image short of
+    captions) hides the cause. A field that spans lines is one caption written over lines (spreadsheets write
+    them: "a dog\r\nrunning"), unless it swallowed what looks like a further row (a line of it begins as a
+    row does, ROW_START) or runs to the end of the file unclosed (the row's text `raw` holds an odd number of
+    quote characters): then it is refused here, naming the line the quote opens on."""
     for field_text in row:
-        if "\n" in field_text or "\r" in field_text:
-            opening = field_text.splitlines()[0].strip()
-            raise DataError(f"unterminated quote: the quoted field that starts on this line ({opening[:40]!r}) is "
-                            f"not closed on it, so the lines after it, up to line {end}, were read into it",
+        lines = field_text.splitlines()
+        if len(lines) > 1 and (any(ROW_START.match(line) for line in lines[1:]) or raw.count('"') % 2):
+            opening = lines[0].strip()[:40]
+            raise DataError(f"unterminated quote: the quoted field that starts on this line ({opening!r}) is not "
+                            f"closed on it, so the lines after it, up to line {end}, were read into it",
                             path=path, line=lineno, hint=OPEN_QUOTE_HINT)
 
 
@@ -514,13 +522,17 @@ def _expect(value: object, kind: type | tuple[type, ...], path: Path, location: 
                         hint="the file does not have the expected structure; check the format")
 
 
+def one_line(caption: str) -> str:
+    """A caption as one line: each line break inside it (any str.splitlines breaks at: '\\n', '\\r', U+2028, \\x85,
+    \\x0c, ...) is read as the space it stands for. Every reader passes its captions through this, since the
+    precomp layout holds one caption a line (write_captions refuses any break: there it failed late, without a
+    file or line) and the tokenizer reads any break as a space."""
+    return " ".join(caption.splitlines())
+
+
 def _caption_text(value: object, path: Path, location: str) -> str:
-    """A JSON caption as one line: a line break inside it ('\\n', or one of Unicode's others, e.g. U+2028, which
-    the caption file's reader also splits on) is read as the space it stands for, since the precomp layout holds
-    one caption a line and the tokenizer reads any break as a space. (It failed late, in write_captions, without
-    a location; one the check missed split a caption in two.)"""
     _expect(value, str, path, location, "a caption string")
-    text = " ".join(str(value).splitlines()).strip()
+    text = one_line(str(value)).strip()
     if not text:
         raise DataError(f"{location}: empty caption", path=path, hint="remove the caption or write it")
     return text
@@ -666,8 +678,15 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
         raise DataError("CSV file not found", path=path)
     on_disk = _ImageCheck(images_dir)
     builder = _Builder(path, images_dir)
+    raw: list[str] = []  # the lines of the row being read (the open-quote check counts its quotes)
+
+    def recorded(lines: Iterable[str]) -> Iterator[str]:
+        for line in lines:
+            raw.append(line)
+            yield line
+
     with open(path, encoding="utf-8-sig", newline="") as fh:
-        reader = csv.reader(fh)
+        reader = csv.reader(recorded(fh))
         try:
             header = next(reader, None)
             if header is None:
@@ -680,11 +699,14 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
                                      f"e.g. 'image,caption,split'")
             ncols = len(names)
             prev_end = reader.line_num
+            raw.clear()
             for row in reader:
                 lineno, prev_end = prev_end + 1, reader.line_num
+                text = "".join(raw)
+                raw.clear()
                 if not row or (len(row) == 1 and not row[0].strip()):
                     continue
-                _refuse_open_quote(row, path, lineno, reader.line_num)
+                _refuse_open_quote(row, text, path, lineno, reader.line_num)
                 if len(row) != ncols:
                     raise DataError(f"expected {ncols} columns ({','.join(names)}), found {len(row)}",
                                     path=path, line=lineno,
@@ -692,7 +714,10 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
                 image = row[0].strip()
                 if not image:
                     raise DataError("empty image name", path=path, line=lineno)
-                caption = row[1].strip()
+                if one_line(image) != image:
+                    raise DataError(f"line break inside the image name {image!r}", path=path, line=lineno,
+                                    hint="an image name is one line: remove the break (and the quotes around it)")
+                caption = one_line(row[1]).strip()
                 if not caption:
                     raise DataError(f"empty caption for {image}", path=path, line=lineno,
                                     hint="remove the row or write the caption")
