@@ -613,3 +613,27 @@ def test_closest_name_is_an_exact_variant_only(tmp_path: Path) -> None:
     assert closest_image_name(tmp_path / "imgs", "COCO_val2014_000000123456.png") is None
     assert closest_image_name(tmp_path / "imgs", "COCO_val2014_000000013456.png") == (
         "the closest file is 'COCO_val2014_000000013456.jpg' (the extension differs)")
+
+
+@pytest.mark.parametrize("brk", ["\u2028", "\x0c", "\x85", "\x1c", "\x1d", "\x1e", "\r"])
+def test_token_file_line_numbers_count_newlines_only(tmp_path: Path, brk: str) -> None:
+    """str.splitlines() also broke at U+2028, \\x0c, \\x85 and \\x1c-\\x1e: the lines after one were numbered
+    wrong (and the caption split in two), unlike not_utf8's, which count newlines."""
+    lines = _five("a.jpg")
+    lines[1] = f"a.jpg#1\ta dog{brk}running ."
+    root = _flickr_dir(tmp_path, lines + ["b.jpg#0 no tab"])
+    with pytest.raises(DataError, match="no tab") as err:
+        read_flickr8k(root)
+    assert err.value.line == 6
+    root.joinpath("Flickr8k.token.txt").write_text("\n".join(lines) + "\n", encoding="utf-8", newline="")
+    table = read_flickr8k(root)
+    assert table.captions[1] == "a dog running ." and table.location(4) == f"{root / 'Flickr8k.token.txt'}:5"
+
+
+def test_token_file_with_carriage_return_line_endings_is_refused(tmp_path: Path) -> None:
+    """Split on newlines only, a file ending its lines with a lone CR would be one row holding every caption."""
+    root = _flickr_dir(tmp_path, [])
+    root.joinpath("Flickr8k.token.txt").write_bytes("\r".join(_five("a.jpg")).encode() + b"\r")
+    with pytest.raises(DataError, match="line break inside the caption") as err:
+        read_flickr8k(root)
+    assert err.value.line == 1 and "line endings" in (err.value.hint or "")

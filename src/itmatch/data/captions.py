@@ -297,9 +297,13 @@ def _first_line(path: Path) -> str:
 
 
 def _read_text_lines(path: Path, what: str, hint: str | None = None) -> list[str]:
-    """Lines of a UTF-8 text file without line endings (CRLF files exist: Flickr_8k.trainImages.txt)."""
+    """Lines of a UTF-8 text file without line endings. Split at '\\n' only, a CRLF's '\\r' dropped (CRLF files
+    exist: Flickr_8k.trainImages.txt), so that line numbers are an editor's and not_utf8's: str.splitlines (and
+    universal newlines) also break at a lone '\\r', U+2028, \\x85, \\x0c and \\x1c-\\x1e, which a caption may hold
+    (the readers read them as a space, one_line), and every line after one was numbered wrong."""
     try:
-        return path.read_text(encoding="utf-8-sig").splitlines()
+        with open(path, encoding="utf-8-sig", newline="") as fh:
+            return [line.removesuffix("\r") for line in fh.read().split("\n")]
     except FileNotFoundError:
         raise DataError(f"{what} not found", path=path, hint=hint) from None
     except UnicodeDecodeError:
@@ -403,6 +407,13 @@ class _Builder:
         return table
 
 
+# A line that begins as a token-file row does (IMAGE.jpg#k<TAB>): met after a break inside a caption, it is the next
+# row, so the file's lines end with a break other than '\n' (a lone '\r': old Mac files), not a caption's break.
+TOKEN_ROW_START = re.compile(r"[^\t]*#\d+\t")
+LINE_ENDINGS_HINT = ("the file's line endings must be '\\n' or '\\r\\n': convert a file whose lines end with a lone "
+                     "'\\r' (old Mac files) first, e.g. tr '\\r' '\\n' < FILE > FIXED")
+
+
 def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default_split: str = "") -> CaptionTable:
     """Read the official Flickr8K captions (`IMAGE.jpg#k<TAB>caption`) with the official splits.
 
@@ -446,6 +457,9 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
             image = line.strip()
             if not image:
                 continue
+            if one_line(image) != image:
+                raise DataError(f"line break inside the image name {image[:60]!r}", path=split_path, line=lineno,
+                                hint=LINE_ENDINGS_HINT)
             if split_of.setdefault(image, split) != split:
                 raise DataError(f"image {image!r} is in both the {split_of[image]} and {split} splits",
                                 path=split_path, line=lineno, hint="the split lists must be disjoint")
@@ -464,7 +478,10 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
         if not hash_ or not image or not k.isdigit():
             raise DataError(f"expected IMAGE.jpg#k before the tab, found {key!r}", path=path, line=lineno,
                             hint="each line must be IMAGE.jpg#k<TAB>caption, k = 0..4")
-        caption = caption.strip()
+        if any(TOKEN_ROW_START.match(piece) for piece in caption.splitlines()[1:]):
+            raise DataError("line break inside the caption, followed by what looks like the next row "
+                            "(IMAGE.jpg#k<TAB>...)", path=path, line=lineno, hint=LINE_ENDINGS_HINT)
+        caption = one_line(caption).strip()
         if not caption:
             raise DataError(f"empty caption for {image}#{k}", path=path, line=lineno,
                             hint="remove the line or write the caption")
