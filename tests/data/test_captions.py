@@ -637,3 +637,17 @@ def test_token_file_with_carriage_return_line_endings_is_refused(tmp_path: Path)
     with pytest.raises(DataError, match="line break inside the caption") as err:
         read_flickr8k(root)
     assert err.value.line == 1 and "line endings" in (err.value.hint or "")
+
+
+def test_rows_store_their_line_or_entry_not_the_source_path(tmp_path: Path) -> None:
+    """Each row held '<source path>:<line>': +70 MB on Karpathy COCO's 616k rows."""
+    path = tmp_path / "mine.csv"
+    path.write_text("image,caption,split\n" + "a.jpg,fine,train\n" * 5, encoding="utf-8")
+    table = read_csv(path)
+    assert table.locations == [2, 3, 4, 5, 6] and table.location(0) == f"{path}:2"
+    kp = tmp_path / "dataset_x.json"
+    kp.write_text(json.dumps({"images": [{"filename": "a.jpg", "split": "test",
+                                          "sentences": [{"raw": f"c{k}"} for k in range(5)]}]}))
+    table = read_karpathy(kp)
+    assert table.locations[1] == "images[0].sentences[1]"
+    assert table.location(1) == f"{kp} (images[0].sentences[1])"

@@ -58,23 +58,29 @@ class CaptionTable:
     source: str = ""
     # Problems that were reported and skipped (e.g. a caption naming a missing image).
     skipped: list[str] = field(default_factory=list)
-    # Where each row comes from ("file:line", or "file (images[3].sentences[0])" for JSON), so that an error
-    # about an image can point at its rows; "" (or missing, for tables built in code) when unknown.
-    locations: list[str] = field(default_factory=list)
+    # Where each row comes from, so that an error about an image can point at its rows: its line in a text
+    # source, its entry in a JSON one ("images[3].sentences[0]"), None when unknown; `location` joins it with
+    # `source`. Not "source:line" per row: the path repeated on Karpathy COCO's 616k rows cost 70 MB.
+    locations: list[int | str | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.captions)
 
-    def add(self, image_id: str, caption: str, split: str = "", location: str = "") -> None:
+    def add(self, image_id: str, caption: str, split: str = "", location: int | str | None = None) -> None:
+        """Add one row; `location`: its line in `source`, or its entry there (JSON)."""
         self.image_ids.append(image_id)
         self.captions.append(caption)
         self.splits.append(split)
         self.locations.append(location)
 
     def location(self, row: int) -> str:
-        """Where row `row` is, or the table's source when the row's place is not known."""
-        where = self.locations[row] if row < len(self.locations) else ""
-        return where or self.source or f"row {row}"
+        """Where row `row` is ("file:line", "file (entry)"), or the table's source when its place is not known."""
+        where = self.locations[row] if row < len(self.locations) else None
+        if where is None or where == "":
+            return self.source or f"row {row}"
+        if isinstance(where, int):
+            return f"{self.source}:{where}" if self.source else f"line {where}"
+        return f"{self.source} ({where})" if self.source else where
 
     def split_names(self) -> list[str]:
         return list(OrderedDict.fromkeys(self.splits))
@@ -363,7 +369,8 @@ class _Builder:
     def __init__(self, source: Path, images_dir: Path | None = None) -> None:
         self.source = source
         self.images_dir = images_dir  # (named in the error when every row is skipped)
-        self.groups: OrderedDict[str, list[tuple[str, str, str]]] = OrderedDict()  # id -> (caption, split, location)
+        # image id -> (caption, split, line or entry)
+        self.groups: OrderedDict[str, list[tuple[str, str, int | str | None]]] = OrderedDict()
         self.skipped: list[str] = []
         self.first_missing: str | None = None  # the first image name not found in images_dir
         self.first_seen: dict[str, tuple[str, str]] = {}  # image id -> (split, where its first row is)
@@ -377,8 +384,7 @@ class _Builder:
             raise DataError(f"image {image_id!r} is in both the {first_split or '(none)'} split ({first_where}) "
                             f"and the {split or '(none)'} split ({where})", path=self.source, line=line,
                             hint=SPLIT_LEAK_HINT)
-        location = f"{self.source}:{line}" if line is not None else _where(self.source, entry) if entry else ""
-        self.groups.setdefault(image_id, []).append((caption, split, location))
+        self.groups.setdefault(image_id, []).append((caption, split, line if line is not None else entry or None))
 
     def skip(self, where: str, message: str, missing: str | None = None) -> None:
         """Report and drop a row; `missing`: the image name it gives, when the reason is that the image
