@@ -651,3 +651,12 @@ def test_rows_store_their_line_or_entry_not_the_source_path(tmp_path: Path) -> N
     table = read_karpathy(kp)
     assert table.locations[1] == "images[0].sentences[1]"
     assert table.location(1) == f"{kp} (images[0].sentences[1])"
+
+
+def test_table_built_from_lists_then_added_to_keeps_locations_aligned() -> None:
+    """locations stayed shorter than captions, so location(row) returned another row's place."""
+    table = CaptionTable(image_ids=["a.jpg", "a.jpg"], captions=["c1", "c2"], splits=["train"] * 2,
+                         source="mine.csv")
+    table.add("b.jpg", "c3", "train", location=7)
+    assert table.location(0) == "mine.csv" and table.location(2) == "mine.csv:7"
+    assert len(table.locations) == len(table.captions)

@@ -63,11 +63,20 @@ class CaptionTable:
     # `source`. Not "source:line" per row: the path repeated on Karpathy COCO's 616k rows cost 70 MB.
     locations: list[int | str | None] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self._align_locations()
+
+    def _align_locations(self) -> None:
+        """Pad `locations` with None (unknown) up to the rows: a table built in code from lists has none, and a
+        row added after them must get its own index, not another row's."""
+        self.locations.extend([None] * (len(self.captions) - len(self.locations)))
+
     def __len__(self) -> int:
         return len(self.captions)
 
     def add(self, image_id: str, caption: str, split: str = "", location: int | str | None = None) -> None:
         """Add one row; `location`: its line in `source`, or its entry there (JSON)."""
+        self._align_locations()  # (rows may have been appended to the lists directly)
         self.image_ids.append(image_id)
         self.captions.append(caption)
         self.splits.append(split)
