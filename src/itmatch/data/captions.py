@@ -150,11 +150,6 @@ class CaptionTable:
                                          duplicates=[r for r in repeats if r not in taken])
         return chosen
 
-    def extra_captions(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> dict[str, int]:
-        """{image id: how many of its distinct captions come after the `per_image` it keeps} for the images
-        of `split` that have more (`select`; repeated captions are not counted)."""
-        return {image_id: len(rows.extra) for image_id, rows in self.select(split, per_image).items() if rows.extra}
-
     def precomp_rows(self, split: str, per_image: int = CAPTIONS_PER_IMAGE) -> tuple[list[str], list[str]]:
         """(image ids, captions) in the precomp order: captions per_image*i .. per_image*i+per_image-1
         belong to image i. Images with more captions keep `per_image` of them (`select` says which, and the
