@@ -87,7 +87,7 @@ def source_changes(out_dir: Path, split: str, images_dir: Path, ids: list[str], 
     # compared with the file itself: edited captions, and a caption file changed by hand, are both seen
     stale = text_sha256(kept_caps) != file_sha256(captions_path(out_dir, split))
     if stale:
-        # split on "\n" only: exactly the lines write_captions wrote (a caption may hold other line breaks)
+        # the lines write_captions wrote, one caption each ("\n" after each; it refuses a caption holding a break)
         old = captions_path(out_dir, split).read_text(encoding="utf-8").split("\n")
         written = {i: old[r * per:(r + 1) * per] for r, (i, _) in enumerate(kept)}
         before = {i: written[i] for i, group in kept if written[i] != group}
