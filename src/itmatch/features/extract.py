@@ -131,9 +131,11 @@ def _left_out_captions(out_dir: Path, split: str, table: CaptionTable, kept_ids:
     repeats = {i: len(rows.duplicates) for i, rows in chosen.items() if rows.duplicates}
     if repeats:
         dropped = sum(repeats.values())
+        # (a training split drops them before its cut to per_image; an evaluation split keeps its first per_image
+        # captions as the papers' protocol does, repeats included, and drops repeats only among the rest)
         log.warning("split %s: %d repeated caption(s) of %d image(s) dropped (the same text as another caption of "
-                    "the image, ignoring case and spacing), so that the %d per image kept are distinct (%s)", split,
-                    dropped, len(repeats), per_image, examples([f"{i} x{n}" for i, n in repeats.items()]))
+                    "the image, ignoring case and spacing; docs/data.md) (%s)", split, dropped, len(repeats),
+                    examples([f"{i} x{n}" for i, n in repeats.items()]))
         entry["duplicate_captions"] = {"dropped": dropped, "images": repeats}
     extra = {i: [table.captions[r] for r in rows.extra] for i, rows in chosen.items() if rows.extra}
     path = extra_captions_path(out_dir, split)
