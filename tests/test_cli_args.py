@@ -19,7 +19,7 @@ from itmatch.cli import build_parser, main
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Arguments that take free text or a name checked later against a list (presets, splits, config keys).
-FREE_TEXT = {"preset", "name", "set", "split", "splits", "scales", "backbone", "query", "command", "dataset",
+FREE_TEXT = {"preset", "name", "set", "split", "splits", "scales", "backbone", "query", "caption", "command", "dataset",
              "perturbations", "labels", "title"}
 
 
