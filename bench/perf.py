@@ -40,7 +40,7 @@ from itmatch.engine.evaluate import (  # noqa: E402
     score_matrix,
     unbucket_texts,
 )
-from itmatch.engine.train import make_vocab  # noqa: E402
+from itmatch.engine.vocabulary import make_vocab  # noqa: E402
 from itmatch.models.base import ImageEmb, TextEmb, l2norm  # noqa: E402
 from itmatch.models.registry import PRESETS, build_model, image_inputs, preset_config, resolve_config  # noqa: E402
 from itmatch.models.scan.head import ScanHead  # noqa: E402

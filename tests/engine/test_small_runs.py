@@ -17,6 +17,7 @@ from itmatch.config import Config, config_from_dict, parse_overrides
 from itmatch.data.precomp import read_precomp, write_captions
 from itmatch.data.vocab import MIN_COUNT, build_vocab
 from itmatch.engine import train as train_module
+from itmatch.engine import vocabulary
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.train import check_full_batch, train, training_finished
 from itmatch.errors import CheckpointError, ConfigError
@@ -177,10 +178,10 @@ def test_training_says_its_vocabulary_and_the_training_words_it_reads_as_unknown
 
 
 def test_the_vocabulary_of_a_large_split_is_measured_on_a_sample(rare_words, monkeypatch, capsys):
-    monkeypatch.setattr(train_module, "COVERAGE_CAPTIONS", 10)
+    monkeypatch.setattr(vocabulary, "COVERAGE_CAPTIONS", 10)
     vocab = build_vocab(read_precomp(rare_words, "train").training_captions)
     captions = read_precomp(rare_words, "train").training_captions
-    record = train_module.report_vocabulary(small_config(rare_words), vocab, captions, progress=True)
+    record = vocabulary.report_vocabulary(small_config(rare_words), vocab, captions, progress=True)
     assert "1 in 4 of the 40 training captions: unknown words: 10 of 40 caption words" in capsys.readouterr().out
     assert (record["vocabulary"]["captions"], record["vocabulary"]["captions_read"]) == (40, 10)
 

@@ -25,7 +25,8 @@ from itmatch.engine.evaluate import (
     images_per_block,
     score_matrix,
 )
-from itmatch.engine.train import apply_word_vectors, train
+from itmatch.engine.train import train
+from itmatch.engine.vocabulary import apply_word_vectors
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.losses import triplet_loss
 from itmatch.models.registry import build_model, list_models, resolve_config
