@@ -566,7 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trust_argument(s)
     s.set_defaults(func=_cmd_evaluate)
 
-    s = sub.add_parser("analyze", help="analyses over trained models (the OAN perturbation study, recall curves)")
+    s = sub.add_parser("analyze", help="analyses over trained models (the OAN perturbation study, recall curves, "
+                                       "attention maps)")
     analyses = s.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
     a = analyses.add_parser("perturb", help="train on perturbed captions (shuffle, drop a part of speech), "
                             "evaluate on unperturbed ones (OAN Table 1); needs the `analysis` extra")
