@@ -128,8 +128,8 @@ def existing_file(text: str) -> str:
     return _existing(text, want_dir=False)
 
 
-def _check_creatable(text: str, path: Path) -> None:
-    """The nearest existing ancestor of `path` must be a directory we may create entries in."""
+def _check_creatable(text: str, path: Path) -> Path:
+    """The nearest existing ancestor of `path` must be a directory we may create entries in; returns it."""
     parent = path.absolute().parent
     while not parent.exists():
         parent = parent.parent
@@ -137,6 +137,7 @@ def _check_creatable(text: str, path: Path) -> None:
         raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot create {text}: {parent} is not writable")
+    return parent
 
 
 @_named("output_dir")
@@ -164,10 +165,8 @@ def output_file(text: str) -> str:
     path = _given(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; an output file name is needed there")
-    _check_creatable(text, path)
-    parent = path.absolute().parent
-    while not parent.exists():  # (missing folders are created with the file: their nearest existing one decides)
-        parent = parent.parent
+    # (missing folders are created with the file: their nearest existing one is where the file is tried)
+    parent = _check_creatable(text, path)
     try:
         handle, probe = tempfile.mkstemp(dir=parent, prefix=".itmatch-probe-")
     except OSError as exc:
