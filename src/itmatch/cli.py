@@ -176,12 +176,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from itmatch import distributed as dist
     from itmatch.engine.evaluate import evaluate_run
+    from itmatch.pretrained import resolve_checkpoint
 
     placement = _placement(args)  # (an error naming --device / --precision, before any work)
+    checkpoints = [resolve_checkpoint(c) for c in args.checkpoints]  # (a shipped model's name: its folder)
+    first_stage = resolve_checkpoint(args.first_stage) if args.first_stage else None
     run = evaluate_run(
-        args.checkpoints, split=args.split, data=args.data, images=args.images, protocol=args.protocol,
+        checkpoints, split=args.split, data=args.data, images=args.images, protocol=args.protocol,
         budget_gb=args.budget_gb, threads=args.threads, rerank=args.rerank, prune=args.prune,
-        first_stage=args.first_stage, faiss=args.faiss, resume_dir=args.resume_dir, json_path=args.json,
+        first_stage=first_stage, faiss=args.faiss, resume_dir=args.resume_dir, json_path=args.json,
         results=args.results, name=args.name, dataset=args.dataset, force=args.force, progress=not args.quiet,
         command=args.command or "itmatch " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         device=placement.device, precision=placement.precision, trust_modified=args.trust_modified)
@@ -525,7 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_train)
 
     s = sub.add_parser("evaluate", help="evaluate one checkpoint, or an ensemble of several")
-    s.add_argument("checkpoints", nargs="+", type=existing_dir, help="checkpoint directories (several = ensemble)")
+    s.add_argument("checkpoints", nargs="+", type=checkpoint_ref,
+                   help="checkpoint directories or shipped models' names (several = ensemble); a shipped model "
+                        "reproduces its results row with --data of the features it names (`itmatch models "
+                        "--pretrained`)")
     s.add_argument("--data", type=existing_dir, action="append", metavar="DIR",
                    help="precomp directory: once for every checkpoint, or once per checkpoint in their order "
                         "(default: each checkpoint's own, so an ensemble may mix features of the same photos, "
@@ -545,7 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safe pruning: the exhaustive metrics, scoring exactly only the pairs whose score the "
                         "head's bound around its global cosine leaves on either side of a query's ground truth "
                         "(MMCA: |S - i0.c0| <= alpha); an ensemble's bound is its members' mean")
-    s.add_argument("--first-stage", type=existing_dir, metavar="CKPT",
+    s.add_argument("--first-stage", type=checkpoint_ref, metavar="CKPT",
                    help="checkpoint whose global embedding proposes the candidates (e.g. VSE++ trained on "
                         "the same data); default: the evaluated model's own, if it has one")
     s.add_argument("--faiss", default="flat", choices=["flat", "ivf"],

@@ -5,6 +5,7 @@ their results rows and on real photos."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,18 @@ def test_a_trained_checkpoint_ships_in_fp16_and_loads_by_name(trained, shelf, ti
     assert (shipped_scores - original.score(torch.from_numpy(feats), captions)).abs().max() < 1e-2  # fp16 rounding
     assert itmatch_main(["models", "--pretrained"]) == 0
     assert "tiny-scan" in (listed := capsys.readouterr().out) and "rsum 300.0 (1k tiny, row tiny)" in listed
+
+
+def test_evaluate_takes_a_shipped_models_name_and_says_it_brings_no_features(trained, shelf, tiny_precomp,
+                                                                             tmp_path, monkeypatch, capsys):
+    assert ship_main([str(trained), "tiny-scan", "--out-root", str(shelf)]) == 0
+    assert itmatch_main(["evaluate", "tiny-scan", "--data", str(tiny_precomp), "--quiet"]) == 0
+    assert "rsum" in capsys.readouterr().out
+    monkeypatch.setattr(pretrained, "PRETRAINED_DIR", ROOT / "src" / "itmatch" / "pretrained")
+    monkeypatch.chdir(tmp_path)  # (no runs/data here: the shipped model's data.path is nowhere)
+    assert itmatch_main(["evaluate", "vsepp-flickr8k", "--quiet"]) == 2  # (a data error)
+    err = capsys.readouterr().err
+    assert "a shipped model comes without features" in err and "--backbone lite0" in err
 
 
 def test_the_shipped_form_halves_the_weights_and_keeps_exact_buffers():
@@ -162,6 +175,46 @@ def test_a_shipped_model_finds_real_photos_by_their_captions(name):
     ranks = (scores > scores.diagonal().unsqueeze(0)).sum(0)  # per caption: images scored above its own
     r5 = float((ranks < 5).float().mean())
     assert r5 >= 0.5, f"{name}: text-to-image R@5 over 100 test photos is {r5:.2f}"
+
+
+@pytest.fixture(scope="module")
+def test_photos_features(tmp_path_factory):
+    """Flickr8K's 1000 test photos through a backbone (`itmatch extract --splits test`), once per backbone."""
+    flickr = SHARED / "flickr8k"
+    if not (flickr / "images").is_dir():
+        pytest.skip(f"the Flickr8K photos are not at {flickr} (../shared beside the checkout)")
+    extracted: dict[str, Path] = {}
+
+    def features(backbone: str) -> Path:
+        if backbone not in extracted:
+            out = tmp_path_factory.mktemp(f"flickr8k_{backbone}") / "precomp"
+            assert itmatch_main(["extract", str(flickr / "images"), str(flickr / "Flickr8k.token.txt"), "--out",
+                                 str(out), "--backbone", backbone, "--splits", "test", "--quiet"]) == 0
+            extracted[backbone] = out
+        return extracted[backbone]
+
+    return features
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::itmatch.data.captions.SkippedRowsWarning")  # (5 rows of a photo not in the set)
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_shipped_model_reproduces_its_results_row_from_the_photos(name, test_photos_features, tmp_path):
+    """What a reader of the results table can check with two commands: the shipped model, by name, evaluated on
+    features extracted here from the real test photos gives its row's recalls. The weights ship in fp16, so a
+    recall may move by a tenth (measured: MMCA alpha = 0 269.9 -> 269.8, VSE++ 237.5 exactly)."""
+    model = pretrained.shipped()[name]
+    row = model.card["results"]
+    backbone = json.loads((model.path / "config.json").read_text(encoding="utf-8"))["data"]["backbone"]
+    data = test_photos_features(backbone)
+    metrics = tmp_path / "metrics.json"
+    assert itmatch_main(["evaluate", name, "--data", str(data), "--protocol", row["protocol"], "--quiet",
+                         "--json", str(metrics)]) == 0
+    got = json.loads(metrics.read_text(encoding="utf-8"))
+    for direction in ("image_to_text", "text_to_image"):
+        for k in ("r1", "r5", "r10"):
+            assert abs(got[direction][k] - float(row[f"{direction}_{k}"])) <= 0.3, (name, direction, k, got)
+    assert abs(got["rsum"] - float(row["rsum"])) <= 0.5, (name, got["rsum"], row["rsum"])
 
 
 def test_index_photos_with_a_pretrained_model_by_name(shelf, tmp_path):

@@ -28,6 +28,7 @@ from itmatch.errors import CheckpointError, ConfigError, DataError
 from itmatch.io import file_sha256, fsync_dir, fsync_file
 from itmatch.models.base import Matcher
 from itmatch.models.registry import build_model
+from itmatch.pretrained import CARD
 
 WEIGHTS, CONFIG, VOCAB, OPTIMIZER, TRAINER, STATE, MANIFEST = (
     "model.safetensors", "config.json", "vocab.json", "optimizer.pt", "trainer.pt", "state.json", "manifest.json")
@@ -159,8 +160,13 @@ class Checkpoint:
             return value
         places = "; ".join(str(p) for p in searched)
         option = "--data DIR (the precomp directory)" if key == "path" else "--images DIR (the images folder)"
+        hint = f"pass {option}, or put the data back where the checkpoint expects it"
+        if key == "path" and (self.path / CARD).is_file():  # (a shipped model brings no features)
+            hint = (f"a shipped model comes without features: pass --data DIR of features of its backbone "
+                    f"(`itmatch extract PHOTOS CAPTIONS --backbone {self.config.data.backbone} --out DIR`; "
+                    f"`--splits test` for its results row's test photos)")
         raise DataError(f"the checkpoint's data.{key} was not found; looked in: {places}", path=self.path / CONFIG,
-                        hint=f"pass {option}, or put the data back where the checkpoint expects it")
+                        hint=hint)
 
 
 def save_checkpoint(path: str | Path, model: Matcher, config: Config, vocab: AnyVocab,
