@@ -168,8 +168,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                    progress=not args.quiet)
     if not dist.is_main():
         return 0
-    print(f"best dev rsum {result['best_rsum']:.1f} at epoch {result['best_epoch']}; "
-          f"checkpoint {Path(args.out) / 'best'}")
+    print(result.get("note") or f"best dev rsum {result['best_rsum']:.1f} at epoch {result['best_epoch']}; "
+                                f"checkpoint {Path(args.out) / 'best'}")
     return 0
 
 

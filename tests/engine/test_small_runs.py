@@ -97,8 +97,8 @@ def test_resuming_a_finished_run_says_so_without_loading_it(finished, tmp_path, 
     assert (result["best_rsum"], result["best_epoch"]) == (state["best_rsum"], state["best_epoch"])
     assert result["best"] == state["best_result"]
     best = f"best dev rsum {state['best_rsum']:.1f} at epoch {state['best_epoch']}"
-    assert f"{run} finished its 2 epochs ({best}); to train on: --resume --set train.epochs=N with N > 2" in \
-        capsys.readouterr().out
+    assert result["note"] == f"{run} finished its 2 epochs ({best}); to train on: --resume --set train.epochs=N " \
+                             "with N > 2"
     assert training_finished(run)
     # an edited state.json is refused as a load would refuse it
     (run / "last" / "state.json").write_text(json.dumps({**state, "epoch": 9}))
@@ -125,6 +125,26 @@ def test_resuming_with_fewer_epochs_than_trained_is_refused(finished, tmp_path, 
     # more epochs train on from where the run stopped
     assert train(Config(), run, resume=True, resume_overrides={"train": {"epochs": 3}}, progress=False)
     assert json.loads((run / "last" / "state.json").read_text())["epoch"] == 3
+
+
+def test_the_cli_closes_a_finished_runs_resume_with_its_note_alone(finished, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    assert main(["train", "--out", str(run), "--resume", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{run} finished its 2 epochs (best dev rsum") and out.count("best dev rsum") == 1
+
+
+def test_resuming_a_run_whose_checkpoint_has_no_manifest_warns_once(finished, tmp_path, caplog, capsys):
+    """A checkpoint of an older itmatch (no manifest.json): the finished-run check and the full load each warned."""
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    (run / "last" / "manifest.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="itmatch"):
+        assert main(["train", "--out", str(run), "--resume", "--set", "train.epochs=3", "--quiet"]) == 0
+    warned = [r for r in caplog.records if "no manifest.json" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]
+    assert "best dev rsum" in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from itmatch.data.precomp import PrecompSplit
 from itmatch.data.vocab import AnyVocab
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import (
+    MANIFEST,
     config_for_checkpoint,
     init_weights_from,
     load_checkpoint,
@@ -342,7 +343,8 @@ def finished_run(run_dir: Path, overrides: dict[str, Any], trust_modified: bool 
     only (checked against its manifest) and rewrites the run's config.json as every resume does, so it answers in
     a moment."""
     last = run_dir / "last"
-    verify_manifest(last, trust_modified=trust_modified, files=("config.json", "state.json"))
+    if (last / MANIFEST).is_file():  # (a checkpoint without one is warned about once, by the full load below)
+        verify_manifest(last, trust_modified=trust_modified, files=("config.json", "state.json"))
     state = read_state(last)
     if "epoch" not in state:  # (a checkpoint of an older version: the full path handles it)
         return None
@@ -437,11 +439,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     if resume:  # a finished run says so before its weights and data are loaded
         with _resuming(run_dir):
             finished = finished_run(run_dir, resume_overrides or {}, trust_modified)
-        if finished is not None:
-            note = finished.pop("note")
-            _log.info(note)
-            if progress:  # (where the epoch lines go; the CLI configures no logging handler)
-                tqdm.write(note)
+        if finished is not None:  # (its "note" says so: the CLI prints it in place of its closing line)
+            _log.info(finished["note"])
             return finished
     check_world(cfg)  # (before anything is written)
     header = ""
