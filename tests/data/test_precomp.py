@@ -35,6 +35,17 @@ def test_empty_caption_names_line(tmp_path):
         read_precomp(tmp_path, "dev")
 
 
+def test_a_caption_file_not_in_utf8_names_its_line_and_converts_in_place(tmp_path):
+    """It said 'not UTF-8 text (invalid continuation byte at byte 14)': no line, no fix."""
+    write_features(tmp_path, "dev", np.zeros((1, 1, 3), np.float32))
+    (tmp_path / "dev_caps.txt").write_bytes("a\nb\na caf\u00e9\nd\ne\n".encode("latin1"))
+    with pytest.raises(DataError, match="not UTF-8 text") as err:
+        read_precomp(tmp_path, "dev")
+    caps = tmp_path / "dev_caps.txt"
+    assert err.value.line == 3 and f"iconv -f latin1 -t utf-8 {caps} > {tmp_path / 'dev_caps-utf8.txt'} && mv " \
+        f"{tmp_path / 'dev_caps-utf8.txt'} {caps}" in err.value.hint  # (the directory reads it by its name)
+
+
 def test_non_finite_features_name_image(tmp_path):
     feats = np.zeros((4, 2, 3), np.float32)
     feats[2, 1, 0] = np.nan

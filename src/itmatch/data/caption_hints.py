@@ -13,9 +13,10 @@ from pathlib import Path
 from itmatch.errors import DataError
 
 
-def not_utf8(path: Path) -> DataError:
+def not_utf8(path: Path, *, in_place: bool = False) -> DataError:
     """The error for a text file that does not decode as UTF-8: the line and byte of its first bad byte, and
-    how to convert the file. The file is decoded again here because the offset of a UnicodeDecodeError
+    how to convert the file: into a copy to pass instead, or `in_place` for a file read by its name (a precomp
+    directory's {split}_caps.txt). The file is decoded again here because the offset of a UnicodeDecodeError
     raised while reading a stream counts from the decoder's current chunk, not from the start of the file."""
     data = Path(path).read_bytes()
     try:
@@ -36,8 +37,10 @@ def not_utf8(path: Path) -> DataError:
         name = Path(path).name
         head, dot, tail = name.partition(".")
         converted = Path(path).with_name(f"{head}-utf8{dot}{tail}")
-        hint = (f"save the file as UTF-8, or convert it (it looks like {legacy}): iconv -f {legacy} -t utf-8 "
-                f"{shlex.quote(str(path))} > {shlex.quote(str(converted))}, then pass {converted}")
+        convert = f"iconv -f {legacy} -t utf-8 {shlex.quote(str(path))} > {shlex.quote(str(converted))}"
+        then = (f" && mv {shlex.quote(str(converted))} {shlex.quote(str(path))}" if in_place
+                else f", then pass {converted}")
+        hint = f"save the file as UTF-8, or convert it (it looks like {legacy}): {convert}{then}"
     return DataError(f"not UTF-8 text ({reason} at byte {start})", path=path, line=line, hint=hint)
 
 

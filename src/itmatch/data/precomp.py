@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from itmatch.data.caption_hints import not_utf8
 from itmatch.data.captions import CAPTIONS_PER_IMAGE
 from itmatch.errors import DataError
 from itmatch.io import file_sha256, write_text_atomic
@@ -120,8 +121,8 @@ def read_lines(path: Path) -> list[str]:
     except FileNotFoundError:
         raise DataError("file not found", path=path,
                         hint="check the dataset directory, or run `itmatch extract` to create it") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"not UTF-8 text ({exc.reason} at byte {exc.start})", path=path) from None
+    except UnicodeDecodeError:
+        raise not_utf8(path, in_place=True) from None
 
 
 class MultiScaleArray:
