@@ -19,6 +19,9 @@ import yaml
 
 from itmatch.errors import ConfigError
 
+#: the vocabulary's threshold: words seen fewer times in the training captions read as <unk> (SCAN's)
+MIN_WORD_COUNT = 4
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -205,9 +208,10 @@ class DataConfig:
     images: str = ""  # images folder ({split}_ids.txt name files in it); read by pixel-input models (SAVE e2e)
     vocab: str = ""  # vocabulary JSON; empty: build from the training captions
     # a vocabulary built from the training captions keeps the words seen at least this often (SCAN's 4,
-    # data.vocab.MIN_COUNT): on a few hundred captions that leaves out most words, so the trainer logs the share of
-    # training words it reads as unknown. Saved in the checkpoint's vocab.json, so it is read at training only
-    min_word_count: int = option(4, min=1)
+    # MIN_WORD_COUNT, build_vocab's default too): on a few hundred captions that leaves out most words, so the
+    # trainer logs the share of training words it reads as unknown. Saved in the checkpoint's vocab.json, so it
+    # is read at training only
+    min_word_count: int = option(MIN_WORD_COUNT, min=1)
     # word (Treebank words, vocab from training captions) | wordpiece (the tokenizer the model brings: MMCA's)
     tokenizer: str = "word"
     backbone: str = ""  # the CNN the features came from (read from the data's meta.json); used by itmatch.load

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from itmatch.config import MIN_WORD_COUNT
 from itmatch.data import synth
 from itmatch.data.captions import read_captions
 from itmatch.data.synth import (
@@ -21,7 +22,7 @@ from itmatch.data.synth import (
     make_scenes,
     render_synthetic,
 )
-from itmatch.data.vocab import MIN_COUNT, tokenize
+from itmatch.data.vocab import tokenize
 from itmatch.errors import ConfigError, OverwriteError
 
 NUM = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4}
@@ -110,7 +111,7 @@ def test_vocabulary_clears_min_count_on_1500_training_images() -> None:
     for _, captions in make_scenes("train", 1500, seed=0):
         for caption in captions:
             counts.update(tokenize(caption))
-    rare = {w: c for w, c in counts.items() if c < MIN_COUNT}
+    rare = {w: c for w, c in counts.items() if c < MIN_WORD_COUNT}
     assert not rare
     assert len(counts) < 100
 

@@ -15,7 +15,7 @@ from itmatch import distributed as dist
 from itmatch.cli import main
 from itmatch.config import Config, config_from_dict, parse_overrides
 from itmatch.data.precomp import read_precomp, write_captions
-from itmatch.data.vocab import MIN_COUNT, build_vocab
+from itmatch.data.vocab import build_vocab
 from itmatch.engine import train as train_module
 from itmatch.engine import vocabulary
 from itmatch.engine.checkpoint import load_checkpoint
@@ -207,4 +207,4 @@ def test_the_vocabulary_of_a_large_split_is_measured_on_a_sample(rare_words, mon
 
 
 def test_the_default_threshold_is_scans_and_older_configs_read_with_it():
-    assert config_from_dict({"data": {"path": "d"}}).data.min_word_count == MIN_COUNT == 4
+    assert config_from_dict({"data": {"path": "d"}}).data.min_word_count == 4

@@ -15,12 +15,12 @@ from pathlib import Path
 
 from nltk.tokenize import NLTKWordTokenizer
 
+from itmatch.config import MIN_WORD_COUNT
 from itmatch.errors import ConfigError, DataError
 from itmatch.io import write_json_atomic
 
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS = (PAD, START, END, UNK)  # ids 0, 1, 2, 3 as in SCAN
-MIN_COUNT = 4
 
 _tokenizer = NLTKWordTokenizer()
 
@@ -123,7 +123,7 @@ class Vocab:
         return cls.from_json(_read_json(path), path)
 
 
-def build_vocab(train_captions: Iterable[str], min_count: int = MIN_COUNT) -> Vocab:
+def build_vocab(train_captions: Iterable[str], min_count: int = MIN_WORD_COUNT) -> Vocab:
     """Words seen at least `min_count` times in the *training* captions, in first-seen order."""
     counts: Counter[str] = Counter()
     for caption in train_captions:
