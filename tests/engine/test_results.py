@@ -60,6 +60,16 @@ def test_a_rows_other_seeds_are_summed_up_with_their_spread(tmp_path):
     assert "## Seeds" not in render_markdown(tmp_path / "other.csv")
 
 
+def test_a_tables_about_file_is_its_pages_preface(tmp_path):
+    """What a reader needs before the numbers (where rows ran, what to read them with) sits above the table."""
+    path = tmp_path / "flickr8k_gpu.csv"
+    upsert_row(path, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c", device="NVIDIA H100"))
+    assert "Rows ran on" not in render_markdown(path)
+    (tmp_path / "flickr8k_gpu.about.md").write_text("Rows ran on two machines.\n")
+    md = render_markdown(path)
+    assert md.index("do not edit by hand") < md.index("Rows ran on two machines.") < md.index("| name |")
+
+
 def _add_rows(path: str, worker: int, count: int) -> None:
     for i in range(count):
         upsert_row(path, result_row(f"w{worker}_{i}", "m", "d", RESULT, "c"))
@@ -131,8 +141,8 @@ def test_a_results_view_of_a_table_with_devices_names_where_each_row_ran(tmp_pat
 
 def test_claims_view_checks_the_papers_orderings_and_the_goals_against_the_table(tmp_path):
     """`<!-- claims: CSV a>b c>=275.2 -->`: each ordering or goal with both sides' rsum, the margin and whether it
-    holds, flagged when the margin is within a side's seed spread, "not run yet" for a row not in the table; a
-    malformed claim names the page's line."""
+    holds, flagged when the margin is within a side's seed spread (a side of one seed: the table's largest),
+    "not run yet" for a row not in the table; a malformed claim names the page's line."""
     results = tmp_path / "results"
     results.mkdir()
     for name, rsum in (("scan_i2t_lse", 283.3), ("vsepp", 245.9), ("vsepp_seed1", 249.7), ("oan", 261.2),
@@ -145,12 +155,14 @@ def test_claims_view_checks_the_papers_orderings_and_the_goals_against_the_table
     lines = render_views(page, results).splitlines()
     assert lines[1:3] == CLAIMS_HEAD
     assert lines[3:9] == [
-        "| scan_i2t_lse > vsepp | 283.3 | 245.9 | +37.4 | holds |",
-        "| oan ≥ scan_t2i_avg | 261.2 | 256.3 | +4.9 | holds |",
+        "| scan_i2t_lse > vsepp | 283.3 | 245.9 | +37.4 | holds; one seed: scan_i2t_lse |",
+        "| oan ≥ scan_t2i_avg | 261.2 | 256.3 | +4.9 | holds; one seed: oan, scan_t2i_avg |",
         "| vsepp ≥ 248 | 245.9 | 248.0 (goal) | −2.1 | does not hold, within the seed spread (3.8) |",
         "| save_asa > save_dsa | | | | save_asa, save_dsa not run yet |",
-        "| scan_i2t_lse ≥ 300 | 283.3 | 300.0 (goal) | −16.7 | does not hold |",
-        "| oan > oan_bilstm | 261.2 | 259.0 | +2.2 | holds |"]
+        "| scan_i2t_lse ≥ 300 | 283.3 | 300.0 (goal) | −16.7 | does not hold; one seed: scan_i2t_lse |",
+        # (two rows of one seed each: as uncertain as the widest spread the table measured)
+        "| oan > oan_bilstm | 261.2 | 259.0 | +2.2 | holds, within the table's largest seed spread (3.8); one seed: "
+        "oan, oan_bilstm |"]
     page.write_text("a\n<!-- claims: flickr8k_gpu oan>=scan_t2i_avg oan=vsepp -->\n<!-- claims: end -->\n")
     with pytest.raises(DataError, match=r"training.md:2: claim 'oan=vsepp' is not ROW>ROW"):
         render_views(page, results)

@@ -200,12 +200,19 @@ def seeds_line(group: list[dict[str, str]]) -> str:
             f"{mean:.1f} | {seed_spread(group):.1f} |")
 
 
+#: beside a results CSV, the prose a reader needs before its numbers (what its rows are, what to read them with):
+#: `<name>.about.md`, written by hand, placed under the title of the rendered page (no numbers: those are the CSV's)
+ABOUT_SUFFIX = ".about.md"
+
+
 def render_markdown(path: str | Path) -> str:
     rows = read_rows(path)
     title = Path(path).stem
     device = read_header(path) == DEVICE_HEADER
+    about = Path(path).with_name(title + ABOUT_SUFFIX)
     lines = [f"# Results: {title}", "", f"Generated from `{Path(path).name}` by `scripts/render_results.py`; "
              "do not edit by hand.", "",
+             *([about.read_text(encoding="utf-8").strip(), ""] if about.is_file() else []),
              "mR = rsum / 6, the mean of the six recalls (the figure SMAN's tables report).", "",
              *table_head(device), *(row_line(r, device) for r in rows), ""]
     groups = seed_groups(rows)
@@ -261,9 +268,12 @@ def _signed(x: float) -> str:
 def claim_lines(claims: list[str], rows: list[dict[str, str]]) -> list[str]:
     """A paper's ordering or a goal checked against the table: `a>b` or `a>=b` between two rows' rsum, or a row
     against a number (`scan_i2t_lse>=300`). A claim decided by less than the seed spread of either side
-    (seed_groups) says so; one with a row not in the table yet says that instead."""
+    (seed_groups) says so; a side trained with one seed only is named, and its spread taken as the largest the
+    table measured (a margin of one-seed rows is no firmer than one between seeds); a claim with a row not in
+    the table yet says that instead."""
     by_name = {r["name"]: r for r in rows}
     spread = {r["name"]: seed_spread(group) for group in seed_groups(rows) for r in group}
+    largest = max(spread.values(), default=0.0)
     lines = []
     for claim in claims:
         match = CLAIM.fullmatch(claim)
@@ -279,9 +289,13 @@ def claim_lines(claims: list[str], rows: list[dict[str, str]]) -> list[str]:
             continue
         a, b = float(by_name[left]["rsum"]), float(right) if goal else float(by_name[right]["rsum"])
         holds = a >= b if op == ">=" else a > b
-        noise = max(spread.get(left, 0.0), 0.0 if goal else spread.get(right, 0.0))
+        sides = (left,) if goal else (left, right)
+        one_seed = [n for n in sides if n not in spread]
+        noise = max([spread[n] for n in sides if n in spread] + ([largest] if one_seed else []))
+        within = "the seed spread" if not one_seed else "the table's largest seed spread"
         verdict = ("holds" if holds else "does not hold") + (
-            f", within the seed spread ({noise:.1f})" if noise and abs(a - b) <= noise else "")
+            f", within {within} ({noise:.1f})" if noise and abs(a - b) <= noise else "") + (
+            f"; one seed: {', '.join(one_seed)}" if one_seed else "")
         lines.append(f"{shown} {a:.1f} | {b:.1f}{' (goal)' if goal else ''} | {_signed(a - b)} | {verdict} |")
     return lines
 
