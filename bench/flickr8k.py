@@ -13,10 +13,11 @@ runs/flickr8k_gpu/ and writes docs/results/flickr8k_gpu.csv (the same columns pl
 `--device cpu` a row of that table trains and evaluates on the CPU instead: the same schedule, only slower, and
 its device column names the CPU.
 
-Features come from `itmatch extract` (see README); every model uses configs/flickr8k/cpu.yaml on top of its
-preset (so OAN keeps its own Adam lr 5e-4 and weight decay 1e-6; see docs/oan.md), except the SMAN rows,
-which use configs/flickr8k/sman_cpu.yaml (the same schedule with Adam 5e-4, no L2; docs/sman.md), and the SAVE
-rows, which use configs/flickr8k/save_cpu.yaml (the same schedule at lr 5e-4; docs/save.md).
+Features come from `itmatch extract` (see README), which the bench runs itself for those a row reads that are
+missing; every model uses configs/flickr8k/cpu.yaml on top of its preset (so OAN keeps its own Adam lr 5e-4 and
+weight decay 1e-6; see docs/oan.md), except the SMAN rows, which use configs/flickr8k/sman_cpu.yaml (the same
+schedule with Adam 5e-4, no L2; docs/sman.md), and the SAVE rows, which use configs/flickr8k/save_cpu.yaml (the
+same schedule at lr 5e-4; docs/save.md).
 SAVE rows that fuse scales read cached c3/c4 maps too: the first of them runs the multi-scale extraction
 (`itmatch extract ... --scales c3,c4,c5`, about as long as the plain one) into DATA_MS; the fine-tuned
 row reads the image files (data.images) and trains the backbone end to end (see docs/save.md for its cost).
@@ -280,28 +281,48 @@ def run(cmd: list[str], ranks: int = 1) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-# the features a row may read beyond the Lite0 grid: the file every split must have once they are complete, and the
-# extractor's options that make them (the c3/c4 stage maps beside a copy of the c5 grid; the Lite2 grid)
-EXTRA_FEATURES = {DATA_MS: ("ims_c3.npy", ["--scales", "c3,c4,c5"]), DATA_LITE2: ("ims.npy", ["--backbone", "lite2"])}
+# the features a row may read: the file every split must have once they are complete, and the extractor's options
+# that make them (the Lite0 grid, README's extraction; the c3/c4 stage maps beside a copy of the c5 grid; the Lite2
+# grid)
+FEATURES = {DATA: ("ims.npy", []), DATA_MS: ("ims_c3.npy", ["--scales", "c3,c4,c5"]),
+            DATA_LITE2: ("ims.npy", ["--backbone", "lite2"])}
+
+
+class MissingFeatures(RuntimeError):
+    """A row's features are not here and neither are the photos and captions to extract them from."""
 
 
 def ensure_features(data: str, profile: Profile = CPU) -> None:
-    """Extract the EXTRA_FEATURES a row reads, once (resumable; skipped when complete), on a GPU in batches of 128
-    (the lent sessions' Lite0 extraction), on a CPU in the extractor's own 8. Rows started side by side (a GPU
-    session's driver) that read the same features take turns: one extracts, the others then find the features
-    complete (the extractor itself does not guard a folder against a second writer)."""
+    """Extract the FEATURES a row reads, once (resumable; skipped when complete), on a GPU in batches of 128
+    (as the lent sessions' Lite0 extraction, scripts/device_session.py, which runs before the rows there: the bench
+    then finds Lite0 complete), on a CPU in the extractor's own 8. Rows started side by side (a GPU session's
+    driver) that read the same features take turns: one extracts, the others then find the features complete (the
+    extractor itself does not guard a folder against a second writer). Features missing where the photos or the
+    captions are missing too raise MissingFeatures, naming what is missing and the command that makes them."""
     from filelock import FileLock
 
-    if data not in EXTRA_FEATURES:
+    if data not in FEATURES:
         return
-    complete, options = EXTRA_FEATURES[data]
+    complete, options = FEATURES[data]
     batch = ["--batch-size", "128"] if profile.device and not profile.on_cpu else []
+    extract = ["itmatch", "extract", IMAGES, CAPTIONS, "--out", data, *options, *batch]
     lock = ROOT / Path(data).with_name(f".{Path(data).name}.lock")
     if not DRY_RUN:
         lock.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.nullcontext() if DRY_RUN else FileLock(lock):
-        if not all((ROOT / data / f"{split}_{complete}").exists() for split in ("train", "dev", "test")):
-            run(["itmatch", "extract", IMAGES, CAPTIONS, "--out", data, *options, *batch])
+        absent = [f"{split}_{complete}" for split in ("train", "dev", "test")
+                  if not (ROOT / data / f"{split}_{complete}").exists()]
+        if not absent:
+            return
+        sources = [p for p, there in ((IMAGES, (ROOT / IMAGES).is_dir()), (CAPTIONS, (ROOT / CAPTIONS).is_file()))
+                   if not there]
+        if sources and not DRY_RUN:
+            raise MissingFeatures(
+                f"{data} lacks {', '.join(absent)}, and the bench cannot extract them: {' and '.join(sources)} "
+                f"(relative to {ROOT}) {'are' if len(sources) > 1 else 'is'} missing. Put the Flickr8K photos and "
+                f"captions there and rerun (the bench then runs: {' '.join(extract)}), or copy features extracted "
+                f"elsewhere into {data}")
+        run(extract)
 
 
 def schedule_of(member: str, profile: Profile) -> str:
@@ -367,8 +388,7 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
     if missing:
         raise MissingCheckpoint(f"row {row}: no checkpoint at {', '.join(f'{profile.runs}/{m}/best' for m in missing)} "
                                 f"although training finished; move the run directory aside and run the row again")
-    command = " ".join(["python bench/flickr8k.py", *(["--config gpu"] if profile.device else []), *on_cpu(profile),
-                        "--row", row])
+    command = row_command(row, profile, threads)
     result_json = f"{profile.runs}/{row}.test.json"
     record = (["--json", result_json] if profile.device  # (the row, with the device, is written below)
               else ["--results", profile.results, "--name", row, "--dataset", "flickr8k", "--command", command,
@@ -385,6 +405,31 @@ def on_cpu(profile: Profile) -> list[str]:
     return ["--device", "cpu"] if profile.on_cpu else []
 
 
+def runs_on_cpu(profile: Profile) -> bool:
+    """Whether the profile's trainings and evaluations run on the CPU: --device cpu, or the CPU schedule (device
+    'auto') where torch sees no GPU."""
+    import torch
+
+    return profile.on_cpu or (not profile.device and not torch.cuda.is_available())
+
+
+def thread_count(threads: int) -> int:
+    """The torch threads a training or evaluation of the bench uses on the CPU: --threads, or for 0 (all cores)
+    torch's default here, which the bench's `itmatch` processes (the same machine and environment) get too."""
+    import torch
+
+    return threads or torch.get_num_threads()
+
+
+def row_command(row: str, profile: Profile, threads: int) -> str:
+    """The command a results row records, to be rerun as it is: on the CPU with the number of threads it ran with
+    (the thread count changes float summation order, so a row is reproduced bit for bit only with the same count;
+    --threads 0 is recorded as the count it meant here, since "all cores" is another count on another machine).
+    A GPU row's command has no --threads: its arithmetic runs on the GPU."""
+    return " ".join(["python bench/flickr8k.py", *(["--config gpu"] if profile.device else []), *on_cpu(profile),
+                     "--row", row, *(["--threads", str(thread_count(threads))] if runs_on_cpu(profile) else [])])
+
+
 def device_name(profile: Profile, threads: int) -> str:
     """What a row of the device table ran on: the GPU's name, or the CPU's model and the threads it used."""
     import torch
@@ -395,7 +440,7 @@ def device_name(profile: Profile, threads: int) -> str:
     names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
              if line.startswith("model name")]
     cpu = names[0] if names else platform.processor() or "unknown"
-    n = threads or torch.get_num_threads()
+    n = thread_count(threads)
     return f"CPU {cpu}, {n} thread{'s' if n != 1 else ''}"
 
 
@@ -541,6 +586,7 @@ def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1
     unperturbed reference is the table's run of the preset when it has finished (the study checks that its settings
     are the study's): six trainings; else the study trains it too, seven."""
     out = f"{profile.runs}/perturb/{preset}"
+    ensure_features(DATA, profile)  # (the schedule files' data.path, which the study's trainings read)
     table_run = finished_table_run(preset, profile)
     original = ["--original", table_run] if table_run else []
     run(["itmatch", "analyze", "perturb", "--preset", preset, "--config", schedule_of(preset, profile), "--out", out,
@@ -647,13 +693,16 @@ def main() -> int:
         return 0
     if args.perturb:
         for preset in args.perturb:
-            run_perturb(preset, args.threads, profile, args.jobs)
+            try:
+                run_perturb(preset, args.threads, profile, args.jobs)
+            except MissingFeatures as exc:
+                sys.exit(f"perturb {preset}: {exc}")
         return 0
     failed = []
     for row in rows:
         try:
             run_row(row, args.threads, args.train_only, args.eval_ranks, profile)
-        except (subprocess.CalledProcessError, MissingCheckpoint) as exc:  # reported at the end, never skipped
+        except (subprocess.CalledProcessError, MissingCheckpoint, MissingFeatures) as exc:  # reported at the end
             print(f"row {row} FAILED: {exc}", file=sys.stderr, flush=True)
             failed.append(row)
     run([sys.executable, "scripts/render_results.py"])

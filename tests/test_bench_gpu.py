@@ -133,6 +133,7 @@ def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_pa
     train_line = next(line for line in capsys.readouterr().out.splitlines() if " train " in line)
     assert f"--out {tmp_path}/runs/vsepp" in train_line and train_line.endswith("--resume")
     monkeypatch.setattr(bench, "DRY_RUN", False)
+    monkeypatch.setattr(bench, "ensure_features", lambda data, profile=None: None)  # (no extraction in a test)
     with pytest.raises(bench.MissingCheckpoint, match="scan_i2t_lse/best"):
         bench.run_row("scan_i2t_lse", 0, profile=gpu)
 
@@ -271,10 +272,13 @@ def test_rows_side_by_side_extract_their_shared_features_once_on_a_gpu_in_batche
         extractions.append(cmd)
         time.sleep(0.3)  # long enough for the second row to arrive meanwhile
         for split in ("train", "dev", "test"):
-            (tmp_path / bench.DATA_MS / f"{split}_ims_c3.npy").parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / bench.DATA_MS / f"{split}_ims_c3.npy").touch()
+            (root / bench.DATA_MS / f"{split}_ims_c3.npy").parent.mkdir(parents=True, exist_ok=True)
+            (root / bench.DATA_MS / f"{split}_ims_c3.npy").touch()
 
-    monkeypatch.setattr(bench, "ROOT", tmp_path)
+    root = tmp_path / "itmatch"  # (the photos and captions, ../shared/data/flickr8k, beside it)
+    (root / bench.IMAGES).mkdir(parents=True)
+    (root / bench.CAPTIONS).write_text("")
+    monkeypatch.setattr(bench, "ROOT", root)
     monkeypatch.setattr(bench, "run", extract)
     rows = [threading.Thread(target=bench.ensure_features, args=(bench.DATA_MS, bench.GPU)) for _ in range(2)]
     for row in rows:
@@ -283,6 +287,80 @@ def test_rows_side_by_side_extract_their_shared_features_once_on_a_gpu_in_batche
         row.join(10)
     assert len(extractions) == 1
     assert extractions[0][-4:] == ["--scales", "c3,c4,c5", "--batch-size", "128"]
+
+
+def test_a_cpu_row_records_the_threads_it_ran_with_in_its_command(bench, tmp_path, monkeypatch, capsys):
+    """The thread count changes a CPU row's numbers (float summation order), so the recorded command carries it as
+    its device column does: the count given, or for --threads 0 (all cores) the count that meant here; a GPU row's
+    command has none. The CPU schedule's rows (written by `itmatch evaluate --command`) likewise on a CPU."""
+    import dataclasses
+
+    cpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"),
+                              history=str(tmp_path / "history.csv"), on_cpu=True)
+    _fake_run(bench, cpu, "vsepp", epochs_done=30, with_best=True)
+    result = {"image_to_text": {"r1": 1.0, "r5": 2.0, "r10": 3.0}, "text_to_image": {"r1": 1.0, "r5": 2.0, "r10": 3.0},
+              "rsum": 12.0, "protocol": "1k", "eval_seconds": 1.0}
+
+    def evaluate(cmd, ranks=1):  # what `itmatch evaluate --json` leaves
+        (tmp_path / "runs" / "vsepp.test.json").write_text(json.dumps(result))
+
+    printing = bench.run
+    monkeypatch.setattr(bench, "run", evaluate)
+    monkeypatch.setattr(bench, "ensure_features", lambda data, profile=None: None)
+    from itmatch.engine.results import read_rows
+
+    for threads, n in ((3, 3), (0, torch.get_num_threads())):
+        bench.run_row("vsepp", threads, profile=cpu)
+        row = next(r for r in read_rows(tmp_path / "gpu.csv") if r["name"] == "vsepp")
+        assert row["command"] == f"python bench/flickr8k.py --config gpu --device cpu --row vsepp --threads {n}"
+        assert row["device"].endswith(f", {n} thread{'s' if n != 1 else ''}")
+        assert bench.parse_arguments(row["command"].split()[2:])[0].threads == n  # (as the bench takes it)
+    assert bench.row_command("vsepp", bench.GPU, 0) == "python bench/flickr8k.py --config gpu --row vsepp"
+    monkeypatch.setattr(bench, "run", printing)
+    monkeypatch.setattr(bench, "DRY_RUN", True)
+    for cuda, command in ((False, "python bench/flickr8k.py --row vsepp --threads 2"),
+                          (True, "python bench/flickr8k.py --row vsepp")):  # (the CPU schedule runs on 'auto')
+        monkeypatch.setattr(torch.cuda, "is_available", lambda cuda=cuda: cuda)
+        bench.run_row("vsepp", 2, profile=dataclasses.replace(bench.CPU, runs=str(tmp_path / "cpu_runs")))
+        line = next(line for line in capsys.readouterr().out.splitlines() if " evaluate " in line)
+        assert f"--command {command} --force" in line
+
+
+def test_missing_lite0_features_are_extracted_as_the_readme_does_or_named_with_their_command(bench, tmp_path,
+                                                                                            monkeypatch):
+    """A fresh machine: the Lite0 grid every Lite0 row reads is extracted like the Lite2 and multi-scale ones (the
+    README's command; on a GPU in batches of 128), once, not when complete; without the photos the error names
+    what is missing and the command that makes the features."""
+    import dataclasses
+
+    extractions = []
+
+    def extract(cmd, ranks=1):
+        extractions.append(cmd)
+        for split in ("train", "dev", "test"):
+            (root / bench.DATA / f"{split}_ims.npy").parent.mkdir(parents=True, exist_ok=True)
+            (root / bench.DATA / f"{split}_ims.npy").touch()
+
+    root = tmp_path / "itmatch"
+    monkeypatch.setattr(bench, "ROOT", root)
+    monkeypatch.setattr(bench, "run", extract)
+    with pytest.raises(bench.MissingFeatures) as missing:
+        bench.ensure_features(bench.DATA, bench.CPU)
+    message = str(missing.value)
+    assert "runs/data/flickr8k_lite0 lacks train_ims.npy, dev_ims.npy, test_ims.npy" in message
+    assert "../shared/data/flickr8k/images and ../shared/data/flickr8k/Flickr8k.token.txt" in message
+    assert ("itmatch extract ../shared/data/flickr8k/images ../shared/data/flickr8k/Flickr8k.token.txt "
+            "--out runs/data/flickr8k_lite0") in message
+    assert extractions == []
+    (root / bench.IMAGES).mkdir(parents=True)
+    (root / bench.CAPTIONS).write_text("")
+    bench.ensure_features(bench.DATA, bench.GPU)
+    bench.ensure_features(bench.DATA, bench.GPU)  # complete now: not again
+    assert extractions == [["itmatch", "extract", bench.IMAGES, bench.CAPTIONS, "--out", bench.DATA,
+                            "--batch-size", "128"]]
+    (root / bench.DATA / "dev_ims.npy").unlink()  # (a folder with some splits only: the rest is extracted)
+    bench.ensure_features(bench.DATA, dataclasses.replace(bench.GPU, on_cpu=True))
+    assert extractions[-1] == ["itmatch", "extract", bench.IMAGES, bench.CAPTIONS, "--out", bench.DATA]
 
 
 def test_the_recall_figure_evaluates_again_only_rows_without_a_curve(bench, tmp_path, monkeypatch, capsys):
@@ -327,4 +405,5 @@ def test_a_study_across_sessions_shows_where_each_training_stands(bench, tmp_pat
     monkeypatch.setattr(bench, "run", lambda cmd, ranks=1: commands.append(cmd))
     commands = []
     bench.run_perturb("vsepp", 1, gpu, jobs=2)
-    assert commands[0][commands[0].index("--original") + 1] == f"{tmp_path}/runs/vsepp"
+    study = next(cmd for cmd in commands if cmd[1:3] == ["analyze", "perturb"])  # (after an extraction if no Lite0)
+    assert study[study.index("--original") + 1] == f"{tmp_path}/runs/vsepp"
