@@ -67,6 +67,17 @@ def test_users_of_the_core_do_not_import_the_evaluator(module):
     assert "itmatch.engine.evaluate" not in reachable(module)
 
 
+def test_import_itmatch_leaves_nltk_until_a_caption_is_tokenized():
+    """nltk's package import took 2.3 s of `import itmatch`'s 5 (a user trial); only tokenizing needs it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, itmatch; a = 'nltk' in sys.modules; from itmatch.data.vocab import tokenize; "
+            "print(a, tokenize('A dog.'), 'nltk' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "['a',", "'dog',", "'.']", "True"]
+
+
 def test_evaluator_still_exports_the_core_it_used_to_define():
     from itmatch import inference
     from itmatch.engine import evaluate

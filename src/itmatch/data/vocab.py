@@ -6,28 +6,36 @@ silently. Tokenization and unknown words: docs/data.md, 'Tokenization'; docs/sea
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-
-from nltk.tokenize import NLTKWordTokenizer
+from typing import TYPE_CHECKING
 
 from itmatch.config import MIN_WORD_COUNT
 from itmatch.errors import ConfigError, DataError
 from itmatch.io import write_json_atomic
 
+if TYPE_CHECKING:
+    from nltk.tokenize import NLTKWordTokenizer
+
 PAD, START, END, UNK = "<pad>", "<start>", "<end>", "<unk>"
 SPECIALS = (PAD, START, END, UNK)  # ids 0, 1, 2, 3 as in SCAN
 
-_tokenizer = NLTKWordTokenizer()
+@functools.cache
+def _word_tokenizer() -> NLTKWordTokenizer:
+    # (imported at the first caption: the nltk package takes seconds to import, most of `import itmatch`'s time)
+    from nltk.tokenize import NLTKWordTokenizer
+
+    return NLTKWordTokenizer()
 
 
 def tokenize(caption: str) -> list[str]:
     """Lower-case Treebank tokens of one caption."""
-    return _tokenizer.tokenize(caption.lower())
+    return _word_tokenizer().tokenize(caption.lower())
 
 
 def is_word(token: str) -> bool:
