@@ -28,13 +28,13 @@ from itmatch.errors import CheckpointError, ConfigError, DataError
 from itmatch.io import file_sha256, fsync_dir, fsync_file
 from itmatch.models.base import Matcher
 from itmatch.models.registry import build_model
-from itmatch.pretrained import CARD
 
 WEIGHTS, CONFIG, VOCAB, OPTIMIZER, TRAINER, STATE, MANIFEST = (
     "model.safetensors", "config.json", "vocab.json", "optimizer.pt", "trainer.pt", "state.json", "manifest.json")
 # 1: binary files only, relative data paths from the working directory of the run; 2: every file, relative
 # data paths from the checkpoint directory
 MANIFEST_VERSION = 2
+CARD = "card.json"  # a shipped model's card (itmatch.pretrained): its results row and the command that trained it
 DATA_PATH_KEYS = ("path", "images")  # data.* keys that name directories, stored relative to the checkpoint
 TRUST_HINT = ("if you changed it on purpose, pass --trust-modified (Python: trust_modified=True); to continue a "
               "run with other training settings use `itmatch train --out RUN --resume --set train.epochs=N` "
