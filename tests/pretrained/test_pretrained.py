@@ -235,3 +235,25 @@ def test_index_photos_with_a_pretrained_model_by_name(shelf, tmp_path):
                          "--quiet"]) == 0
     assert (tmp_path / "index").is_dir()
     assert load_checkpoint(shelf / "tiny-vsepp").config.name == "tiny-vsepp"
+
+
+def test_a_folder_with_a_shipped_models_name_that_is_not_a_checkpoint_names_the_clash(shelf, tmp_path, monkeypatch):
+    """A path that exists is taken as a path first (a checkpoint folder of that name is loaded); one that is not a
+    checkpoint hid the shipped model behind "not a checkpoint: model.safetensors is missing": the error says that a
+    shipped model has the name and how to reach either."""
+    (shelf / "tiny-vsepp").mkdir()
+    (shelf / "tiny-vsepp" / pretrained.CARD).write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    assert pretrained.resolve_checkpoint("tiny-vsepp") == shelf / "tiny-vsepp"  # (no folder of that name here)
+    (tmp_path / "tiny-vsepp").mkdir()  # e.g. the photos, or notes about the model
+    for given in ("tiny-vsepp", Path("tiny-vsepp")):
+        with pytest.raises(CheckpointError, match="a shipped model is named 'tiny-vsepp' too") as err:
+            itmatch.load(given)
+        assert "a folder without model.safetensors, config.json, vocab.json" in err.value.message
+        assert "rename or move tiny-vsepp" in err.value.hint and str(shelf / "tiny-vsepp") in err.value.hint
+    (tmp_path / "other").mkdir()  # no shipped model of that name: the loader's own error, as before
+    with pytest.raises(CheckpointError, match="not a checkpoint: model.safetensors is missing"):
+        itmatch.load("other")
+    for name in ("model.safetensors", "config.json", "vocab.json"):  # a checkpoint folder of that name wins
+        (tmp_path / "tiny-vsepp" / name).write_text("{}")
+    assert pretrained.resolve_checkpoint("tiny-vsepp") == Path("tiny-vsepp")

@@ -57,9 +57,25 @@ def shipped(root: Path | None = None) -> dict[str, Pretrained]:
 
 
 def resolve_checkpoint(name_or_path: str | Path, root: Path | None = None) -> Path:
-    """A checkpoint directory: `name_or_path` itself when it exists, else the shipped model of that name."""
+    """A checkpoint directory: `name_or_path` itself when it exists, else the shipped model of that name.
+
+    A path that exists is taken as a path first, even when a shipped model has its name; when that path is not a
+    checkpoint directory (a folder of the same name in the working folder, say), CheckpointError names the clash
+    rather than saying only that the folder is not a checkpoint."""
+    from itmatch.engine.checkpoint import CONFIG, VOCAB, WEIGHTS
+
     path = Path(name_or_path)
     if path.exists():
+        missing = [name for name in (WEIGHTS, CONFIG, VOCAB) if not (path / name).is_file()]
+        if missing and str(name_or_path) in (models := shipped(root)):
+            what = (f"a folder without {', '.join(missing)}" if path.is_dir() else "a file")
+            raise CheckpointError(
+                f"not a checkpoint: {path} is {what}, and a path that exists is taken before a shipped model's "
+                f"name; a shipped model is named {str(name_or_path)!r} too",
+                path=path.absolute(),
+                hint=f"to load the shipped model, rename or move {path} (or work from another folder), or pass "
+                     f"its folder {models[str(name_or_path)].path}; to load {path}, make it a checkpoint "
+                     f"directory (written by `itmatch train`, e.g. RUN/best)")
         return path
     models = shipped(root)
     if str(name_or_path) in models:

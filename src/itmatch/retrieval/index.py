@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import numbers
 import os
 import secrets
 import time
@@ -80,7 +81,8 @@ def missing_manifest_hint(folder: Path) -> str:
         if any(f.suffix.lower() in IMAGE_SUFFIXES for f in folder.iterdir()):
             return (f"this is a photo folder: index it first (itmatch index {folder} --model "
                     f"mmca_alpha0_lite2-flickr8k --out INDEX), then search INDEX")
-    return "give the --out folder of `itmatch index PHOTOS --model MODEL --out INDEX`"
+    return ("give the --out folder of `itmatch index PHOTOS --model MODEL --out INDEX` (from Python: the out_dir "
+            "given to build_index)")
 
 
 def index_command(index_dir: Path | str, manifest: dict | None = None) -> str:
@@ -342,12 +344,16 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                 batch_size: int = 8, chunk: int = 64, progress: bool = True,
                 on_chunk: Callable[[int, int], None] | None = None, device: str | torch.device = "cpu",
                 precision: str = "fp32", trust_modified: bool = False) -> dict[str, Any]:
-    """Index (or update the index of) every image under `images_dir` with the model of `checkpoint`, the
-    backbone and the model on `device` (in `precision`; photos are decoded on the host; what is stored is
-    float32 on the host, whatever the device).
+    """Index (or update the index of) every image under `images_dir` with the model of `checkpoint` (a checkpoint
+    directory, or a shipped model's name: `itmatch models --pretrained`), the backbone and the model on `device`
+    (in `precision`; photos are decoded on the host; what is stored is float32 on the host, whatever the device).
+    The arguments, the checkpoint's name and the photo folder are checked before anything is locked or read
+    (ConfigError, CheckpointError, DataError).
 
     Returns a summary: counts of images total / encoded / reused, the ids added / changed / removed and the
-    (old, new) ids renamed or moved since the last run, skipped unreadable files, seconds. An index built with
+    (old, new) ids renamed or moved since the last run, skipped unreadable files, seconds. A skipped file is
+    also logged as a warning on the "itmatch.retrieval" logger (`progress` is the progress bars only: configure
+    or silence that logger to change where the warning goes). An index built with
     another model is replaced only with `force` (its backbone features are reused when the backbone is the
     same). `on_chunk(done, total)` is called after each saved chunk (it may raise to stop the run, which then
     resumes from the saved chunks).
@@ -361,13 +367,36 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     `rehash` (then every photo is hashed).
     """
     from itmatch import distributed as dist
+    from itmatch.device import resolve
+    from itmatch.pretrained import resolve_checkpoint
 
+    # the arguments first, before the lock, the model or any photo: a bad one leaves nothing behind
+    # (no lock file, no folder) and is said before minutes of hashing
+    _check_build_arguments(batch_size=batch_size, chunk=chunk, on_chunk=on_chunk)
+    resolve(device, precision, device_setting="device=", precision_setting="precision=")
+    checkpoint = resolve_checkpoint(checkpoint)  # (a path, or a shipped model's name: its folder)
+    images_dir = Path(images_dir).resolve()
+    if not images_dir.is_dir():
+        raise DataError("images folder not found", path=images_dir, hint="pass the folder that holds your photos")
     dist.init_from_env("gloo")
     out_dir = Path(out_dir)
     with index_lock(out_dir) if dist.is_main() else contextlib.nullcontext():
-        return _build_index(Path(images_dir), checkpoint, out_dir, force=force, rehash=rehash, batch_size=batch_size,
+        return _build_index(images_dir, checkpoint, out_dir, force=force, rehash=rehash, batch_size=batch_size,
                             chunk=chunk, progress=progress, on_chunk=on_chunk, device=device, precision=precision,
                             trust_modified=trust_modified)
+
+
+def _check_build_arguments(*, batch_size: int, chunk: int, on_chunk: Callable[[int, int], None] | None) -> None:
+    """ConfigError naming the build_index argument whose value cannot work (and the CLI option it comes from)."""
+    for name, option, value in (("batch_size", "--batch-size", batch_size), ("chunk", None, chunk)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            given = f"{option} N, " if option else ""
+            raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}",
+                              hint=f"pass {name}=N ({given}N >= 1; the default is "
+                                   f"{build_index.__kwdefaults__[name]})")
+    if on_chunk is not None and not callable(on_chunk):
+        raise ConfigError(f"on_chunk must be a function on_chunk(done, total) or None, got {type(on_chunk).__name__}",
+                          hint="pass a callable, or leave on_chunk out")
 
 
 @contextlib.contextmanager
@@ -399,8 +428,6 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
     progress = progress and dist.is_main()
     started = time.perf_counter()
     images_dir, out_dir = Path(images_dir).resolve(), Path(out_dir)
-    if not images_dir.is_dir():
-        raise DataError("images folder not found", path=images_dir, hint="pass the folder that holds your photos")
     matcher = load(checkpoint, device=device, precision=precision, trust_modified=trust_modified)
     model, backbone_name, on = matcher.model, matcher.backbone_name, matcher.device
     identity = model_identity(checkpoint, backbone_name)

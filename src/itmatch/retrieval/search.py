@@ -8,6 +8,7 @@ status), and unknown words are reported, never dropped silently: docs/search.md,
 
 from __future__ import annotations
 
+import numbers
 import re
 import threading
 import warnings
@@ -64,10 +65,16 @@ def _undecoded_bytes(text: str) -> bool:
     return any(c == "\ufffd" or "\ud800" <= c <= "\udfff" for c in text)
 
 
-def check_k(k: int) -> int:
-    if not 1 <= k <= MAX_K:
-        raise QueryError(f"k must be between 1 and {MAX_K}, got {k}")
-    return k
+def check_k(k: int, limit: int | None = MAX_K) -> int:
+    """The number of results asked for: an integer >= 1, and at most `limit` unless it is None (MAX_K, the
+    limit of the CLI and the HTTP API, whose POST /api/search leaves this check to the Searcher)."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise QueryError(f"k must be a whole number >= 1, got {k!r:.40}", hint="ask for one result or more")
+    if limit is not None and k > limit:
+        raise QueryError(f"k must be between 1 and {limit}, got {k}",
+                         hint=f"ask for at most {limit} results (the search API's limit; from Python, "
+                              f"Searcher(..., max_k=None) lifts it)")
+    return int(k)
 
 
 def open_upload(data: bytes, max_bytes: int = MAX_UPLOAD_BYTES, max_pixels: int = MAX_PIXELS) -> Image.Image:
@@ -126,13 +133,24 @@ class Hit:
 
 
 class Searcher:
-    """A loaded index with the model that built it (checked), ready to answer queries."""
+    """A loaded index with the model that built it (checked), ready to answer queries.
+
+    A Searcher is a snapshot of the index as it was when it was made: its encodings are read into memory once, so
+    that photos that `build_index` adds, changes or removes later are not seen (a removed photo is still ranked,
+    and `image_path` raises QueryError 404 for its file). To search the updated index, make a new Searcher;
+    `itmatch serve` serves one Searcher for its lifetime, from concurrent requests, and is restarted to serve an
+    update (a reload in place could hand a request the ids of one generation and the scores of another)."""
 
     def __init__(self, index_dir: Path | str, checkpoint: Path | str | None = None, *,
                  images_dir: Path | str | None = None, captions: Sequence[str] | None = None,
                  verify: bool = True, shortlist: int = 0, shortlist_index: str = "flat",
-                 device: str | torch.device = "cpu", precision: str = "fp32", trust_modified: bool = False) -> None:
-        """`shortlist` N > 0: text queries score only the first stage's top N images (FAISS `shortlist_index`,
+                 device: str | torch.device = "cpu", precision: str = "fp32", trust_modified: bool = False,
+                 max_k: int | None = MAX_K) -> None:
+        """`checkpoint`: a checkpoint directory or a shipped model's name (default: the one the index records).
+        `captions`: the caption collection of `search_image`.
+        `max_k`: the most results one query may ask for, MAX_K (100) by default, the limit of the CLI and the HTTP
+        API (the service relies on this check); None: no limit (a query returns at most the index's images).
+        `shortlist` N > 0: text queries score only the first stage's top N images (FAISS `shortlist_index`,
         flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive.
         The model and the index's embeddings are kept on `device` (a GPU for a service: one copy, loaded
         once), run in `precision`; scores come back to the host. `trust_modified` loads a checkpoint whose
@@ -141,6 +159,12 @@ class Searcher:
         from itmatch.retrieval.index import load_index, model_identity
         from itmatch.retrieval.matcher import load
 
+        # (the settings first, before the index and the model are read)
+        if shortlist < 0:
+            raise ConfigError(f"shortlist must be >= 0 (0 = score every image), got {shortlist}")
+        if max_k is not None and (isinstance(max_k, bool) or not isinstance(max_k, numbers.Integral) or max_k < 1):
+            raise ConfigError(f"max_k must be a whole number >= 1 or None (no limit), got {max_k!r}",
+                              hint=f"leave it out for the search API's limit, {MAX_K}")
         self.index = load_index(index_dir, verify=verify)
         from itmatch.pretrained import resolve_checkpoint  # (a path, or a pretrained model's name)
 
@@ -157,10 +181,8 @@ class Searcher:
         self.position = {i: n for n, i in enumerate(self.ids)}
         with torch.inference_mode():
             self.images: ImageEmb = self.model.head.prepare_images(self.index.image_emb().to(self.matcher.device))
-        self.shortlist = shortlist
+        self.shortlist, self.max_k = shortlist, None if max_k is None else int(max_k)
         self.first_stage: FirstStageIndex | None = None
-        if shortlist < 0:
-            raise ConfigError(f"shortlist must be >= 0 (0 = score every image), got {shortlist}")
         if shortlist:
             if self.images.vector is None:
                 raise ConfigError(f"the {self.index.manifest['model']['arch']} model has no global embedding for a "
@@ -214,8 +236,9 @@ class Searcher:
         return [int(r) for r in rows[0] if r >= 0]  # IVF: -1 where the probed cells hold fewer
 
     def search(self, query: str, k: int = 10) -> list[Hit]:
-        """Text -> the k best images of the index, best first."""
-        check_k(k)
+        """Text -> the k best images of the index, best first (fewer when the index, or the shortlist, holds fewer).
+        `k` is at most the Searcher's `max_k` (100 unless it was made with another; QueryError beyond)."""
+        k = check_k(k, self.max_k)
         with self._lock:
             txt = self.encode_query(query)
             rows = torch.tensor(self.candidates(txt), dtype=torch.long, device=self.matcher.device)
@@ -231,11 +254,12 @@ class Searcher:
 
     def search_image(self, image: Image.Image | Path | str, k: int = 10) -> list[dict[str, Any]]:
         """Image -> the k best captions of the caption collection, best first, each with the words of it
-        the model does not know. Captions without any known word are never ranked."""
-        check_k(k)
+        the model does not know. Captions without any known word are never ranked. `k` as for `search`."""
+        k = check_k(k, self.max_k)
         if not self.captions:
             raise QueryError("no caption collection loaded for image-to-text search", status=409,
-                             hint="pass --captions FILE (one caption a line)")
+                             hint="load one: Searcher(..., captions=[...]) from Python, --captions FILE (one "
+                                  "caption a line) for `itmatch search` and `itmatch serve`")
         rankable = int(self._rankable.sum())
         if rankable == 0:
             raise QueryError(f"none of the {len(self.captions)} captions has a word in the model's vocabulary",

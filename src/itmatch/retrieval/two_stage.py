@@ -58,7 +58,8 @@ def two_stage_scores(model: Matcher, img: ImageEmb, txt: TextEmb, k: int, img_ve
         raise ConfigError(f"first-stage vectors ({len(img_vectors)} images, {len(txt_vectors)} captions) do "
                           f"not match the embeddings ({n} images, {m} captions)")
     if k < 1:
-        raise ConfigError(f"--rerank K must be >= 1, got {k}")
+        raise ConfigError(f"k (--rerank K) must be >= 1, got {k}",
+                          hint="pass k >= 1, the first-stage candidates re-scored per query (e.g. 100)")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     caption_index = FirstStageIndex(index).build(txt_vectors)

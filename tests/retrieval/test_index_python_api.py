@@ -1,0 +1,156 @@
+"""The photo index and search from Python (build_index, Searcher), as a new user meets them: a shipped model's
+name, arguments checked before any work (nothing left behind), k up to the index's size when asked for, messages
+that name the Python argument as well as the CLI option, a Searcher as a snapshot, skipped photos logged."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import itmatch.pretrained as pretrained
+from itmatch.errors import CheckpointError, ConfigError, DataError
+from itmatch.retrieval.index import MANIFEST, build_index
+from itmatch.retrieval.search import QueryError, Searcher
+
+
+@pytest.fixture()
+def few_photos(tiny_search_setup, tmp_path):
+    """Three of the fixture's photos (an index of them is built in a second)."""
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for p in sorted(tiny_search_setup["photos"].iterdir())[:3]:
+        shutil.copy(p, folder / p.name)
+    return folder
+
+
+@pytest.fixture()
+def few_index(tiny_search_setup, few_photos, tmp_path):
+    out = tmp_path / "index"
+    build_index(few_photos, tiny_search_setup["checkpoint"], out, progress=False)
+    return out
+
+
+def _no_trace_of(out):
+    """Nothing of a refused run: no lock file beside the output, no output folder."""
+    return not out.exists() and not (out.parent / f".{out.name}.lock").exists()
+
+
+def test_build_index_takes_a_shipped_models_name(tiny_search_setup, few_photos, tmp_path, monkeypatch):
+    """load(), Searcher and `itmatch index --model NAME` take a shipped model's name; so does build_index (it read
+    NAME/config.json in the working folder after the model had loaded)."""
+    shelf = tmp_path / "shelf"
+    shutil.copytree(tiny_search_setup["checkpoint"], shelf / "tiny-scan")
+    (shelf / "tiny-scan" / pretrained.CARD).write_text(json.dumps({"name": "tiny-scan"}))
+    monkeypatch.setattr(pretrained, "PRETRAINED_DIR", shelf)
+    monkeypatch.chdir(tmp_path)  # (no folder named tiny-scan here)
+    summary = build_index(few_photos, "tiny-scan", tmp_path / "index", progress=False)
+    assert summary["images"] == summary["encoded"] == 3
+    manifest = json.loads((tmp_path / "index" / MANIFEST).read_text())
+    assert manifest["model"]["checkpoint"] == str((shelf / "tiny-scan").resolve())
+    assert len(Searcher(tmp_path / "index", "tiny-scan").search("a red circle", k=3)) == 3
+
+
+@pytest.mark.parametrize(("arguments", "named"), [
+    ({"batch_size": 0}, "batch_size must be a whole number >= 1, got 0"),
+    ({"batch_size": -3}, "batch_size must be a whole number >= 1, got -3"),
+    ({"batch_size": 2.5}, "batch_size must be a whole number >= 1, got 2.5"),
+    ({"chunk": 0}, "chunk must be a whole number >= 1, got 0"),
+    ({"on_chunk": 3}, "on_chunk must be a function"),
+    ({"precision": "fp8"}, "precision= 'fp8' is not a precision"),
+    ({"device": "tpu"}, "device= 'tpu' is not a device"),
+])
+def test_a_bad_argument_is_refused_before_any_work(tiny_search_setup, few_photos, tmp_path, monkeypatch, caplog,
+                                                   arguments, named):
+    """batch_size=0 was a ValueError from range() after every photo had been hashed and the skip warnings
+    printed; now a ConfigError naming the argument, before the lock, the model or a photo is touched."""
+    import itmatch.retrieval.index as index_module
+
+    def no_hashing(*args, **kw):
+        raise AssertionError("photos were hashed before the arguments were checked")
+
+    monkeypatch.setattr(index_module, "_hash_files", no_hashing)
+    (few_photos / "broken.jpg").write_bytes(b"not a jpeg")
+    out = tmp_path / "new" / "idx2"
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError, match=named.replace("(", r"\(")) as err:
+        build_index(few_photos, tiny_search_setup["checkpoint"], out, progress=False, **arguments)
+    assert err.value.hint
+    if "batch_size" in arguments:
+        assert "batch_size=N (--batch-size N" in err.value.hint
+    assert _no_trace_of(out) and not (tmp_path / "new").exists() and not caplog.records
+
+
+def test_a_missing_photo_folder_or_model_leaves_no_lock_file(tiny_search_setup, tmp_path, monkeypatch):
+    """The error was right, but `.idx2.lock` (and the folders above it) stayed beside the intended output: the
+    inputs are checked before the lock is taken (a lock file is never removed: flock's file may be held by a
+    concurrent run)."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "new" / "idx2"
+    with pytest.raises(DataError, match="images folder not found"):
+        build_index(tmp_path / "no-photos", tiny_search_setup["checkpoint"], out, progress=False)
+    assert _no_trace_of(out) and not (tmp_path / "new").exists()
+    with pytest.raises(CheckpointError, match="no checkpoint directory and no pretrained model named 'no-model'"):
+        build_index(tiny_search_setup["photos"], "no-model", out, progress=False)
+    assert _no_trace_of(out) and not (tmp_path / "new").exists()
+
+
+def test_python_may_ask_for_more_results_than_the_http_limit(few_index):
+    """k above 100 (limits.MAX_K, the CLI's and the HTTP API's limit, which POST /api/search leaves to the
+    Searcher) is refused by default with a hint that says how to lift it; Searcher(max_k=None) answers any k with
+    up to the index's images."""
+    default = Searcher(few_index)
+    with pytest.raises(QueryError, match="k must be between 1 and 100, got 1000") as err:
+        default.search("a red circle", k=1000)
+    assert "max_k=None" in err.value.hint
+    unlimited = Searcher(few_index, max_k=None)
+    assert [h.rank for h in unlimited.search("a red circle", k=1000)] == [1, 2, 3]
+    assert len(Searcher(few_index, max_k=2).search("a red circle", k=2)) == 2
+    assert len(unlimited.search("a red circle", k=np.int64(2))) == 2
+    for bad in (0, -1, 2.0, True, "3"):
+        with pytest.raises(QueryError, match="k must be a whole number >= 1"):
+            unlimited.search("a red circle", k=bad)
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ConfigError, match="max_k must be a whole number >= 1 or None"):
+            Searcher(few_index, max_k=bad)
+
+
+def test_messages_name_the_python_argument_and_the_cli_option(few_index, tmp_path):
+    from itmatch.retrieval.two_stage import two_stage_scores
+
+    vectors = torch.zeros(2, 4)
+    with pytest.raises(ConfigError, match=r"k \(--rerank K\) must be >= 1, got 0"):
+        two_stage_scores(None, [0, 1], [0, 1], 0, vectors, vectors)
+    with pytest.raises(QueryError, match="no caption collection loaded") as err:
+        Searcher(few_index).search_image(tmp_path / "photos" / "test_00000.png")
+    assert "captions=" in err.value.hint and "--captions FILE" in err.value.hint
+    with pytest.raises(DataError, match="not an index: manifest.json is missing") as err:
+        Searcher(tmp_path / "nope")
+    assert "give the --out folder of `itmatch index" in err.value.hint and "build_index" in err.value.hint
+
+
+def test_a_searcher_is_a_snapshot_and_a_new_one_sees_the_update(tiny_search_setup, few_photos, few_index):
+    """An open Searcher keeps serving the index it read (the server serves one for its lifetime, from concurrent
+    requests: no reload in place); a new Searcher sees what build_index added."""
+    before = Searcher(few_index)
+    for p in sorted(tiny_search_setup["photos"].iterdir())[3:5]:
+        shutil.copy(p, few_photos / p.name)
+    assert build_index(few_photos, tiny_search_setup["checkpoint"], few_index, progress=False)["added"]
+    assert len(before.ids) == len(before.search("a red circle", k=10)) == 3
+    assert len(Searcher(few_index).search("a red circle", k=10)) == 5
+    assert "snapshot" in Searcher.__doc__
+
+
+def test_a_skipped_photo_is_a_log_record_not_a_print(tiny_search_setup, few_photos, tmp_path, capsys, caplog):
+    """With progress=False nothing is printed: the skipped file is in the summary and a warning of the
+    "itmatch.retrieval" logger (an application configures or silences it)."""
+    (few_photos / "broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    with caplog.at_level(logging.WARNING, logger="itmatch.retrieval"):
+        summary = build_index(few_photos, tiny_search_setup["checkpoint"], tmp_path / "index", progress=False)
+    assert [s["id"] for s in summary["skipped"]] == ["broken.jpg"]
+    assert [r.name for r in caplog.records if "skipping broken.jpg" in r.getMessage()] == ["itmatch.retrieval"]
+    printed = capsys.readouterr()
+    assert printed.out == "" and "broken.jpg" not in printed.err
