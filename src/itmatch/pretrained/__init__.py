@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from itmatch.engine.checkpoint import CARD
 from itmatch.errors import CheckpointError, ConfigError, OverwriteError
 
 #: where shipped models live (this package's folder)
 PRETRAINED_DIR = Path(__file__).resolve().parent
-CARD = "card.json"
 #: the most a shipped model may weigh, all its files together (the issue's 20 MB, decimal)
 MAX_BYTES = 20_000_000
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.+-]*$")
