@@ -7,9 +7,11 @@ above it (docs/architecture.md)."""
 
 from __future__ import annotations
 
+import functools
 import math
+import numbers
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,18 +19,72 @@ import numpy as np
 import torch
 from PIL import Image
 
-from itmatch.data.precomp import MultiScaleArray
+from itmatch.data.precomp import MultiScaleArray, assert_finite
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.errors import ConfigError, DataError, UnknownWordsWarning
+from itmatch.features.backbones import BACKBONE_NAMES, backbone_spec
 from itmatch.features.pipeline import decode_image, grid_features
-from itmatch.inference import encode_captions, encode_images, score_matrix
+from itmatch.inference import _require_items, encode_captions, encode_images, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.models.registry import arch, image_inputs, pixel_backbone
 from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two_stage_scores
 
 #: an image file's path, its bytes, or a decoded PIL image
 ImageInput = str | Path | bytes | Image.Image
+_ONE_IMAGE = (str, Path, bytes, Image.Image)
+#: how rank() reads its query: decided from the query ("auto"), or said by the caller
+QUERY_KINDS = ("auto", "text", "image")
+_PHOTOS_HINT = "or pass the photos themselves (paths, bytes or PIL images): the matcher computes what the model reads"
+
+
+@functools.cache
+def image_suffixes() -> frozenset[str]:
+    """The file endings (".jpg", ".webp", ...) of the formats the image pipeline can decode: those PIL, which
+    `decode_image` opens every image with, registers a reader for. rank() reads a str query with one of them
+    as an image path."""
+    return frozenset(ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
+
+
+def _positive_int(name: str, value: object, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}", hint=hint)
+    return int(value)
+
+
+def _text_list(texts: object) -> list[str]:
+    """Captions as a list of strings (one str is a list of one); a DataError for anything else, before any work."""
+    if isinstance(texts, str):
+        return [texts]
+    if texts is None or isinstance(texts, bytes | Path | Image.Image | ImageEmb) or not isinstance(texts, Iterable):
+        raise DataError(f"the texts must be a caption (str) or a list of captions, got {type(texts).__name__}",
+                        hint="pass captions as strings, e.g. [\"a dog runs\"]")
+    items = list(texts)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise DataError(f"text {i} is a {type(item).__name__} ({item!r:.40}), not a string",
+                            hint="pass captions as strings")
+    _require_items(len(items), "captions")
+    return items
+
+
+def _image_list(images: object) -> list[ImageInput]:
+    """Images as a list of paths, bytes or PIL images (one of them is a list of one); a DataError for anything
+    else or for none, before any is decoded."""
+    if isinstance(images, _ONE_IMAGE):
+        return [images]
+    if images is None or isinstance(images, TextEmb) or not isinstance(images, Iterable):
+        raise DataError(f"the images must be an image or a list of images, got {type(images).__name__}",
+                        hint="pass paths (str or pathlib.Path), bytes or PIL images, or one array of "
+                             "precomputed features")
+    items = list(images)
+    for i, item in enumerate(items):
+        if not isinstance(item, _ONE_IMAGE):
+            raise DataError(f"image {i} is a {type(item).__name__}, not an image file's path, its bytes or a "
+                            "PIL image", hint="pass paths (str or pathlib.Path), bytes or PIL images; precomputed "
+                                              "features go in as one array [N, ...], not a list of arrays")
+    _require_items(len(items), "images")
+    return items
 
 
 @dataclass
@@ -55,7 +111,19 @@ class ImageTextMatcher:
         mc = checkpoint.config.model
         # a pixel model preprocesses for its own CNN; a cached-feature model for the CNN its data came from
         cached = checkpoint.config.data.backbone or (arch(mc).backbone(mc) if image_inputs(mc) else "")
-        self.backbone_name = backbone or pixel_backbone(mc) or cached or "lite0"
+        trained = pixel_backbone(mc) or cached
+        #: the CNN the model was trained on (its own, or the one that extracted its features), "" if unknown
+        self.trained_backbone = trained if trained in BACKBONE_NAMES else ""
+        if backbone:
+            backbone_spec(backbone)  # (an unknown name: ConfigError listing the known ones)
+            if self.trained_backbone and backbone != self.trained_backbone:
+                raise ConfigError(
+                    f"backbone={backbone!r}, but the model was trained on {self.trained_backbone} features: "
+                    f"photos read through {backbone} would give features it was not trained on (scored without an "
+                    "error when their size matches)",
+                    path=checkpoint.path, hint=f"leave backbone unset (the model reads photos through "
+                                               f"{self.trained_backbone}), or train a model on {backbone} features")
+        self.backbone_name = backbone or trained or "lite0"
         self._backbone = None
 
     @property
@@ -84,12 +152,15 @@ class ImageTextMatcher:
                                    "train on features from `itmatch extract`")
 
     @torch.inference_mode()
-    def image_features(self, images: Sequence[ImageInput], batch_size: int = 8
+    def image_features(self, images: ImageInput | Sequence[ImageInput], batch_size: int = 8
                        ) -> torch.Tensor | MultiScaleArray:
-        """What the model reads for image files (paths or their bytes) or PIL images, as `itmatch extract`
-        computes it (features/pipeline.py): region features [N, k, D]; for a multi-scale model (SAVE) its
-        cached stage maps; for a pixel model the preprocessed pixels [N, 3, S, S]. An unreadable file raises
-        DataError naming it."""
+        """What the model reads for image files (paths or their bytes) or PIL images (one of them alone is a list
+        of one), as `itmatch extract` computes it (features/pipeline.py): region features [N, k, D]; for a
+        multi-scale model (SAVE) its cached stage maps; for a pixel model the preprocessed pixels [N, 3, S, S].
+        An empty list, an item of another type or a `batch_size` below 1 raises before any image is read; an
+        unreadable file raises DataError naming it."""
+        batch_size = _positive_int("batch_size", batch_size, "pass batch_size >= 1 (images per backbone pass)")
+        images = _image_list(images)
         inputs = image_inputs(self.checkpoint.config.model)
         parts = []
         for start in range(0, len(images), batch_size):
@@ -105,45 +176,98 @@ class ImageTextMatcher:
             return MultiScaleArray({s: torch.cat([p[s] for p in parts]).numpy() for s in inputs})
         return torch.cat(parts)
 
-    def encode_images(self, images: Sequence[ImageInput] | torch.Tensor | np.ndarray) -> ImageEmb:
-        """Paths or PIL images (run through the backbone), or precomputed [N, k, D] features."""
+    def expected_input(self) -> tuple[str, tuple[int | None, ...]]:
+        """What the model reads for N images given precomputed: a description and the shape after N (None where
+        the model does not fix the size), e.g. ("region features", (49, 1280)) for a model of Lite0 features,
+        ("preprocessed pixels", (3, 260, 260)) for one that reads pixels through Lite2; a multi-scale model (SAVE
+        on cached stage maps) reads several arrays, not one: ("stage maps c4, c5", ())."""
+        mc = self.checkpoint.config.model
+        inputs = image_inputs(mc)
+        if inputs == ("pixels",):
+            size = backbone_spec(self.backbone_name).image_size
+            return "preprocessed pixels", (3, size, size)
+        if inputs:
+            return f"stage maps {', '.join(inputs)}", ()
+        cells = backbone_spec(self.trained_backbone).grid ** 2 if self.trained_backbone else None
+        return "region features", (cells, mc.img_dim or None)
+
+    def _check_features(self, feats: np.ndarray) -> None:
+        """A precomputed array against what the model reads (expected_input), then NaN/inf: a DataError naming
+        the expected shape, or the first non-finite image (as read_precomp names a dataset's)."""
+        what, after = self.expected_input()
+        shape = list(feats.shape)
+        if not after:
+            raise DataError(f"the model reads {what} (several arrays), not one array; got an array of shape "
+                            f"{shape}", hint="pass the photos themselves (paths, bytes or PIL images)")
+        wanted = ", ".join(["N", *(str(d) if d is not None else "k" if i == 0 else "D" for i, d in enumerate(after))])
+        if feats.ndim != 1 + len(after) or any(d is not None and d != g for d, g in zip(after, shape[1:], strict=True)):
+            detail = (f": {after[0]} cells of the {self.trained_backbone} grid, {after[1]} channels each"
+                      if after[0] and what == "region features" else "")
+            raise DataError(f"expected {what} [{wanted}]{detail}; got an array of shape {shape}",
+                            hint="pass the features of the extractor the model was trained on (e.g. what "
+                                 "image_features() returns), " + _PHOTOS_HINT)
+        _require_items(shape[0], "images")
+        assert_finite(feats, Path("<precomputed features>"))
+
+    def encode_images(self, images: ImageInput | Sequence[ImageInput] | torch.Tensor | np.ndarray) -> ImageEmb:
+        """Embeddings of images, kept on the matcher's device. `images` is one image or a list of them: paths
+        (str or pathlib.Path), the files' bytes or PIL images, run through the backbone (`image_features`); or
+        what the model reads, precomputed for N images, as one numpy array or tensor: region features
+        [N, k, D] (pixels [N, 3, S, S] for a model that reads pixels; `expected_input` gives the shape). An array
+        of another shape, one with NaN/inf, or no images at all raise DataError before anything is encoded."""
         if isinstance(images, torch.Tensor):
             images = images.detach().cpu().numpy()
         if isinstance(images, np.ndarray):
+            if not (np.issubdtype(images.dtype, np.integer) or np.issubdtype(images.dtype, np.floating)):
+                raise DataError(f"precomputed features must be real numbers, got an array of {images.dtype}",
+                                hint="pass a float array, " + _PHOTOS_HINT)
+            feats = np.asarray(images, dtype=np.float32)
+            self._check_features(feats)
             with self.placement.arithmetic():
-                return encode_images(self.model, np.asarray(images, dtype=np.float32))
-        feats = self.image_features(list(images))
+                return encode_images(self.model, feats)
+        feats = self.image_features(images)
         with self.placement.arithmetic():
             return encode_images(self.model, feats if isinstance(feats, MultiScaleArray) else feats.numpy())
 
-    def encode_texts(self, texts: Sequence[str]) -> TextEmb:
-        if isinstance(texts, str):
-            texts = [texts]
+    def encode_texts(self, texts: str | Sequence[str]) -> TextEmb:
+        """Embeddings of captions (one str is a list of one), kept on the matcher's device. Every caption is
+        encoded as the model reads it: words the vocabulary does not know become <unk> (`unknown_words` lists
+        them), an empty caption is just <start> <end>; neither warns. An item that is not a str, or no caption
+        at all, raises DataError."""
+        texts = _text_list(texts)
         with self.placement.arithmetic():
-            return encode_captions(self.model, list(texts), self.vocab)
+            return encode_captions(self.model, texts, self.vocab)
 
-    def score(self, images: ImageEmb | Sequence[ImageInput] | torch.Tensor,
-              texts: TextEmb | Sequence[str]) -> torch.Tensor:
-        """Scores [n_images, n_texts] (embeddings from encode_* or raw inputs)."""
+    def score(self, images: ImageEmb | ImageInput | Sequence[ImageInput] | torch.Tensor | np.ndarray,
+              texts: TextEmb | str | Sequence[str]) -> torch.Tensor:
+        """Scores [n_images, n_texts] on the host, of embeddings from encode_* or raw inputs (what encode_images
+        and encode_texts take). Every caption gets a score, also an empty one or one none of whose words the
+        model knows (read as <unk>: such a score means little); unlike rank(), which refuses such a text query
+        and leaves such candidate texts out, score() neither warns nor drops anything (check texts with
+        unknown_words()). Bad inputs raise DataError before any image is read."""
+        txt = texts if isinstance(texts, TextEmb) else _text_list(texts)  # (checked before any image is read)
         img = images if isinstance(images, ImageEmb) else self.encode_images(images)
-        txt = texts if isinstance(texts, TextEmb) else self.encode_texts(texts)
+        txt = txt if isinstance(txt, TextEmb) else self.encode_texts(txt)
         with self.placement.arithmetic():
             return score_matrix(self.model, img, txt)
 
-    def rerank_scores(self, images: ImageEmb | Sequence[ImageInput] | torch.Tensor,
-                      texts: TextEmb | Sequence[str], k: int = 100,
+    def rerank_scores(self, images: ImageEmb | ImageInput | Sequence[ImageInput] | torch.Tensor | np.ndarray,
+                      texts: TextEmb | str | Sequence[str], k: int = 100,
                       first_stage: ImageTextMatcher | None = None, index: str = "flat") -> TwoStageResult:
         """Two-stage scores: a FAISS first stage (this model's global embedding, or `first_stage`'s, e.g.
         a VSE++ model for SCAN) proposes the top `k` per query in both directions; this model's pair head
-        re-scores them exactly. `.scores` is [n_images, n_texts] with -inf outside the candidates."""
+        re-scores them exactly. `.scores` is [n_images, n_texts] with -inf outside the candidates. Inputs are
+        those of score(); bad ones and a `k` below 1 raise before any image is read."""
+        k = _positive_int("k", k, "pass k >= 1, the first-stage candidates re-scored per query (e.g. 100)")
+        if first_stage is not None and (isinstance(images, ImageEmb) or isinstance(texts, TextEmb)):
+            raise DataError("a separate first-stage model needs the raw images and texts, not embeddings",
+                            hint="pass paths / features and strings")
+        texts = texts if isinstance(texts, TextEmb) else _text_list(texts)
         img = images if isinstance(images, ImageEmb) else self.encode_images(images)
         txt = texts if isinstance(texts, TextEmb) else self.encode_texts(texts)
         if first_stage is None:
             img_vec, txt_vec = first_stage_vectors(img, txt)
         else:
-            if isinstance(images, ImageEmb) or isinstance(texts, TextEmb):
-                raise DataError("a separate first-stage model needs the raw images and texts, not embeddings",
-                                hint="pass paths / features and strings")
             img_vec, txt_vec = first_stage_vectors(first_stage.encode_images(images),
                                                    first_stage.encode_texts(texts))
         with self.placement.arithmetic():
@@ -154,37 +278,100 @@ class ImageTextMatcher:
         each as <unk> ([UNK] for WordPiece), so their meaning is lost."""
         return list(dict.fromkeys(self.vocab.coverage(text).unknown))
 
-    def rank(self, query: str | ImageInput, candidates: ImageEmb | TextEmb | Sequence, top_k: int = 10
-             ) -> list[tuple[int, float]]:
-        """Text query -> best candidate images, or image query -> best candidate texts: (index, score).
+    def rank(self, query: str | ImageInput | ImageEmb | torch.Tensor | np.ndarray,
+             candidates: ImageEmb | TextEmb | Sequence | torch.Tensor | np.ndarray, top_k: int = 10, *,
+             query_kind: str = "auto") -> list[tuple[int, float]]:
+        """Text query -> best candidate images, or image query -> best candidate texts: up to `top_k` (>= 1)
+        (index, score) pairs, best first. Candidates are what score() takes on the other side.
+
+        Image or text (query_kind="auto"): a pathlib.Path, bytes, a PIL image, one image's precomputed
+        features (an array or tensor, e.g. [k, D]) or its embedding (an ImageEmb of one image) is an image. A
+        str is an image path when it names an existing file, or when it ends in the extension of a format the
+        image pipeline decodes (`image_suffixes()`: .jpg, .png, .webp, .gif, .bmp, .tif, ...); such a str
+        naming no file is a DataError "image file not found", not read as words. Any other str is a caption.
+        query_kind="text" reads a str as a caption whatever it looks like (a caption ending in ".png", a word
+        that is also the name of a file in the working directory); query_kind="image" reads it as a path.
 
         Unknown words are not dropped silently: a text query with some warns (UnknownWordsWarning), one
-        without any known word is a DataError; candidate texts (strings) without any known word are never
-        ranked (they are left out of the result, so they cannot outrank a text the model can read)."""
-        if isinstance(query, str) and Path(query).suffix.lower() not in (".jpg", ".jpeg", ".png"):
+        without any known word (or an empty one) is a DataError; candidate texts (strings) without any known
+        word are never ranked (they are left out of the result, so they cannot outrank a text the model can
+        read). score() does neither: it scores every caption as the model reads it."""
+        top_k = _positive_int("top_k", top_k, "pass top_k >= 1, the number of best candidates to return")
+        if self._is_text_query(query, query_kind):
             self._check_query(query)
             scores = self.score(candidates, [query])[:, 0]
         else:
-            scores = self.score([query], candidates)[0]
-            if not isinstance(candidates, TextEmb):
-                texts = [candidates] if isinstance(candidates, str) else candidates
+            texts = candidates if isinstance(candidates, TextEmb) else _text_list(candidates)
+            scores = self.score(self._one_image(query, "rank's image query"), texts)[0]
+            if not isinstance(texts, TextEmb):
                 readable = torch.tensor([self.vocab.coverage(t).has_known_word for t in texts], dtype=torch.bool)
                 scores = scores.masked_fill(~readable, -torch.inf)
                 top_k = min(top_k, int(readable.sum()))
         top = torch.topk(scores, min(top_k, scores.numel()))
         return [(int(i), float(s)) for s, i in zip(top.values, top.indices, strict=True)]
 
+    @staticmethod
+    def _is_text_query(query: object, query_kind: str) -> bool:
+        """rank()'s rule (its docstring): whether `query` is a caption; a str that looks like a path to an image
+        file that does not exist raises DataError."""
+        if query_kind not in QUERY_KINDS:
+            raise ConfigError(f"query_kind must be one of {', '.join(QUERY_KINDS)}, got {query_kind!r}",
+                              hint='"auto" tells an image path from a caption; "text" or "image" says which')
+        if query_kind == "text":
+            if not isinstance(query, str):
+                raise DataError(f"query_kind='text' needs the query as a str, got {type(query).__name__}",
+                                hint="pass the caption as a string, or leave query_kind unset for an image")
+            return True
+        if not isinstance(query, str) or query_kind == "image":
+            return False
+        try:
+            if Path(query).is_file():
+                return False
+        except (OSError, ValueError):  # (a name too long for the filesystem, a NUL: not a file)
+            pass
+        if Path(query).suffix.lower() in image_suffixes():
+            raise DataError("image file not found", path=query,
+                            hint=f"check the path (a relative one is read from {Path.cwd()}); a query that ends "
+                                 "in an image file's extension is read as an image path: to rank by it as "
+                                 "text, pass query_kind=\"text\"")
+        return True
+
+    def _one_image(self, image: object, what: str) -> ImageEmb:
+        """The embedding of one image given as a photo (path, bytes, PIL image), its precomputed features
+        (with or without the leading axis of 1) or its embedding; DataError for anything else or several."""
+        if isinstance(image, ImageEmb):
+            img = image
+        elif isinstance(image, torch.Tensor | np.ndarray):
+            _, after = self.expected_input()
+            img = self.encode_images(image[None] if after and image.ndim == len(after) else image)
+        elif isinstance(image, _ONE_IMAGE):
+            img = self.encode_images([image])
+        else:
+            raise DataError(f"{what} must be one image, got {type(image).__name__}",
+                            hint="pass a path (str or pathlib.Path), the file's bytes, a PIL image, one image's "
+                                 "features or its embedding from encode_images")
+        if len(img) != 1:
+            given = "an embedding" if isinstance(image, ImageEmb) else "features"
+            raise DataError(f"{what} takes one image, got {given} of {len(img)} images",
+                            hint="pass one photo, or one image's embedding: emb.take(slice(i, i + 1))")
+        return img
+
     @torch.inference_mode()
-    def word_attention(self, image: ImageEmb | ImageInput, text: str) -> WordAttention:
-        """The model's attention from the words of `text` to the grid cells of `image` (a photo, or one image's
-        embedding from encode_images): ConfigError for a model whose score has no such attention (VSE++,
-        MMCA, SMAN)."""
+    def word_attention(self, image: ImageEmb | ImageInput | torch.Tensor | np.ndarray, text: str
+                       ) -> WordAttention:
+        """The model's attention from the words of `text` (one caption) to the grid cells of one image: a photo
+        (path, bytes, PIL image), its precomputed features, or its embedding from encode_images (an embedding
+        of several images is a DataError: take one, `emb.take(slice(i, i + 1))`). ConfigError for a model whose
+        score has no such attention (VSE++, MMCA, SMAN)."""
         head = self.model.head
         if not head.has_word_attention:
             raise ConfigError(f"the {self.checkpoint.config.model.arch} model has no per-word attention over "
                               "regions", hint="attention maps need a SCAN, SAVE or OAN (with inter-modal "
                                               "attention) model; see docs/search.md")
-        img = image if isinstance(image, ImageEmb) else self.encode_images([image])
+        if not isinstance(text, str):
+            raise DataError(f"word_attention takes one caption (a str), got {type(text).__name__}",
+                            hint="pass the caption as a string")
+        img = self._one_image(image, "word_attention")
         txt = self.encode_texts([text])
         with self.placement.arithmetic():
             alpha, normalised_over = head.word_attention(img, txt)
@@ -216,9 +403,17 @@ def load(checkpoint: str | Path, backbone: str | None = None, device: str | torc
     cuda:N; a checkpoint written on any device loads on any other), to run in `precision` (fp32 | bf16 | fp16:
     autocast; fp32, the default, is exact). Bad settings raise ConfigError before the checkpoint is read. A
     checkpoint whose files differ from its manifest (an edited config.json or vocab.json, damaged weights) is
-    refused unless `trust_modified`."""
+    refused unless `trust_modified`.
+
+    `backbone` (lite0 | lite2 | resnet50 | resnet152) is the ImageNet CNN that reads photos; unset, the one the
+    model was trained on: its own (a model that reads pixels) or the one that extracted its training features
+    (the checkpoint's data.backbone). Naming another is a ConfigError (same-sized features of another CNN would
+    be scored without a word), unless the checkpoint does not record a known one (features of another extractor,
+    an empty data.backbone): then the backbone is used if its features have the model's size (default lite0)."""
     from itmatch.pretrained import resolve_checkpoint
 
     placement = resolve(device, precision, device_setting="device=", precision_setting="precision=")
+    if backbone:
+        backbone_spec(backbone)  # (an unknown name: before the checkpoint is read)
     return ImageTextMatcher(load_checkpoint(resolve_checkpoint(checkpoint), trust_modified=trust_modified), backbone,
                           placement)
