@@ -322,7 +322,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
           f"{len(summary['renamed'])} renamed or moved, {len(summary['removed'])} removed since the last run"
           f"{skipped} ({summary['seconds']} s)")
     if not summary["images"]:
-        from itmatch.retrieval.index import IMAGE_SUFFIXES
+        from itmatch.features.pipeline import IMAGE_SUFFIXES
 
         print(f"note: no image found under {public_id(str(Path(args.images).resolve()))} (recursively; files ending "
               f"in {', '.join(sorted(IMAGE_SUFFIXES))}; hidden ones left out): searches of this index find nothing",

@@ -16,8 +16,9 @@ import itmatch
 from itmatch.engine.checkpoint import load_checkpoint, save_checkpoint
 from itmatch.engine.train import prepare_data
 from itmatch.errors import ConfigError, DataError, UnknownWordsWarning
+from itmatch.features.pipeline import IMAGE_SUFFIXES
 from itmatch.models.registry import build_model, resolve_config
-from itmatch.retrieval.matcher import ImageTextMatcher, image_suffixes
+from itmatch.retrieval.matcher import ImageTextMatcher
 
 CAPTIONS = ["a dog runs on the grass", "a girl climbs the stairs"]
 
@@ -53,11 +54,10 @@ def pictures(tmp_path_factory) -> dict[str, object]:
 # -- 1. rank(): image or text ---------------------------------------------------------------------------------
 
 
-def test_the_image_extensions_are_the_pipelines(shipped):
-    suffixes = image_suffixes()
-    assert {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"} <= suffixes
-    assert ".txt" not in suffixes and "" not in suffixes
-    assert "image_suffixes" in ImageTextMatcher.rank.__doc__ and "query_kind" in ImageTextMatcher.rank.__doc__
+def test_the_image_extensions_are_the_indexs():
+    """One list: the photos `itmatch index` takes from a folder are the str queries rank() reads as photos."""
+    assert {".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff"} == IMAGE_SUFFIXES
+    assert "IMAGE_SUFFIXES" in ImageTextMatcher.rank.__doc__ and "query_kind" in ImageTextMatcher.rank.__doc__
 
 
 def test_a_webp_path_or_any_existing_file_is_an_image_query(shipped, pictures):

@@ -80,7 +80,7 @@ def _size(n_bytes: float) -> str:
     return f"{n_bytes:.0f} bytes"
 
 
-def _require_items(count: int, what: str, path: object = None) -> None:
+def require_items(count: int, what: str, path: object = None) -> None:
     if count == 0:
         raise DataError(f"no {what} to score: the {'gallery' if what == 'images' else 'query set'} is empty",
                         path=path, hint=f"pass at least one {what[:-1]}")
@@ -91,7 +91,7 @@ def encode_images(model: Matcher, features: ImageSource, batch_size: int = 128, 
                   ) -> ImageEmb:
     """Encode every image of a split's `images` (a feature array, cached multi-scale maps, or image
     files for pixel-input models) once, in batches, on the model's device (where the embeddings stay)."""
-    _require_items(len(features), "images")
+    require_items(len(features), "images")
     device = module_device(model)
     parts = []
     for start in tqdm(range(0, len(features), batch_size), desc="encode images", disable=not progress,
@@ -107,7 +107,7 @@ def encode_caption_buckets(model: Matcher, captions: Sequence[str], vocab: AnyVo
     """Captions encoded in length-sorted batches and kept in buckets of `bucket_size`, each padded only to
     its own longest caption (the evaluator's blocks): no [M, longest caption, D] tensor is ever built,
     about 5x less memory than padding everything to the longest caption on Flickr30K/COCO."""
-    _require_items(len(captions), "captions")
+    require_items(len(captions), "captions")
     device = module_device(model)
     tokens = [vocab.encode(c) for c in captions]
     order = sorted(range(len(tokens)), key=lambda j: len(tokens[j]))
@@ -125,7 +125,7 @@ def encode_caption_buckets(model: Matcher, captions: Sequence[str], vocab: AnyVo
 
 def bucket_texts(txt: TextEmb, bucket_size: int = CAPTIONS_PER_BLOCK) -> TextBuckets:
     """Length buckets of already-encoded captions (see encode_caption_buckets)."""
-    _require_items(len(txt), "captions")
+    require_items(len(txt), "captions")
     order = torch.argsort(txt.lengths.to(HOST), stable=True)  # (host: the columns of the host matrix)
     return [(order[b0:b0 + bucket_size], txt.take(order[b0:b0 + bucket_size]).trimmed())
             for b0 in range(0, len(txt), bucket_size)]
@@ -260,7 +260,7 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
                   progress: bool, captions_per_block: int, max_cells: int | None, world: int,
                   cache: ScoreCache | None = None, on_block: Callable[[int], None] | None = None
                   ) -> torch.Tensor | None:
-    _require_items(len(img), "images")
+    require_items(len(img), "images")
     buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
     n, m = len(img), sum(len(c) for c, _ in buckets)
     device = module_device(model)
@@ -399,8 +399,8 @@ def score_pairs(model: Matcher, img: ImageEmb, txt: TextEmb, images: torch.Tenso
     as score_matrix, and no pair outside the list is computed. Grouping by image means the image side
     (regions, Gram matrices: k x D per image, the larger side) is never copied; only the listed
     captions' words are gathered, once per pair (docs/performance.md, "re-ranking engine")."""
-    _require_items(len(img), "images")
-    _require_items(len(txt), "captions")
+    require_items(len(img), "images")
+    require_items(len(txt), "captions")
     images, captions = images.long().reshape(-1), captions.long().reshape(-1)
     if len(images) != len(captions):
         raise ConfigError(f"{len(images)} image indices but {len(captions)} caption indices: pairs need one of each")

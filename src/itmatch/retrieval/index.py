@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
 from itmatch.features.pipeline import (
+    IMAGE_SUFFIXES,
     UnreadableImage,
     decode_image,
     decode_threads,
@@ -49,7 +50,6 @@ FORMAT = "itmatch-index"
 # the backbone's cells through, SMAN); an index without that is written as version 1, which older itmatch reads
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 ARRAYS = ("features", "regions", "vectors")
 EXTRA_PREFIX = "extra_"  # array name of an ImageEmb.extras entry: extra_<key>
 

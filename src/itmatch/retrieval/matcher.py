@@ -7,7 +7,6 @@ above it (docs/architecture.md)."""
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import warnings
@@ -24,8 +23,8 @@ from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
 from itmatch.errors import ConfigError, DataError, UnknownWordsWarning
 from itmatch.features.backbones import BACKBONE_NAMES, backbone_spec
-from itmatch.features.pipeline import decode_image, grid_features
-from itmatch.inference import _require_items, encode_captions, encode_images, score_matrix
+from itmatch.features.pipeline import IMAGE_SUFFIXES, decode_image, grid_features
+from itmatch.inference import encode_captions, encode_images, require_items, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.models.registry import arch, image_inputs, pixel_backbone
 from itmatch.retrieval.two_stage import TwoStageResult, first_stage_vectors, two_stage_scores
@@ -36,14 +35,6 @@ _ONE_IMAGE = (str, Path, bytes, Image.Image)
 #: how rank() reads its query: decided from the query ("auto"), or said by the caller
 QUERY_KINDS = ("auto", "text", "image")
 _PHOTOS_HINT = "or pass the photos themselves (paths, bytes or PIL images): the matcher computes what the model reads"
-
-
-@functools.cache
-def image_suffixes() -> frozenset[str]:
-    """The file endings (".jpg", ".webp", ...) of the formats the image pipeline can decode: those PIL, which
-    `decode_image` opens every image with, registers a reader for. rank() reads a str query with one of them
-    as an image path."""
-    return frozenset(ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN)
 
 
 def _positive_int(name: str, value: object, hint: str) -> int:
@@ -64,7 +55,7 @@ def _text_list(texts: object) -> list[str]:
         if not isinstance(item, str):
             raise DataError(f"text {i} is a {type(item).__name__} ({item!r:.40}), not a string",
                             hint="pass captions as strings")
-    _require_items(len(items), "captions")
+    require_items(len(items), "captions")
     return items
 
 
@@ -83,7 +74,7 @@ def _image_list(images: object) -> list[ImageInput]:
             raise DataError(f"image {i} is a {type(item).__name__}, not an image file's path, its bytes or a "
                             "PIL image", hint="pass paths (str or pathlib.Path), bytes or PIL images; precomputed "
                                               "features go in as one array [N, ...], not a list of arrays")
-    _require_items(len(items), "images")
+    require_items(len(items), "images")
     return items
 
 
@@ -206,7 +197,7 @@ class ImageTextMatcher:
             raise DataError(f"expected {what} [{wanted}]{detail}; got an array of shape {shape}",
                             hint="pass the features of the extractor the model was trained on (e.g. what "
                                  "image_features() returns), " + _PHOTOS_HINT)
-        _require_items(shape[0], "images")
+        require_items(shape[0], "images")
         assert_finite(feats, Path("<precomputed features>"))
 
     def encode_images(self, images: ImageInput | Sequence[ImageInput] | torch.Tensor | np.ndarray) -> ImageEmb:
@@ -286,8 +277,8 @@ class ImageTextMatcher:
 
         Image or text (query_kind="auto"): a pathlib.Path, bytes, a PIL image, one image's precomputed
         features (an array or tensor, e.g. [k, D]) or its embedding (an ImageEmb of one image) is an image. A
-        str is an image path when it names an existing file, or when it ends in the extension of a format the
-        image pipeline decodes (`image_suffixes()`: .jpg, .png, .webp, .gif, .bmp, .tif, ...); such a str
+        str is an image path when it names an existing file, or when it ends in a photo format's extension
+        (`features.pipeline.IMAGE_SUFFIXES`: .jpg, .png, .webp, .gif, .bmp, .tif, as `itmatch index`); such a str
         naming no file is a DataError "image file not found", not read as words. Any other str is a caption.
         query_kind="text" reads a str as a caption whatever it looks like (a caption ending in ".png", a word
         that is also the name of a file in the working directory); query_kind="image" reads it as a path.
@@ -329,7 +320,7 @@ class ImageTextMatcher:
                 return False
         except (OSError, ValueError):  # (a name too long for the filesystem, a NUL: not a file)
             pass
-        if Path(query).suffix.lower() in image_suffixes():
+        if Path(query).suffix.lower() in IMAGE_SUFFIXES:
             raise DataError("image file not found", path=query,
                             hint=f"check the path (a relative one is read from {Path.cwd()}); a query that ends "
                                  "in an image file's extension is read as an image path: to rank by it as "
