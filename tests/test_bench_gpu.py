@@ -407,3 +407,43 @@ def test_a_study_across_sessions_shows_where_each_training_stands(bench, tmp_pat
     bench.run_perturb("vsepp", 1, gpu, jobs=2)
     study = next(cmd for cmd in commands if cmd[1:3] == ["analyze", "perturb"])  # (after an extraction if no Lite0)
     assert study[study.index("--original") + 1] == f"{tmp_path}/runs/vsepp"
+
+
+def test_an_ensemble_picked_on_dev_evaluates_test_once_with_the_pair_of_the_best_dev_rsum(bench, tmp_path,
+                                                                                          monkeypatch):
+    """The cross-family rows were fixed after test scores had been seen (docs/training.md): `ensemble_dev_pick` is the
+    pair of its candidates with the best dev rsum; every pair's dev rsum is kept, so a rerun evaluates none again."""
+    import dataclasses
+
+    candidates = ["scan_i2t_lse", "mmca_alpha0_lite2", "vsepp"]
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"),
+                              history=str(tmp_path / "history.csv"), on_cpu=True,
+                              ensembles={**bench.GPU.ensembles, "ensemble_dev_pick": candidates},
+                              dev_picked={"ensemble_dev_pick": candidates})
+    for member in candidates:
+        _fake_run(bench, gpu, member, epochs_done=bench.row_config(
+            bench.base_preset(member, gpu), bench.schedule_of(member, gpu), []).train.epochs, with_best=True)
+    dev = {"scan_i2t_lse+mmca_alpha0_lite2": 330.0, "scan_i2t_lse+vsepp": 310.0, "mmca_alpha0_lite2+vsepp": 320.0}
+    result = {"image_to_text": {"r1": 1.0, "r5": 2.0, "r10": 3.0}, "text_to_image": {"r1": 1.0, "r5": 2.0, "r10": 3.0},
+              "rsum": 12.0, "protocol": "1k", "eval_seconds": 1.0}
+    evaluated = []
+
+    def evaluate(cmd, ranks=1):  # what `itmatch evaluate --json` leaves
+        split, out = cmd[cmd.index("--split") + 1], Path(cmd[cmd.index("--json") + 1])
+        members = [Path(a).parent.name for a in cmd if a.endswith("/best")]
+        evaluated.append((split, members))
+        out.write_text(json.dumps({**result, "rsum": dev["+".join(members)] if split == "dev" else 12.0}))
+
+    monkeypatch.setattr(bench, "run", evaluate)
+    monkeypatch.setattr(bench, "ensure_features", lambda data, profile=None: None)
+    bench.run_row("ensemble_dev_pick", 2, profile=gpu)
+    assert [members for split, members in evaluated if split == "dev"] == [m.split("+") for m in dev]
+    assert evaluated[-1] == ("test", ["scan_i2t_lse", "mmca_alpha0_lite2"]) and len(evaluated) == 4
+    assert json.loads((tmp_path / "runs" / "ensemble_dev_pick.dev_pairs.json").read_text()) == dev
+    from itmatch.engine.results import read_rows
+
+    row = next(r for r in read_rows(tmp_path / "gpu.csv") if r["name"] == "ensemble_dev_pick")
+    assert row["model"] == "scan_i2t_lse+mmca_alpha0"  # (the pair's presets)
+    evaluated.clear()
+    bench.run_row("ensemble_dev_pick", 2, profile=gpu)  # (again: the dev rsums are kept, test is evaluated again)
+    assert evaluated == [("test", ["scan_i2t_lse", "mmca_alpha0_lite2"])]
