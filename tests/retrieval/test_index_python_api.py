@@ -154,3 +154,10 @@ def test_a_skipped_photo_is_a_log_record_not_a_print(tiny_search_setup, few_phot
     assert [r.name for r in caplog.records if "skipping broken.jpg" in r.getMessage()] == ["itmatch.retrieval"]
     printed = capsys.readouterr()
     assert printed.out == "" and "broken.jpg" not in printed.err
+
+
+def test_an_index_opened_with_a_model_of_another_backbone_says_another_model(few_index):
+    """A Lite0 index opened with a model trained on Lite2 features: the loader's "backbone='lite0', but the model was
+    trained on lite2 features ... leave backbone unset" answered first, about an argument the user never gave."""
+    with pytest.raises(CheckpointError, match="the index was built with another model"):
+        Searcher(few_index, "mmca_alpha0_lite2-flickr8k")

@@ -8,6 +8,7 @@ status), and unknown words are reported, never dropped silently: docs/search.md,
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import re
 import threading
@@ -156,7 +157,7 @@ class Searcher:
         once), run in `precision`; scores come back to the host. `trust_modified` loads a checkpoint whose
         files differ from its manifest (the index must still have been built with the same weights, config
         and vocabulary)."""
-        from itmatch.retrieval.index import load_index, model_identity
+        from itmatch.retrieval.index import load_index, model_identity, same_image_encoder
         from itmatch.retrieval.matcher import load
 
         # (the settings first, before the index and the model are read)
@@ -170,9 +171,16 @@ class Searcher:
 
         ckpt = (resolve_checkpoint(checkpoint) if checkpoint is not None
                 else Path(self.index.manifest["model"]["checkpoint"]))
-        self.matcher = load(ckpt, backbone=self.index.manifest["model"]["backbone"], device=device,
-                            precision=precision, trust_modified=trust_modified)
-        self.index.check_model(model_identity(ckpt, self.matcher.backbone_name))
+        backbone, identity = self.index.manifest["model"]["backbone"], None
+        with contextlib.suppress(FileNotFoundError):  # (no checkpoint files: the loader below says what is missing)
+            identity = model_identity(ckpt, backbone)
+        if identity is not None and not same_image_encoder(self.index.manifest["model"], identity):
+            # another model is said to be one before it is loaded with the index's backbone, which the loader would
+            # refuse first (a backbone the model was not trained on); a damaged checkpoint is the loader's to say
+            self.index.check_model(identity)
+        self.matcher = load(ckpt, backbone=backbone, device=device, precision=precision,
+                            trust_modified=trust_modified)
+        self.index.check_model(identity or model_identity(ckpt, self.matcher.backbone_name))
         self.model, self.vocab = self.matcher.model, self.matcher.vocab
         self.images_root = Path(images_dir) if images_dir is not None else self.index.images_root
         # the filesystem's names (what to open) and the ids they are known by outside (docs/search.md)
