@@ -138,7 +138,7 @@ class Profile:
     row_data: dict[str, str] = field(default_factory=dict)
     prune: set[str] = field(default_factory=set)  # rows evaluated by safe pruning (exact metrics, fewer pairs)
     # row -> its candidate runs (also its `ensembles` entry, so that each is trained and its state shown): the row is
-    # the pair of candidates with the best dev rsum, evaluated on test once (pick_on_dev)
+    # the pair of candidates with the best dev rsum, the only one evaluated on test (evaluate_dev_pairs, dev_pick)
     dev_picked: dict[str, list[str]] = field(default_factory=dict)
     perturb_prefix: str = "flickr8k"  # docs/results/perturb/<prefix>_<preset>.*
     device: bool = False  # rows record the device; the bench needs a CUDA device unless `on_cpu`
@@ -185,7 +185,7 @@ GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse
                  "save_nosa": ["scan_i2t_avg"], "save_nosa_t2i_lse": ["scan_t2i_lse"]}
 # An ensemble chosen on dev, never on test: the cross-family rows above were fixed after two pairs' test scores had
 # been seen (docs/training.md, "Ensembles across families and backbones"). Every pair of the best single model of each
-# family is evaluated on the dev split (1k), and the pair with the best dev rsum is evaluated on test once; every
+# family is evaluated on the dev split (1k), and only the pair with the best dev rsum is evaluated on test; every
 # pair's dev rsum is kept beside the row (RUNS/<row>.dev_pairs.json) and the row's model column names the pair.
 GPU_DEV_PICKED = {"ensemble_dev_pick": ["scan_i2t_lse", "oan", "mmca_alpha0_lite2", "vsepp", "save_asa_ms3", "sman"]}
 GPU_ENSEMBLES.update(GPU_DEV_PICKED)
@@ -253,8 +253,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
 GPU_PRUNE = {row for row in [*MMCA_ROWS, *GPU_CONTROLS] if GPU_CONTROLS.get(row, (row,))[0] in MMCA_ROWS}
 # an ensemble is pruned where an MMCA member would make exhaustive scoring take hours and every member's head
 # bounds its score around a global cosine (VSE++: the cosine itself, bound 0)
+GLOBAL_BOUND = {*MMCA_ROWS, "vsepp", "meanpool"}  # presets whose score is bounded around a global cosine
 GPU_PRUNE |= {row for row, members in GPU_ENSEMBLES.items() if set(members) & GPU_PRUNE
-              and {GPU_CONTROLS.get(m, (m,))[0] for m in members} <= {*MMCA_ROWS, "vsepp", "meanpool"}}
+              and {GPU_CONTROLS.get(m, (m,))[0] for m in members} <= GLOBAL_BOUND}
 GPU_OVERRIDES = {row: [*GPU_CONTROLS.get(row, (row, []))[1], *(["train.val_prune=true"] if row in GPU_PRUNE else [])]
                  for row in [*GPU_SINGLE, *GPU_CONTROLS]}
 GPU_PREREQUISITES = {**{f"{p}_{kind}": p for p in FINETUNED for kind in ("ft", "frozen_more")},
@@ -363,13 +364,15 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
                        split: str = "test") -> list[str]:
     """`itmatch evaluate` of a row's `split` as its results row is made, writing what `record` says; `members`: a
     subset of the row's runs (a dev-picked row's pair) instead of all of them."""
-    runs, datas = row_members(row, profile)
-    data_of = dict(zip(runs, datas, strict=True))
-    members = members or runs
+    every, datas = row_members(row, profile)
+    data_of = dict(zip(every, datas, strict=True))
+    members = members or every
     datas = [data_of[m] for m in members]
     rerank = profile.rerank.get(row, (row, 0))[1]
-    pruned = row in profile.pruned or row in profile.prune
-    blocks = row if members == runs and split == "test" else f"{row}.{split}.{'+'.join(members)}"
+    pruned = (row in profile.pruned or row in profile.prune if members == every  # (a subset: the rule of GPU_PRUNE)
+              else bool(set(members) & profile.prune) and {base_preset(m, profile) for m in members} <= GLOBAL_BOUND)
+    # where a killed exhaustive evaluation keeps its finished blocks: one folder per row, split and member set
+    blocks = row if members == every and split == "test" else f"{row}.{split}.{'+'.join(members)}"
     scoring = (["--rerank", str(rerank)] if rerank else ["--prune"] if pruned
                # exhaustive scoring of a pair head takes hours (MMCA): a killed bench continues from finished blocks
                else ["--resume-dir", f"runs/eval_blocks/{Path(profile.runs).name}/{blocks}"])
@@ -379,10 +382,11 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
             *on_cpu(profile)]
 
 
-def pick_on_dev(row: str, profile: Profile, threads: int) -> list[str]:
-    """The pair of a dev-picked row's candidates whose ensemble has the best dev rsum (the first such pair in the
-    candidates' order on a tie), every pair evaluated on the dev split once: their rsums are kept in
-    RUNS/<row>.dev_pairs.json, so a killed bench goes on with the pairs left and a rerun picks the same pair."""
+def evaluate_dev_pairs(row: str, profile: Profile, threads: int) -> None:
+    """Every pair of a dev-picked row's candidates evaluated on the dev split, once: their rsums are kept in
+    RUNS/<row>.dev_pairs.json (written after each pair, atomically), so a killed bench goes on with the pairs left."""
+    from itmatch.io import write_json_atomic
+
     picks = ROOT / profile.runs / f"{row}.dev_pairs.json"
     dev_rsum = json.loads(picks.read_text(encoding="utf-8")) if picks.is_file() else {}
     for pair in itertools.combinations(profile.dev_picked[row], 2):
@@ -391,14 +395,34 @@ def pick_on_dev(row: str, profile: Profile, threads: int) -> list[str]:
             continue
         result = f"{profile.runs}/{row}.dev.{key}.json"
         run(evaluation_command(row, profile, threads, ["--json", result, "--force"], members=list(pair), split="dev"))
-        if DRY_RUN:
-            continue
-        dev_rsum[key] = json.loads((ROOT / result).read_text(encoding="utf-8"))["rsum"]
-        picks.write_text(json.dumps(dev_rsum, indent=2) + "\n", encoding="utf-8")
-    if not dev_rsum:  # (a dry run: the first pair stands for the pick)
-        return list(profile.dev_picked[row][:2])
-    best = max(dev_rsum.values())
-    return next(key for key in dev_rsum if dev_rsum[key] == best).split("+")
+        if not DRY_RUN:
+            dev_rsum[key] = json.loads((ROOT / result).read_text(encoding="utf-8"))["rsum"]
+            write_json_atomic(picks, dev_rsum)
+
+
+def dev_pick(row: str, profile: Profile) -> list[str] | None:
+    """The pair of a dev-picked row's candidates whose ensemble has the best dev rsum (on a tie the first in the
+    candidates' order), from RUNS/<row>.dev_pairs.json; None while a pair has no dev rsum there yet."""
+    picks = ROOT / profile.runs / f"{row}.dev_pairs.json"
+    dev_rsum = json.loads(picks.read_text(encoding="utf-8")) if picks.is_file() else {}
+    pairs = ["+".join(pair) for pair in itertools.combinations(profile.dev_picked[row], 2)]
+    if any(key not in dev_rsum for key in pairs):
+        return None
+    return max(pairs, key=lambda key: (dev_rsum[key], -pairs.index(key))).split("+")
+
+
+def evaluated_members(row: str, profile: Profile) -> list[str]:
+    """The runs a row's test evaluation averages: its members, or a dev-picked row's pair (an exit naming the command
+    that evaluates its dev pairs, while some are not)."""
+    if row not in profile.dev_picked:
+        return row_members(row, profile)[0]
+    pair = dev_pick(row, profile)
+    if pair is None:
+        if DRY_RUN:  # (a dry run evaluates no pair: the first pair stands for the pick)
+            return list(profile.dev_picked[row][:2])
+        sys.exit(f"row {row}: not every pair of its candidates has a dev rsum in {profile.runs}/{row}.dev_pairs.json; "
+                 f"run the row first (python bench/flickr8k.py --config {profile.name} --row {row})")
+    return pair
 
 
 def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 1, profile: Profile = CPU) -> None:
@@ -432,7 +456,8 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
               else ["--results", profile.results, "--name", row, "--dataset", "flickr8k", "--command", command,
                     "--force", "--json", result_json])
     if row in profile.dev_picked:
-        members = pick_on_dev(row, profile, threads)
+        evaluate_dev_pairs(row, profile, threads)
+    members = evaluated_members(row, profile)
     evaluate = evaluation_command(row, profile, threads, record, members=members)
     run(evaluate, ranks=eval_ranks if "--resume-dir" in evaluate else 1)  # (two-stage scoring runs on one process)
     if profile.device and not DRY_RUN:
@@ -648,11 +673,12 @@ def recall_figure(rows: list[str], threads: int, profile: Profile = CPU) -> None
     for row, result_json in zip(rows, jsons, strict=True):
         path = ROOT / result_json
         if not (path.is_file() and "recall_curve" in json.loads(path.read_text(encoding="utf-8"))):
-            absent = [] if DRY_RUN else without_checkpoint(row_members(row, profile)[0], profile)
+            members = evaluated_members(row, profile)
+            absent = [] if DRY_RUN else without_checkpoint(members, profile)
             if absent:
                 sys.exit(f"row {row}: no recall curve in {result_json} and no checkpoint of {', '.join(absent)} "
                          f"here to evaluate; leave the row out, or bring its JSON or run here")
-            run(evaluation_command(row, profile, threads, ["--json", result_json, "--force"]))
+            run(evaluation_command(row, profile, threads, ["--json", result_json, "--force"], members=members))
     figure = f"docs/results/recall/{Path(profile.results).stem}.png"
     (ROOT / figure).parent.mkdir(parents=True, exist_ok=True)
     run(["itmatch", "analyze", "recall", *jsons, "--labels", *rows, "--out", figure, "--force"])

@@ -429,9 +429,13 @@ def test_an_ensemble_picked_on_dev_evaluates_test_once_with_the_pair_of_the_best
     evaluated = []
 
     def evaluate(cmd, ranks=1):  # what `itmatch evaluate --json` leaves
+        if cmd[1] != "evaluate":
+            return
         split, out = cmd[cmd.index("--split") + 1], Path(cmd[cmd.index("--json") + 1])
         members = [Path(a).parent.name for a in cmd if a.endswith("/best")]
         evaluated.append((split, members))
+        # a pair of global-cosine heads with an MMCA member is pruned (exact, fewer pairs); one with SCAN is not
+        assert ("--prune" in cmd) == (set(members) == {"mmca_alpha0_lite2", "vsepp"})
         out.write_text(json.dumps({**result, "rsum": dev["+".join(members)] if split == "dev" else 12.0}))
 
     monkeypatch.setattr(bench, "run", evaluate)
@@ -447,3 +451,16 @@ def test_an_ensemble_picked_on_dev_evaluates_test_once_with_the_pair_of_the_best
     evaluated.clear()
     bench.run_row("ensemble_dev_pick", 2, profile=gpu)  # (again: the dev rsums are kept, test is evaluated again)
     assert evaluated == [("test", ["scan_i2t_lse", "mmca_alpha0_lite2"])]
+    # the recall figure evaluates the same pair (it evaluated all the candidates as one ensemble)
+    evaluated.clear()
+    (tmp_path / "runs" / "ensemble_dev_pick.test.json").unlink()
+    monkeypatch.setattr(bench, "ROOT", tmp_path)  # (the figure's path; the runs' paths are absolute)
+    bench.recall_figure(["ensemble_dev_pick"], 2, gpu)
+    assert evaluated[0] == ("test", ["scan_i2t_lse", "mmca_alpha0_lite2"])
+    # a tie goes to the first pair in the candidates' order, whatever the file's order; a stale pair counts not
+    picks = tmp_path / "runs" / "ensemble_dev_pick.dev_pairs.json"
+    picks.write_text(json.dumps({"x+y": 400.0, "mmca_alpha0_lite2+vsepp": 330.0, **dev}))
+    assert bench.dev_pick("ensemble_dev_pick", gpu) == ["scan_i2t_lse", "mmca_alpha0_lite2"]
+    del dev["scan_i2t_lse+vsepp"]
+    picks.write_text(json.dumps(dev))
+    assert bench.dev_pick("ensemble_dev_pick", gpu) is None  # (a pair left: the row evaluates it first)
