@@ -429,8 +429,10 @@ def poll(args: argparse.Namespace) -> int:
         Path(out, "poll.txt").write_text(report + "\n")
         studies = [f"docs/results/perturb/flickr8k_gpu_{item.removeprefix(STUDY)}.{ext}"
                    for item in plan["rows"] if item.startswith(STUDY) for ext in ("csv", "md", "png")]
-        # each row's evaluation JSON: its recall curve, for `bench/flickr8k.py --recall` here
-        evaluations = [f"{RUNS}/{item}.test.json" for item in plan["rows"] if not item.startswith(STUDY)]
+        # each row's evaluation JSON: its recall curve, for `bench/flickr8k.py --recall` here; a dev-picked row's
+        # pairs' dev rsums (the evidence of its pick)
+        evaluations = [f"{RUNS}/{item}.{kind}.json" for item in plan["rows"] if not item.startswith(STUDY)
+                       for kind in ("test", "dev_pairs")]
         for path in [*RESULTS, *studies, *evaluations]:
             if (work / path).exists():
                 shutil.copyfile(work / path, Path(out) / path.replace("/", "__"))
