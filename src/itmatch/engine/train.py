@@ -343,7 +343,8 @@ def finished_run(run_dir: Path, overrides: dict[str, Any], trust_modified: bool 
     only (checked against its manifest) and rewrites the run's config.json as every resume does, so it answers in
     a moment."""
     last = run_dir / "last"
-    if (last / MANIFEST).is_file():  # (a checkpoint without one is warned about once, by the full load below)
+    checked = (last / MANIFEST).is_file()
+    if checked:  # (one without a manifest is warned about once: below where the run is finished, else by the load)
         verify_manifest(last, trust_modified=trust_modified, files=("config.json", "state.json"))
     state = read_state(last)
     if "epoch" not in state:  # (a checkpoint of an older version: the full path handles it)
@@ -355,6 +356,8 @@ def finished_run(run_dir: Path, overrides: dict[str, Any], trust_modified: bool 
         return None
     best = f"best dev rsum {state['best_rsum']:.1f} at epoch {state['best_epoch']}"
     if epochs == done and batch == 0:
+        if not checked:
+            verify_manifest(last, files=())  # (only its warning: the files cannot be checked)
         if dist.is_main():  # as every resume does: the run's config.json says what it was resumed with
             write_json_atomic(run_dir / "config.json", config_for_checkpoint(cfg, run_dir))
         return {"best_epoch": state["best_epoch"], "best_rsum": state["best_rsum"],
@@ -406,6 +409,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     With `resume`, `cfg` is replaced by the checkpoint's config, to which `resume_overrides` (a nested dict
     as from `parse_overrides`; train.* and data locations only) are applied, e.g. {"train": {"epochs": 30}}.
     `trust_modified` loads checkpoints (`last`, train.init_from) whose files differ from their manifest.
+    Resuming a run that has trained all its epochs trains nothing: its result then holds a "note" saying so and
+    how to train on (logged too; the CLI prints it).
 
     Under torchrun (docs/distributed.md) every rank runs this with the same arguments: the model is
     wrapped in DistributedDataParallel, every global batch is split across the ranks, validation is
