@@ -60,15 +60,21 @@ def test_the_image_extensions_are_the_indexs():
     assert "IMAGE_SUFFIXES" in ImageTextMatcher.rank.__doc__ and "query_kind" in ImageTextMatcher.rank.__doc__
 
 
-def test_a_webp_path_or_any_existing_file_is_an_image_query(shipped, pictures):
-    """A .webp path was read as words ("none of the query's words is in the model's vocabulary")."""
+def test_a_webp_path_is_an_image_query_and_a_file_without_a_photo_ending_needs_query_kind(shipped, pictures,
+                                                                                          monkeypatch):
+    """A .webp path was read as words ("none of the query's words is in the model's vocabulary"); a caption that is
+    also a file's name (a file named dog beside the program) stays a caption."""
     expected = shipped.score([pictures["webp"]], CAPTIONS)[0]
     for query in (str(pictures["webp"]), pictures["webp"], pictures["webp_bytes"]):
         ranked = shipped.rank(query, CAPTIONS, top_k=2)
         assert sorted(i for i, _ in ranked) == [0, 1]
         assert {i: s for i, s in ranked} == pytest.approx({i: float(expected[i]) for i in range(2)}, abs=1e-5)
-    # an existing file is an image whatever its name
-    assert len(shipped.rank(str(pictures["plain"]), CAPTIONS, top_k=1)) == 1
+    # a file without a photo's ending is a photo when said so; a caption that names a file stays a caption
+    assert len(shipped.rank(str(pictures["plain"]), CAPTIONS, top_k=1, query_kind="image")) == 1
+    monkeypatch.chdir(pictures["root"])
+    (pictures["root"] / "dog").write_text("not a photo")
+    photos = [pictures["jpg"], pictures["webp"]]
+    assert shipped.rank("dog", photos, top_k=2) == shipped.rank("dog", photos, top_k=2, query_kind="text")
 
 
 def test_a_missing_image_path_says_not_found_and_how_to_pass_text(shipped, tmp_path):

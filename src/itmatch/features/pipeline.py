@@ -22,10 +22,10 @@ from torch import nn
 from itmatch.device import Placement, module_device
 from itmatch.errors import DataError
 
-#: What PIL raises for a file it cannot decode (OSError covers UnidentifiedImageError and truncated files).
 #: the photo formats itmatch looks for: the files `itmatch index` takes from a folder, and the endings that make a str
-#: query of `ImageTextMatcher.rank` a photo's path (any existing file is read as a photo whatever its name)
+#: query of `ImageTextMatcher.rank` a photo's path
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+#: What PIL raises for a file it cannot decode (OSError covers UnidentifiedImageError and truncated files).
 DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 # EfficientNet-Lite weights were trained in TensorFlow, whose Lite input pipeline normalises 0..255 RGB

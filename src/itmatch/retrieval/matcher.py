@@ -114,7 +114,7 @@ class ImageTextMatcher:
                     "error when their size matches)",
                     path=checkpoint.path, hint=f"leave backbone unset (the model reads photos through "
                                                f"{self.trained_backbone}), or train a model on {backbone} features")
-        self.backbone_name = backbone or trained or "lite0"
+        self.backbone_name = backbone or self.trained_backbone or "lite0"  # (an unknown extractor: try Lite0's size)
         self._backbone = None
 
     @property
@@ -216,9 +216,21 @@ class ImageTextMatcher:
             self._check_features(feats)
             with self.placement.arithmetic():
                 return encode_images(self.model, feats)
+        if isinstance(images, MultiScaleArray):  # (a multi-scale model's image_features(), given back)
+            self._check_scales(images)
+            with self.placement.arithmetic():
+                return encode_images(self.model, images)
         feats = self.image_features(images)
         with self.placement.arithmetic():
             return encode_images(self.model, feats if isinstance(feats, MultiScaleArray) else feats.numpy())
+
+    def _check_scales(self, maps: MultiScaleArray) -> None:
+        """Cached stage maps against the scales the model reads (a DataError naming both), and at least one image."""
+        wanted = image_inputs(self.checkpoint.config.model)
+        if wanted == ("pixels",) or set(maps.arrays) != set(wanted):
+            raise DataError(f"stage maps of scales {', '.join(sorted(maps.arrays))} given, but the model reads "
+                            f"{', '.join(wanted) or 'region features [N, k, D]'}", hint=_PHOTOS_HINT)
+        require_items(len(maps), "images")
 
     def encode_texts(self, texts: str | Sequence[str]) -> TextEmb:
         """Embeddings of captions (one str is a list of one), kept on the matcher's device. Every caption is
@@ -277,9 +289,9 @@ class ImageTextMatcher:
 
         Image or text (query_kind="auto"): a pathlib.Path, bytes, a PIL image, one image's precomputed
         features (an array or tensor, e.g. [k, D]) or its embedding (an ImageEmb of one image) is an image. A
-        str is an image path when it names an existing file, or when it ends in a photo format's extension
-        (`features.pipeline.IMAGE_SUFFIXES`: .jpg, .png, .webp, .gif, .bmp, .tif, as `itmatch index`); such a str
-        naming no file is a DataError "image file not found", not read as words. Any other str is a caption.
+        str is an image path when it ends in a photo format's extension (`features.pipeline.IMAGE_SUFFIXES`:
+        .jpg, .png, .webp, .gif, .bmp, .tif, as `itmatch index` takes), and one naming no file is a DataError
+        "image file not found", not read as words. Any other str is a caption, even the name of a file.
         query_kind="text" reads a str as a caption whatever it looks like (a caption ending in ".png", a word
         that is also the name of a file in the working directory); query_kind="image" reads it as a path.
 
@@ -315,17 +327,19 @@ class ImageTextMatcher:
             return True
         if not isinstance(query, str) or query_kind == "image":
             return False
+        # (the ending decides, not whether a file exists: "dog" stays a caption beside a file named dog)
+        if Path(query).suffix.lower() not in IMAGE_SUFFIXES:
+            return True
         try:
-            if Path(query).is_file():
-                return False
+            found = Path(query).is_file()
         except (OSError, ValueError):  # (a name too long for the filesystem, a NUL: not a file)
-            pass
-        if Path(query).suffix.lower() in IMAGE_SUFFIXES:
+            found = False
+        if not found:
             raise DataError("image file not found", path=query,
                             hint=f"check the path (a relative one is read from {Path.cwd()}); a query that ends "
                                  "in an image file's extension is read as an image path: to rank by it as "
                                  "text, pass query_kind=\"text\"")
-        return True
+        return False
 
     def _one_image(self, image: object, what: str) -> ImageEmb:
         """The embedding of one image given as a photo (path, bytes, PIL image), its precomputed features

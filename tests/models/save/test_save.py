@@ -616,6 +616,10 @@ def test_api_scores_images_with_a_save_checkpoint(preset, pixel_data, tmp_path):
     paths = [pixel_data / "images" / f"im{i}.{ext}" for i, ext in ((0, "jpg"), (3, "png"))]
     scores = matcher.score(paths, ["a red picture", "a blue one", "red"])
     assert scores.shape == (2, 3) and torch.isfinite(scores).all()
+    if preset == "save_asa_ms2":  # what image_features() gives goes back in (it was refused as "not an image")
+        maps = matcher.image_features(paths)
+        again = matcher.score(maps, ["a red picture", "a blue one", "red"])
+        assert torch.allclose(again, scores, atol=1e-5)
 
 
 def test_nl_ms2_from_pixels_saves_each_weight_once(tmp_path):
