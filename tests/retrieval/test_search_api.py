@@ -134,6 +134,12 @@ def test_bad_input_is_a_4xx_json_error_and_the_server_keeps_serving(client, capl
     assert client.get("/api/search", params={"q": "a red circle", "k": 1}).status_code == 200
 
 
+def test_the_apis_k_limit_is_said_as_the_apis(client):
+    """POST left the range check to the Searcher, whose hint names Python's way around the limit."""
+    error = _error(client.post("/api/search", json={"q": "red", "k": 101}), 422)
+    assert error["message"] == "k must be between 1 and 100, got 101" and "Python" not in (error.get("hint") or "")
+
+
 def test_a_query_of_bytes_that_are_not_utf8_is_told_so(client):
     error = _error(client.get("/api/search?q=a%20red%20%FF%FE"), 422)
     assert error["message"] == "the query holds bytes that are not UTF-8 text"

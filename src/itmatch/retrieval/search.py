@@ -66,15 +66,18 @@ def _undecoded_bytes(text: str) -> bool:
     return any(c == "\ufffd" or "\ud800" <= c <= "\udfff" for c in text)
 
 
-def check_k(k: int, limit: int | None = MAX_K) -> int:
-    """The number of results asked for: an integer >= 1, and at most `limit` unless it is None (MAX_K, the
-    limit of the CLI and the HTTP API, whose POST /api/search leaves this check to the Searcher)."""
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-        raise QueryError(f"k must be a whole number >= 1, got {k!r:.40}", hint="ask for one result or more")
+def check_k(k: int, limit: int | None = MAX_K, lift: str = "") -> int:
+    """The number of results asked for: a whole number from 1 to `limit` (MAX_K, the limit of the CLI and the HTTP
+    API), or >= 1 where `limit` is None; `lift` adds to the hint how the caller may raise the limit."""
+    bounds = f"between 1 and {limit}" if limit is not None else "a whole number >= 1"
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
+        raise QueryError(f"k must be {bounds.replace('between', 'a whole number between')}, got {k!r:.40}",
+                         hint="ask for one result or more")
+    if k < 1:
+        raise QueryError(f"k must be {bounds}, got {k}", hint="ask for one result or more")
     if limit is not None and k > limit:
-        raise QueryError(f"k must be between 1 and {limit}, got {k}",
-                         hint=f"ask for at most {limit} results (the search API's limit; from Python, "
-                              f"Searcher(..., max_k=None) lifts it)")
+        raise QueryError(f"k must be {bounds}, got {k}",
+                         hint=f"ask for at most {limit} results" + (f" ({lift})" if lift else ""))
     return int(k)
 
 
@@ -121,6 +124,10 @@ def read_captions_file(path: Path | str) -> list[str]:
     if not captions:
         raise DataError("no captions in the file", path=path, hint="one caption a line")
     return captions
+
+
+#: how a Python caller asks for more results than the HTTP API's limit (the API checks k itself, without this)
+_LIFT_K = "from Python, Searcher(..., max_k=None) lifts the limit"
 
 
 @dataclass
@@ -246,7 +253,7 @@ class Searcher:
     def search(self, query: str, k: int = 10) -> list[Hit]:
         """Text -> the k best images of the index, best first (fewer when the index, or the shortlist, holds fewer).
         `k` is at most the Searcher's `max_k` (100 unless it was made with another; QueryError beyond)."""
-        k = check_k(k, self.max_k)
+        k = check_k(k, self.max_k, lift=_LIFT_K)
         with self._lock:
             txt = self.encode_query(query)
             rows = torch.tensor(self.candidates(txt), dtype=torch.long, device=self.matcher.device)
@@ -263,7 +270,7 @@ class Searcher:
     def search_image(self, image: Image.Image | Path | str, k: int = 10) -> list[dict[str, Any]]:
         """Image -> the k best captions of the caption collection, best first, each with the words of it
         the model does not know. Captions without any known word are never ranked. `k` as for `search`."""
-        k = check_k(k, self.max_k)
+        k = check_k(k, self.max_k, lift=_LIFT_K)
         if not self.captions:
             raise QueryError("no caption collection loaded for image-to-text search", status=409,
                              hint="load one: Searcher(..., captions=[...]) from Python, --captions FILE (one "

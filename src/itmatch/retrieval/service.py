@@ -31,6 +31,7 @@ from itmatch.retrieval.limits import MAX_K, MAX_QUERY_CHARS, MAX_UPLOAD_BYTES
 from itmatch.retrieval.search import (
     QueryError,
     Searcher,
+    check_k,
     open_upload,
     read_captions_file,
 )
@@ -132,6 +133,7 @@ def parse_search_body(body: bytes) -> tuple[str, int]:
     k = data.get("k", 10)
     if not isinstance(k, int) or isinstance(k, bool):
         raise QueryError(f"{shape}; k is {type(k).__name__} {json.dumps(k)[:40]}", hint=example)
+    check_k(k)  # (the API's limit, said as the API's: the Searcher's own check names Python's way around it)
     try:
         data["q"].encode("utf-8")
     except UnicodeEncodeError:
