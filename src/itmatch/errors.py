@@ -49,3 +49,13 @@ def refuse_overwrite(path: str | Path, force: bool) -> None:
     if p.exists() and not force:
         raise OverwriteError("already exists", path=p,
                              hint="choose another output path or pass --force to replace it")
+
+
+def whole_number(name: str, value: object, hint: str) -> int:
+    """`value` of a Python argument that counts something (a batch size, top_k) as an int >= 1 (numpy integers
+    taken; bools and floats refused), else a ConfigError naming the argument, with `hint`."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}", hint=hint)
+    return int(value)

@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import numbers
 import os
 import secrets
 import time
@@ -27,7 +26,7 @@ from filelock import FileLock, Timeout
 from numpy.lib.format import open_memmap
 from tqdm import tqdm
 
-from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError, whole_number
 from itmatch.features.pipeline import (
     IMAGE_SUFFIXES,
     UnreadableImage,
@@ -388,12 +387,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
 
 def _check_build_arguments(*, batch_size: int, chunk: int, on_chunk: Callable[[int, int], None] | None) -> None:
     """ConfigError naming the build_index argument whose value cannot work (and the CLI option it comes from)."""
-    for name, option, value in (("batch_size", "--batch-size", batch_size), ("chunk", None, chunk)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            given = f"{option} N, " if option else ""
-            raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}",
-                              hint=f"pass {name}=N ({given}N >= 1; the default is "
-                                   f"{build_index.__kwdefaults__[name]})")
+    whole_number("batch_size", batch_size, hint="pass batch_size=N (--batch-size N, N >= 1; the default is 8)")
+    whole_number("chunk", chunk, hint="pass chunk=N (N >= 1; the default is 64)")
     if on_chunk is not None and not callable(on_chunk):
         raise ConfigError(f"on_chunk must be a function on_chunk(done, total) or None, got {type(on_chunk).__name__}",
                           hint="pass a callable, or leave on_chunk out")

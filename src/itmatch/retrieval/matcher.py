@@ -8,7 +8,6 @@ above it (docs/architecture.md)."""
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from PIL import Image
 from itmatch.data.precomp import MultiScaleArray, assert_finite
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
-from itmatch.errors import ConfigError, DataError, UnknownWordsWarning
+from itmatch.errors import ConfigError, DataError, UnknownWordsWarning, whole_number
 from itmatch.features.backbones import BACKBONE_NAMES, backbone_spec
 from itmatch.features.pipeline import IMAGE_SUFFIXES, decode_image, grid_features
 from itmatch.inference import encode_captions, encode_images, require_items, score_matrix
@@ -35,12 +34,6 @@ _ONE_IMAGE = (str, Path, bytes, Image.Image)
 #: how rank() reads its query: decided from the query ("auto"), or said by the caller
 QUERY_KINDS = ("auto", "text", "image")
 _PHOTOS_HINT = "or pass the photos themselves (paths, bytes or PIL images): the matcher computes what the model reads"
-
-
-def _positive_int(name: str, value: object, hint: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}", hint=hint)
-    return int(value)
 
 
 def _text_list(texts: object) -> list[str]:
@@ -150,7 +143,7 @@ class ImageTextMatcher:
         multi-scale model (SAVE) its cached stage maps; for a pixel model the preprocessed pixels [N, 3, S, S].
         An empty list, an item of another type or a `batch_size` below 1 raises before any image is read; an
         unreadable file raises DataError naming it."""
-        batch_size = _positive_int("batch_size", batch_size, "pass batch_size >= 1 (images per backbone pass)")
+        batch_size = whole_number("batch_size", batch_size, "pass batch_size >= 1 (images per backbone pass)")
         images = _image_list(images)
         inputs = image_inputs(self.checkpoint.config.model)
         parts = []
@@ -261,7 +254,7 @@ class ImageTextMatcher:
         a VSE++ model for SCAN) proposes the top `k` per query in both directions; this model's pair head
         re-scores them exactly. `.scores` is [n_images, n_texts] with -inf outside the candidates. Inputs are
         those of score(); bad ones and a `k` below 1 raise before any image is read."""
-        k = _positive_int("k", k, "pass k >= 1, the first-stage candidates re-scored per query (e.g. 100)")
+        k = whole_number("k", k, "pass k >= 1, the first-stage candidates re-scored per query (e.g. 100)")
         if first_stage is not None and (isinstance(images, ImageEmb) or isinstance(texts, TextEmb)):
             raise DataError("a separate first-stage model needs the raw images and texts, not embeddings",
                             hint="pass paths / features and strings")
@@ -299,7 +292,7 @@ class ImageTextMatcher:
         without any known word (or an empty one) is a DataError; candidate texts (strings) without any known
         word are never ranked (they are left out of the result, so they cannot outrank a text the model can
         read). score() does neither: it scores every caption as the model reads it."""
-        top_k = _positive_int("top_k", top_k, "pass top_k >= 1, the number of best candidates to return")
+        top_k = whole_number("top_k", top_k, "pass top_k >= 1, the number of best candidates to return")
         if self._is_text_query(query, query_kind):
             self._check_query(query)
             scores = self.score(candidates, [query])[:, 0]

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from itmatch.data.vocab import WordCoverage
-from itmatch.errors import ConfigError, DataError, ItmatchError
+from itmatch.errors import ConfigError, DataError, ItmatchError, whole_number
 from itmatch.features.pipeline import UnreadableImage, decode_image
 from itmatch.inference import score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
@@ -170,9 +170,8 @@ class Searcher:
         # (the settings first, before the index and the model are read)
         if shortlist < 0:
             raise ConfigError(f"shortlist must be >= 0 (0 = score every image), got {shortlist}")
-        if max_k is not None and (isinstance(max_k, bool) or not isinstance(max_k, numbers.Integral) or max_k < 1):
-            raise ConfigError(f"max_k must be a whole number >= 1 or None (no limit), got {max_k!r}",
-                              hint=f"leave it out for the search API's limit, {MAX_K}")
+        if max_k is not None:
+            whole_number("max_k", max_k, hint=f"leave it out for the search API's limit, {MAX_K}; None: no limit")
         self.index = load_index(index_dir, verify=verify)
         from itmatch.pretrained import resolve_checkpoint  # (a path, or a pretrained model's name)
 
