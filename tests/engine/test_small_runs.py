@@ -20,7 +20,7 @@ from itmatch.engine import train as train_module
 from itmatch.engine import vocabulary
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.train import check_full_batch, train, training_finished
-from itmatch.errors import CheckpointError, ConfigError
+from itmatch.errors import CheckpointError, ConfigError, DataError
 from itmatch.models.registry import resolve_config
 
 QUICK = {"model": {"embed_size": 16, "word_dim": 8}, "train": {"epochs": 1, "val_images": 4}}
@@ -147,6 +147,26 @@ def test_resuming_a_run_whose_checkpoint_has_no_manifest_warns_once(finished, tm
         warned = [r for r in caplog.records if "no manifest.json" in r.getMessage()]
         assert len(warned) == 1, (more, [r.getMessage() for r in warned])
         assert "best dev rsum" in capsys.readouterr().out
+
+
+def test_resuming_on_features_of_another_backbone_is_refused(eight_photos, tmp_path):
+    """Lite0's and Lite2's cells are both 1280-d: `--resume --data` of a Lite2 extraction trained a Lite0 run on
+    them without a word (evaluation compared the backbones; training did not)."""
+    lite = {}
+    for name in ("lite0", "lite2"):
+        lite[name] = tmp_path / name
+        shutil.copytree(eight_photos, lite[name])
+        meta = {"format": "itmatch-precomp", "backbone": name, "splits": dict.fromkeys(("train", "dev", "test"), {})}
+        (lite[name] / "meta.json").write_text(json.dumps(meta))  # (as `itmatch extract --backbone NAME` records it)
+    run = tmp_path / "run"
+    train(small_config(lite["lite0"], epochs=1, batch_size=8), run, progress=False)
+    assert load_checkpoint(run / "best").config.data.backbone == "lite0"
+    with pytest.raises(DataError, match="extracted with lite2, but the run's model reads lite0 features") as err:
+        train(Config(), run, resume=True, progress=False,
+              resume_overrides={"train": {"epochs": 2}, "data": {"path": str(lite["lite2"])}})
+    assert "--backbone lite0" in err.value.hint and "train.init_from" in err.value.hint
+    train(Config(), run, resume=True, progress=False,  # (its own features: trains on)
+          resume_overrides={"train": {"epochs": 2}, "data": {"path": str(lite["lite0"])}})
 
 
 @pytest.fixture(scope="module")

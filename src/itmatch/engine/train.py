@@ -33,7 +33,7 @@ from itmatch.data.datasets import (
     collate_captions,
     collate_pairs,
 )
-from itmatch.data.precomp import PrecompSplit
+from itmatch.data.precomp import META_NAME, PrecompSplit
 from itmatch.data.vocab import AnyVocab
 from itmatch.device import Placement, resolve
 from itmatch.engine.checkpoint import (
@@ -54,11 +54,11 @@ from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.inputs import data_backbone, fill_image_dims, open_split
 from itmatch.engine.resident import resident_images
 from itmatch.engine.vocabulary import apply_word_vectors, check_min_word_count, make_vocab, report_vocabulary
-from itmatch.errors import CheckpointError, ConfigError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
 from itmatch.models.losses import triplet_loss
-from itmatch.models.registry import build_model, finetune_backbone, read_pixels_for_finetuning
+from itmatch.models.registry import build_model, finetune_backbone, image_inputs, read_pixels_for_finetuning
 
 log = logging.getLogger("itmatch.train")
 TEST_SPLITS = ("test", "testall")  # the splits results are reported on
@@ -291,9 +291,16 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
     if vocab is None:
         vocab = make_vocab(cfg, train.training_captions)
     cfg.model.vocab_size = len(vocab)
+    found = data_backbone(cfg.data.path)
+    if cfg.data.backbone and found and found != cfg.data.backbone and image_inputs(cfg.model) != ("pixels",):
+        # (a resume with --data of another extraction: Lite0's and Lite2's cells are both 1280-d, so nothing else
+        # would notice, and the run would go on training on features its weights were not trained on)
+        raise DataError(f"the features in {cfg.data.path} were extracted with {found}, but the run's model reads "
+                        f"{cfg.data.backbone} features (data.backbone)", path=Path(cfg.data.path) / META_NAME,
+                        hint=f"give --data of an extraction with --backbone {cfg.data.backbone}; to train these "
+                             f"weights on {found} features, start a new run with --set train.init_from=RUN/best")
     fill_image_dims(cfg, train)
-    if not cfg.data.backbone:
-        cfg.data.backbone = data_backbone(cfg.data.path)
+    cfg.data.backbone = cfg.data.backbone or found
     return train, val, vocab
 
 
