@@ -382,13 +382,18 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
             *on_cpu(profile)]
 
 
+def dev_pair_rsums(row: str, profile: Profile) -> tuple[Path, dict[str, float]]:
+    """RUNS/<row>.dev_pairs.json, and the dev rsum of every pair ("a+b") evaluated so far ({} before the first)."""
+    picks = ROOT / profile.runs / f"{row}.dev_pairs.json"
+    return picks, json.loads(picks.read_text(encoding="utf-8")) if picks.is_file() else {}
+
+
 def evaluate_dev_pairs(row: str, profile: Profile, threads: int) -> None:
     """Every pair of a dev-picked row's candidates evaluated on the dev split, once: their rsums are kept in
     RUNS/<row>.dev_pairs.json (written after each pair, atomically), so a killed bench goes on with the pairs left."""
     from itmatch.io import write_json_atomic
 
-    picks = ROOT / profile.runs / f"{row}.dev_pairs.json"
-    dev_rsum = json.loads(picks.read_text(encoding="utf-8")) if picks.is_file() else {}
+    picks, dev_rsum = dev_pair_rsums(row, profile)
     for pair in itertools.combinations(profile.dev_picked[row], 2):
         key = "+".join(pair)
         if key in dev_rsum:
@@ -403,8 +408,7 @@ def evaluate_dev_pairs(row: str, profile: Profile, threads: int) -> None:
 def dev_pick(row: str, profile: Profile) -> list[str] | None:
     """The pair of a dev-picked row's candidates whose ensemble has the best dev rsum (on a tie the first in the
     candidates' order), from RUNS/<row>.dev_pairs.json; None while a pair has no dev rsum there yet."""
-    picks = ROOT / profile.runs / f"{row}.dev_pairs.json"
-    dev_rsum = json.loads(picks.read_text(encoding="utf-8")) if picks.is_file() else {}
+    _, dev_rsum = dev_pair_rsums(row, profile)
     pairs = ["+".join(pair) for pair in itertools.combinations(profile.dev_picked[row], 2)]
     if any(key not in dev_rsum for key in pairs):
         return None

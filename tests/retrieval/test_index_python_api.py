@@ -122,7 +122,7 @@ def test_messages_name_the_python_argument_and_the_cli_option(few_index, tmp_pat
     from itmatch.retrieval.two_stage import two_stage_scores
 
     vectors = torch.zeros(2, 4)
-    with pytest.raises(ConfigError, match=r"k \(--rerank K\) must be >= 1, got 0"):
+    with pytest.raises(ConfigError, match=r"k \(--rerank K\) must be a whole number >= 1, got 0"):
         two_stage_scores(None, [0, 1], [0, 1], 0, vectors, vectors)
     with pytest.raises(QueryError, match="no caption collection loaded") as err:
         Searcher(few_index).search_image(tmp_path / "photos" / "test_00000.png")

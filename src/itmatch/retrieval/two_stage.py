@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from itmatch.errors import ConfigError
+from itmatch.errors import ConfigError, whole_number
 from itmatch.inference import DEFAULT_BUDGET, HOST, score_pairs
 from itmatch.models.base import ImageEmb, Matcher, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
@@ -57,9 +57,7 @@ def two_stage_scores(model: Matcher, img: ImageEmb, txt: TextEmb, k: int, img_ve
     if len(img_vectors) != n or len(txt_vectors) != m:
         raise ConfigError(f"first-stage vectors ({len(img_vectors)} images, {len(txt_vectors)} captions) do "
                           f"not match the embeddings ({n} images, {m} captions)")
-    if k < 1:
-        raise ConfigError(f"k (--rerank K) must be >= 1, got {k}",
-                          hint="pass k >= 1, the first-stage candidates re-scored per query (e.g. 100)")
+    k = whole_number("k (--rerank K)", k, hint="pass k >= 1, the first-stage candidates re-scored per query (e.g. 100)")
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     caption_index = FirstStageIndex(index).build(txt_vectors)
