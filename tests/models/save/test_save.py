@@ -47,8 +47,8 @@ def dsa_reference(u: torch.Tensor, lam: float = 1.0) -> torch.Tensor:
 
 def asa_reference(m: AdaptiveSelfAttention, u: torch.Tensor) -> torch.Tensor:
     """Eq. 5-8 for one image u [k, C] with the module's 1x1-convolution weights, loop by loop."""
-    def conv(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:  # a 1x1 conv on one cell
-        return layer.weight @ x + layer.bias
+    def conv(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:  # a 1x1 conv on one cell (W u, + b if any)
+        return layer.weight @ x + (layer.bias if layer.bias is not None else 0.0)
 
     k = u.shape[0]
     y = torch.zeros_like(u)
@@ -81,15 +81,46 @@ def test_dsa_zero_cell_is_finite():
     assert torch.isfinite(out).all() and torch.isfinite(u.grad).all()
 
 
-def test_asa_matches_equations():
+@pytest.mark.parametrize("bias", [True, False])  # (False: theta, phi, g as Eq. 6-7 write them, W u)
+def test_asa_matches_equations(bias):
     torch.manual_seed(1)
-    m = AdaptiveSelfAttention(8).double()
+    m = AdaptiveSelfAttention(8, bias=bias).double()
     torch.nn.init.constant_(m.gamma, 0.7)  # gamma = 0 would hide the attention branch
     u = torch.randn(2, 12, 8, dtype=torch.float64)
     got = m(u)
     for n in range(2):
         assert (got[n] - asa_reference(m, u[n])).abs().max() <= 1e-5
     assert m.theta.out_features == m.phi.out_features == m.g.out_features == 4  # C/2
+
+
+def test_only_thetas_bias_changes_the_asa_attention():
+    """What docs/save.md says of model.save.asa_bias: phi's bias adds a term constant over the candidates j, which
+    the softmax cancels; theta's adds b_theta^T phi(u_j), which it does not."""
+    torch.manual_seed(2)
+    m = AdaptiveSelfAttention(8).double()
+    torch.nn.init.constant_(m.gamma, 0.7)
+    u = torch.randn(2, 12, 8, dtype=torch.float64)
+    before = m(u)
+    with torch.no_grad():
+        m.phi.bias.add_(3.0)
+    assert (m(u) - before).abs().max() <= 1e-10
+    with torch.no_grad():
+        m.theta.bias.add_(3.0)
+    assert (m(u) - before).abs().max() > 1e-3
+
+
+def test_asa_bias_reaches_the_model_through_the_config():
+    from itmatch.config import parse_overrides
+    from itmatch.models.registry import resolve_config
+
+    for sets, has_bias in (([], True), (["model.save.asa_bias=false"], False)):
+        mc = resolve_config("save_asa_ms2", parse_overrides(sets)).model
+        mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = 20, DIMS["c5"], 16, 8
+        mc.save.c3_dim, mc.save.c4_dim = DIMS["c3"], DIMS["c4"]
+        blocks = build_model(mc).image_encoder.fusion.attend.values()
+        assert [(b.theta.bias is not None, b.phi.bias is not None, b.g.bias is not None) for b in blocks] == \
+            [(has_bias,) * 3] * 2
+        assert all(b.out.bias is not None for b in blocks)  # (W_z, the block's own output layer, keeps its bias)
 
 
 def test_asa_is_identity_at_init():
@@ -199,6 +230,7 @@ def _save_head_through_config(preset: str, *sets: str):
 
     mc = resolve_config(preset, parse_overrides(list(sets))).model
     mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = 20, DIMS["c5"], 16, 8
+    mc.save.c3_dim, mc.save.c4_dim = DIMS["c3"], DIMS["c4"]
     return build_model(mc).head
 
 
@@ -256,6 +288,22 @@ def _cached_cfg(preset: str, **save) -> ModelConfig:
     for k, v in save.items():
         setattr(mc.save, k, v)
     return mc
+
+
+def test_the_papers_rows_in_their_other_settings_are_presets():
+    """Table 1 (i-t AVG and t-i LSE averaged, footnote 1), Table 4's t-i LSE rows, Table 5's DSA-ms2 and Table 6's
+    no-SA / no-SA-ms2 in its four settings: each a preset, scoring with SCAN's lambdas of its direction(s)."""
+    both = _save_head_through_config("save_asa_ms2_both")
+    assert isinstance(both, TwoWayScanHead) and (both.t2i.pool, both.i2t.pool) == ("lse", "avg")
+    assert _lambdas(both.t2i) == ("t2i", 9.0, 6.0) and _lambdas(both.i2t) == ("i2t", 4.0, 5.0)
+    for preset, direction, pool, lambdas in (("save_dsa_t2i_lse", "t2i", "lse", (9.0, 6.0)),
+                                              ("save_nosa_ms2_t2i_avg", "t2i", "avg", (9.0, 6.0)),
+                                              ("save_nosa_ms2_i2t_lse", "i2t", "lse", (4.0, 5.0))):
+        head = _save_head_through_config(preset)
+        assert (*_lambdas(head), head.pool) == (direction, *lambdas, pool)
+    for preset, attention in (("save_dsa_ms2", "dsa"), ("save_nosa_ms2", "none")):
+        sc = preset_config(preset).model.save
+        assert (sc.attention, sc.scales, sc.scale_norm) == (attention, "c4,c5", "layernorm")  # (as ASA-ms2's)
 
 
 @pytest.mark.parametrize("preset", ["save_nosa", "save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3"])

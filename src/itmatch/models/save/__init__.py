@@ -4,6 +4,8 @@ i-t head scores the result. Reads cached stage maps, or pixels through its own C
 
 from __future__ import annotations
 
+from typing import Any
+
 from itmatch.config import ModelConfig
 from itmatch.models.base import Matcher
 from itmatch.models.encoders import RNNTextEncoder
@@ -59,7 +61,8 @@ class Save(Arch):
             if unset:
                 raise ValueError(f"channels of cached scale(s) {unset} unknown: set model.save.c3_dim/c4_dim "
                                  "(the trainer takes them from the data)")
-        fusion = MultiScaleSelfAttention(scales, dims, sc.attention, sc.fusion, sc.dsa_lambda, tail, sc.scale_norm)
+        fusion = MultiScaleSelfAttention(scales, dims, sc.attention, sc.fusion, sc.dsa_lambda, tail, sc.scale_norm,
+                                         sc.asa_bias)
         image = SaveImageEncoder(fusion, mc.embed_size, norm=mc.img_norm, backbone=backbone)
         text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
                               bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm)
@@ -69,13 +72,29 @@ class Save(Arch):
         return model
 
 
+# The paper's scoring settings beside its default i-t AVG (SCAN's, each direction with SCAN's lambdas): with
+# model.direction=both, model.pool pools the t-i half and model.scan.i2t_pool the i-t half (docs/save.md)
+SETTINGS: dict[str, dict[str, Any]] = {
+    "t2i_lse": {"direction": "t2i", "pool": "lse"},
+    "t2i_avg": {"direction": "t2i"},
+    "i2t_lse": {"pool": "lse"},
+    "both": {"direction": "both", "pool": "lse", "scan": {"i2t_pool": "avg"}},  # i-t AVG + t-i LSE averaged
+}
+# setting -> the variants the paper reports in it: Table 1 (footnote 1: i-t and t-i scores averaged), Table 4's t-i
+# LSE rows, Table 6's no-SA and no-SA-ms2 in all four settings
+PAPER_SETTINGS = {"both": ("save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3"),
+                  "t2i_lse": ("save_nosa", "save_dsa", "save_asa", "save_nosa_ms2"),
+                  "t2i_avg": ("save_nosa", "save_nosa_ms2"),
+                  "i2t_lse": ("save_nosa", "save_nosa_ms2")}
+
+
 @register_presets
 def save_presets() -> dict[str, Preset]:
-    """SAVE Tables 4-5 (the ablations, all in the i-t AVG setting): self-attention variants on c5, fusion of
-    c4+c5 / c3+c4+c5, NL-ms2; the paper gives no schedule beyond SCAN's "same settings": F30K's.
-    model.direction=both gives Table 1's averaged i-t/t-i scores (footnote 1). Both directions' lambdas are
-    set (SCAN Table 1): t-i in model.scan.lambda_*, i-t in model.scan.i2t_lambda_*, so `--set
-    model.direction=t2i` or `=both` scores t-i with 9 / 6, not with the i-t 4 / 5."""
+    """SAVE Tables 4-6 in the i-t AVG setting (self-attention variants on c5, fusion of c4+c5 / c3+c4+c5,
+    NL-ms2), and the rows the paper reports in its other settings (PAPER_SETTINGS: `save_dsa_both` for Table 1's
+    averaged i-t/t-i scores, footnote 1; `save_dsa_t2i_lse`, ...); the paper gives no schedule beyond SCAN's "same
+    settings": F30K's. Both directions' lambdas are set (SCAN Table 1): t-i in model.scan.lambda_*, i-t in
+    model.scan.i2t_lambda_*, so t-i scores with 9 / 6, not with the i-t 4 / 5."""
     i2t = {f"i2t_{k}": v for k, v in SCAN_LAMBDAS[("f30k", "i2t")].items()}
     model = {"arch": "save", "direction": "i2t", "pool": "avg", "scan": {**SCAN_LAMBDAS[("f30k", "t2i")], **i2t}}
     variants = {
@@ -94,5 +113,15 @@ def save_presets() -> dict[str, Preset]:
         # DSA (the best frozen row on Flickr8K dev, docs/save.md) end to end; the Flickr8K row continues the
         # frozen save_dsa run with train.init_from
         "save_dsa_ft": {"attention": "dsa", "scales": "c5", "pixels": True, "finetune": True},
+        # Table 5's DSA-ms2 and Table 6's no-SA-ms2, their fused scales standardised as ASA-ms2's
+        "save_dsa_ms2": {"attention": "dsa", "scales": "c4,c5", "scale_norm": "layernorm"},
+        "save_nosa_ms2": {"attention": "none", "scales": "c4,c5", "scale_norm": "layernorm"},
     }
-    return {name: {"model": {**model, "save": save}, "train": F30K_SCHEDULE} for name, save in variants.items()}
+    presets = {name: {"model": {**model, "save": save}, "train": F30K_SCHEDULE} for name, save in variants.items()}
+    for setting, names in PAPER_SETTINGS.items():
+        for name in names:
+            base, change = presets[name]["model"], SETTINGS[setting]
+            scan = {**base["scan"], **change.get("scan", {})}
+            presets[f"{name}_{setting}"] = {"model": {**base, **change, "scan": scan}, "train": F30K_SCHEDULE}
+    return presets
+

@@ -19,10 +19,14 @@ class SaveConfig:
     # concat (Fig. 3: max-pool + concat) | nl (NL-ms2: self-attention inside the backbone)
     fusion: str = option("concat", choices=FUSIONS)
     dsa_lambda: float = option(1.0, above=0)  # inverse temperature of the DSA softmax (Eq. 3 has none: 1)
-    # none (the paper: raw maps) | layernorm: when fusing 2+ scales, each stage map is standardised per cell over
-    # its channels (no affine) before its self-attention, so that no scale outweighs the others by magnitude
-    # alone (EfficientNet's c3/c4 are linear-bottleneck outputs, larger in norm than c5's cells; measured:
-    # docs/save.md, "Decisions where the paper is silent or ambiguous")
+    # ASA's theta, phi, g with biases (the non-local block's 1x1 convolutions; every SAVE run so far) or without,
+    # as Eq. 6-7 write them (false); only theta's bias changes the attention (docs/save.md)
+    asa_bias: bool = True
+    # none (the paper: raw maps) | layernorm: each stage map is standardised per cell over its channels (no
+    # affine) before its self-attention, so that no fused scale outweighs the others by magnitude alone
+    # (EfficientNet's c3/c4 are linear-bottleneck outputs, larger in norm than c5's cells; the ms2/ms3 presets);
+    # on one scale, the control that separates standardising from fusing (docs/save.md, "Decisions where the
+    # paper is silent or ambiguous")
     scale_norm: str = option("none", choices=SCALE_NORMS)
     # the CNN of pixel input and of the NL tail (cached maps name theirs in meta.json)
     backbone: str = option("lite0", choices=("lite0", "lite2", "resnet50", "resnet152"))

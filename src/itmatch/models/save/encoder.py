@@ -62,14 +62,19 @@ class AdaptiveSelfAttention(nn.Module):
     the same map); s_ij = theta(u_i)^T phi(u_j) (Eq. 6), alpha = softmax_j (Eq. 5), a_i = sum_j alpha_ij
     g(u_j) (Eq. 7); a 1x1 convolution C/2 -> C (non-local's W_z: Eq. 8 adds a to u, which needs C
     channels) and y_i = gamma a_i + u_i with gamma initialised to 0 (Eq. 8), so the block starts as the
-    identity."""
+    identity.
 
-    def __init__(self, channels: int, reduction: int = 2) -> None:
+    `bias`: theta, phi and g with biases, as the non-local block's convolutions have them (the default), or
+    without, as Eq. 6-7 write them (W u). Only theta's changes the attention: it adds b_theta^T phi(u_j), a
+    learned prior over the candidates j; phi's adds a term constant over j (the softmax cancels it), and g's a
+    constant that W_z's own bias can hold (docs/save.md)."""
+
+    def __init__(self, channels: int, reduction: int = 2, bias: bool = True) -> None:
         super().__init__()
         inner = max(1, channels // reduction)
-        self.theta = nn.Linear(channels, inner)
-        self.phi = nn.Linear(channels, inner)
-        self.g = nn.Linear(channels, inner)
+        self.theta = nn.Linear(channels, inner, bias=bias)
+        self.phi = nn.Linear(channels, inner, bias=bias)
+        self.g = nn.Linear(channels, inner, bias=bias)
         self.out = nn.Linear(inner, channels)
         self.gamma = nn.Parameter(torch.zeros(1))
 
@@ -79,13 +84,13 @@ class AdaptiveSelfAttention(nn.Module):
         return self.gamma * self.out(a) + u
 
 
-def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0) -> nn.Module:
+def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0, asa_bias: bool = True) -> nn.Module:
     if kind == "none":
         return nn.Identity()
     if kind == "dsa":
         return DeterministicSelfAttention(dsa_lambda)
     if kind == "asa":
-        return AdaptiveSelfAttention(channels)
+        return AdaptiveSelfAttention(channels, bias=asa_bias)
     raise ValueError(f"unknown self-attention {kind!r}; choose one of {ATTENTIONS}")
 
 
@@ -121,7 +126,7 @@ class MultiScaleSelfAttention(nn.Module):
 
     def __init__(self, scales: Sequence[str], dims: Mapping[str, int], attention: str = "asa",
                  fusion: str = "concat", dsa_lambda: float = 1.0,
-                 tail: nn.Module | Borrowed | None = None, scale_norm: str = "none") -> None:
+                 tail: nn.Module | Borrowed | None = None, scale_norm: str = "none", asa_bias: bool = True) -> None:
         super().__init__()
         if fusion not in FUSIONS:
             raise ValueError(f"unknown fusion {fusion!r}; choose one of {FUSIONS}")
@@ -135,7 +140,7 @@ class MultiScaleSelfAttention(nn.Module):
         if fusion == "nl" and (self.scales != ("c4", "c5") or tail is None):
             raise ValueError("fusion 'nl' (NL-ms2) needs scales c4,c5 and the backbone's c4 -> c5 tail")
         self.tail = tail
-        self.attend = nn.ModuleDict({s: make_attention(attention, dims[s], dsa_lambda) for s in self.scales})
+        self.attend = nn.ModuleDict({s: make_attention(attention, dims[s], dsa_lambda, asa_bias) for s in self.scales})
         self.out_dim = dims["c5"] if fusion == "nl" else sum(dims[s] for s in self.scales)
 
     @property
