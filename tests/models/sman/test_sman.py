@@ -29,7 +29,7 @@ from itmatch.engine.train import train
 from itmatch.engine.vocabulary import apply_word_vectors
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.losses import triplet_loss
-from itmatch.models.registry import build_model, list_models, resolve_config
+from itmatch.models.registry import build_model, list_models, preset_config, resolve_config
 from itmatch.models.sman.head import fusion_gate
 from itmatch.models.sman.loss import intra_pair_loss
 
@@ -314,6 +314,16 @@ def test_presets_carry_paper_settings_and_switches():
         small_model(steps=3)
     with pytest.raises(ConfigError, match="unknown config key 'model.sman.beta'"):
         resolve_config("sman", parse_overrides(["model.sman.beta=1"]))
+
+
+def test_sman_inter_alpha1_preset_is_both_ablations_together():
+    # SMAN-inter (alpha = 1) of Tables I, II and IV: the gate at alpha = 1 and no Eq. 22 term, all else as `sman`
+    assert "sman_inter_alpha1" in list_models()
+    cfg, base = preset_config("sman_inter_alpha1"), preset_config("sman")
+    s = cfg.model.sman
+    assert (s.alpha, s.intra_pair_weight) == (1.0, 0.0)
+    assert (s.steps, s.spatial, s.intra_pair_margin) == (base.model.sman.steps, base.model.sman.spatial, 0.25)
+    assert cfg.train == base.train and cfg.loss == base.loss
 
 
 def test_grid_with_other_region_count_is_an_error():

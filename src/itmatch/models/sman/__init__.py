@@ -30,6 +30,9 @@ SMAN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "sman_im_loc": ({"steps": 1}, {}),  # intra-modal attention with v(loc)
     "sman_sim": ({"alpha": 1.0}, {}),  # stacked intra-modal attention (gate at alpha = 1)
     "sman_inter": ({"intra_pair_weight": 0.0}, {}),  # ranking loss only (no Eq. 22 term)
+    # SMAN-inter (alpha = 1) of Tables I, II and IV (alpha = 1.0): ranking loss only and the gate at alpha = 1; the
+    # paper's "approximately equivalent to DAN" also drops v(loc) (`--set model.sman.spatial=false`)
+    "sman_inter_alpha1": ({"alpha": 1.0, "intra_pair_weight": 0.0}, {}),
 }
 
 
