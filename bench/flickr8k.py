@@ -668,8 +668,8 @@ def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1
 def recall_figure(rows: list[str], threads: int, profile: Profile = CPU) -> None:
     """The recall curves of evaluated rows side by side, docs/results/recall/<table>.png (`itmatch analyze recall`
     of their test JSONs). A row evaluated before evaluations recorded the curve is evaluated again, into its JSON
-    only (the same scores on the CPU; its table row stays as it is); one without a checkpoint here stops the
-    figure, naming it."""
+    only (the same scores on the CPU; its table row stays as it is), its features extracted first where missing;
+    one without a checkpoint here stops the figure, naming it."""
     jsons = [f"{profile.runs}/{row}.test.json" for row in rows]  # (as the commands, run in ROOT, name them)
     for row, result_json in zip(rows, jsons, strict=True):
         path = ROOT / result_json
@@ -679,6 +679,8 @@ def recall_figure(rows: list[str], threads: int, profile: Profile = CPU) -> None
             if absent:
                 sys.exit(f"row {row}: no recall curve in {result_json} and no checkpoint of {', '.join(absent)} "
                          f"here to evaluate; leave the row out, or bring its JSON or run here")
+            for data in dict.fromkeys(d for m in members for d in row_members(m, profile)[1]):
+                ensure_features(data, profile)  # (a fresh machine has the runs brought back, not the features)
             run(evaluation_command(row, profile, threads, ["--json", result_json, "--force"], members=members))
     figure = f"docs/results/recall/{Path(profile.results).stem}.png"
     (ROOT / figure).parent.mkdir(parents=True, exist_ok=True)

@@ -364,7 +364,8 @@ def test_missing_lite0_features_are_extracted_as_the_readme_does_or_named_with_t
 
 def test_the_recall_figure_evaluates_again_only_rows_without_a_curve(bench, tmp_path, monkeypatch, capsys):
     """`--recall`: a row whose test JSON records its curve is drawn from it; one evaluated before curves were
-    recorded is evaluated again into its JSON alone; one with neither curve nor checkpoint here stops the figure."""
+    recorded is evaluated again into its JSON alone, its features made first; one with neither curve nor checkpoint
+    here stops the figure."""
     import dataclasses
 
     gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), on_cpu=True)
@@ -374,7 +375,10 @@ def test_the_recall_figure_evaluates_again_only_rows_without_a_curve(bench, tmp_
     (tmp_path / "runs" / "vsepp" / "best").mkdir(parents=True)
     (tmp_path / "runs" / "vsepp" / "best" / "config.json").write_text("{}")
     monkeypatch.setattr(bench, "DRY_RUN", True)
+    extracted = []  # (the features of a row evaluated again are made first where missing: here, record the call)
+    monkeypatch.setattr(bench, "ensure_features", lambda data, profile: extracted.append(data))
     bench.recall_figure(["oan", "vsepp"], 2, gpu)
+    assert extracted == [bench.DATA]  # vsepp's, not oan's (drawn from its JSON)
     commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("+ ")]
     assert len(commands) == 2 and " evaluate " in commands[0] and "vsepp/best" in commands[0]
     assert f"--json {tmp_path}/runs/vsepp.test.json --force" in commands[0]  # its JSON, not the table's row
