@@ -405,8 +405,8 @@ def index_lock(out_dir: Path):
         lock.acquire(timeout=0)
     except Timeout:
         raise OverwriteError("another `itmatch index` is writing this index now", path=out_dir,
-                             hint="wait for it to finish (it leaves the index complete), or write to another --out"
-                             ) from None
+                             hint="wait for it to finish (it leaves the index complete), or write to another "
+                                  "--out (out_dir)") from None
     try:
         yield
     finally:
@@ -455,16 +455,18 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
         if old is not None and not same_model(old["model"], identity) and not force:
             raise OverwriteError(
                 f"{out_dir} is an index built with another model ({old['model'].get('checkpoint')})",
-                path=out_dir, hint="write to another --out, or pass --force to re-encode it with this model")
+                path=out_dir, hint="write to another --out, or pass --force (force=True from Python) to "
+                                   "re-encode it with this model")
         if old is not None and old.get("images_root") not in (None, str(images_dir)) and not force:
             # (an update removes the photos it does not find: from another folder, every photo of this index)
             raise OverwriteError(
                 f"{out_dir} indexes {old['images_root']} ({old['count']} photos), not {images_dir}", path=out_dir,
                 hint="write to another --out; or, to make it the index of this folder (a moved photo folder, say), "
-                     "pass --force: photos whose content it has already encoded are not encoded again")
+                     "pass --force (force=True from Python): photos whose content it has already encoded are not "
+                     "encoded again")
     elif out_dir.exists() and any(p.name != PARTS for p in out_dir.iterdir()) and not force:
         raise OverwriteError("exists and is not an index", path=out_dir,
-                             hint="choose an empty or new --out, or pass --force")
+                             hint="choose an empty or new --out, or pass --force (force=True from Python)")
     out_dir.mkdir(parents=True, exist_ok=True)
     if dist.is_main():  # (the rank that holds index_lock and writes the arrays)
         _remove_killed_writes(out_dir)
@@ -497,7 +499,8 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
     if not paths and old is not None and old["count"] and not force:
         raise DataError(f"no image under {images_dir} (recursively): updating {out_dir} would remove all its "
                         f"{old['count']} photos", path=images_dir,
-                        hint="check the folder (a disk not mounted?); pass --force to empty the index")
+                        hint="check the folder (a disk not mounted?); pass --force (force=True from Python) to "
+                             "empty the index")
     records, unreadable = _hash_files(images_dir, paths, progress, None if rehash else old)
 
     # the old rows serve only when they hold every field this model's encoder returns

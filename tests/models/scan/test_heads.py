@@ -152,3 +152,26 @@ def test_vsepp_image_vector_is_l2_of_the_mean_of_l2_normalised_cell_embeddings()
     with torch.no_grad():
         got = model.encode_images(feats).vector
         assert torch.allclose(got, l2norm(cells.mean(1)), atol=1e-6)
+
+
+def test_an_i2t_model_left_with_the_t2i_lambdas_is_warned_of():
+    """A one-way head reads model.scan.lambda_* (the public code's one flag): a t-i preset turned i-t keeps SCAN's
+    t-i 9 / 6, which Table 1 does not use for i-t (4 / 5): said when the model is built; the i-t presets are not."""
+    import warnings
+
+    from itmatch.config import parse_overrides
+    from itmatch.models.registry import build_model, resolve_config
+
+    def build(preset: str, *sets: str):
+        mc = resolve_config(preset, parse_overrides(list(sets))).model
+        mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = 20, 8, 16, 8
+        return build_model(mc)
+
+    with pytest.warns(UserWarning, match="t-i values; its Table 1 gives i-t 4 / 5"):
+        model = build("scan_t2i_avg", "model.direction=i2t")
+    assert (model.head.direction, model.head.lambda_softmax) == ("i2t", 9.0)  # (warned, not changed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for preset, sets in (("scan_i2t_avg", ()), ("scan_i2t_lse_coco", ()), ("scan_t2i_avg", ("model.direction=i2t",
+                             "model.scan.lambda_softmax=4", "model.scan.lambda_lse=5"))):
+            build(preset, *sets)

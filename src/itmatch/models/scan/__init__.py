@@ -4,6 +4,7 @@ captions through a (Bi)GRU (`models/encoders.py`); they differ in the head. docs
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ SCAN_LAMBDAS = {
     ("coco", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
     ("coco", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 20.0},
 }
+T2I_LAMBDAS = tuple(SCAN_LAMBDAS[("f30k", "t2i")].values())  # (also model.scan.lambda_*'s defaults)
 
 
 @register_options("scan", moved_from={"model.lambda_softmax": "lambda_softmax", "model.lambda_lse": "lambda_lse",
@@ -110,8 +112,15 @@ class Scan(Arch):
     name = "scan"
 
     def build(self, mc: ModelConfig) -> Matcher:
-        i2t = two_way_lambdas(mc) if mc.direction == "both" else (mc.scan.lambda_softmax, mc.scan.lambda_lse)
-        return region_rnn_matcher(mc, scan_head(mc, i2t))
+        one_way = (mc.scan.lambda_softmax, mc.scan.lambda_lse)
+        if mc.direction == "i2t" and one_way == T2I_LAMBDAS:
+            # (a one-way model's only head reads model.scan.lambda_*, as the public code's one flag: a t-i preset
+            # turned i-t with --set model.direction=i2t keeps the t-i values unless told otherwise)
+            warnings.warn(f"SCAN i-t scores with model.scan.lambda_softmax / lambda_lse = {one_way[0]:g} / "
+                          f"{one_way[1]:g}, SCAN's t-i values; its Table 1 gives i-t 4 / 5 (COCO 4 / 20). Use a "
+                          "scan_i2t_* preset, or --set model.scan.lambda_softmax=4 --set model.scan.lambda_lse=5",
+                          UserWarning, stacklevel=2)
+        return region_rnn_matcher(mc, scan_head(mc, two_way_lambdas(mc) if mc.direction == "both" else one_way))
 
 
 @register_presets
