@@ -149,6 +149,30 @@ def test_reader_leaving_the_pipe_is_not_an_error_and_the_command_carries_on(monk
         assert main(["models"]) == 0
 
 
+def test_models_shows_each_presets_paper_row_and_filters_by_it(capsys):
+    """One line per preset: name, arch, the paper row it reproduces, epochs and lr; --settings adds the model
+    settings it changes, --paper TEXT keeps the presets whose name or row contains TEXT."""
+    from itmatch.models.registry import list_models
+
+    assert main(["models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == list_models()
+    scan = lines[list_models().index("scan_t2i_avg")]
+    assert scan.split()[:2] == ["scan_t2i_avg", "scan"] and "direction=" not in scan
+    assert scan.endswith("SCAN Tables 1, 3: t-i AVG  (epochs 30, lr 0.0002)")
+    assert main(["models", "--paper", "save table 1", "--settings"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == ["save_asa_both", "save_asa_ms2_both", "save_asa_ms3_both",
+                                                   "save_dsa_both"]
+    assert "ASA + ms2  (epochs 30, lr 0.0002)  direction=both pool=lse " in lines[1]
+    assert main(["models", "--paper", "oan_no_attn"]) == 0
+    assert capsys.readouterr().out.startswith("oan_no_attn            oan      OAN Table 2: No attention  (epochs 24")
+    for argv, said in ((["models", "--paper", "table 99"], "no preset's name or paper row contains 'table 99'"),
+                       (["models", "--pretrained", "--settings"], "list presets, not the shipped models")):
+        assert main(argv) == 2
+        assert said in capsys.readouterr().err
+
+
 def _run_cli(*args: str, **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "itmatch", *args], stderr=subprocess.PIPE, env=env, timeout=120,

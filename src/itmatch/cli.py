@@ -41,15 +41,25 @@ def _placement(args: argparse.Namespace):
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from itmatch.models.registry import PRESETS, list_models, preset_config
+    from itmatch.errors import ConfigError
+    from itmatch.models.registry import PAPER_ROWS, PRESETS, list_models, preset_config
 
     if args.pretrained:
+        if args.paper is not None or args.settings:
+            raise ConfigError("--paper and --settings list presets, not the shipped models of --pretrained")
         return _list_pretrained()
 
-    for name in list_models():
+    wanted = (args.paper or "").lower()
+    names = [name for name in list_models() if wanted in f"{name} {PAPER_ROWS.get(name, '')}".lower()]
+    if not names:
+        raise ConfigError(f"no preset's name or paper row contains {args.paper!r}",
+                          hint="e.g. --paper save, --paper 'table 3'; `itmatch models` lists them all")
+    for name in names:
         m, t = PRESETS[name]["model"], preset_config(name).train
-        detail = " ".join(f"{k}={v}" for k, v in m.items() if k != "arch")
-        print(f"{name:<22} {m['arch']:<8} {detail}  (epochs {t.epochs}, lr {t.lr:g})")
+        line = f"{name:<22} {m['arch']:<9}{PAPER_ROWS.get(name, '-')}  (epochs {t.epochs}, lr {t.lr:g})"
+        if args.settings:
+            line += "  " + " ".join(f"{k}={v}" for k, v in m.items() if k != "arch")
+        print(line)
     return 0
 
 
@@ -468,7 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="itmatch", description="Image-text matching: train, evaluate, search.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
-    s = sub.add_parser("models", help="list the model presets (paper configurations)")
+    s = sub.add_parser("models", help="list the model presets (paper configurations)",
+                       description="One line per preset: its name, arch, the paper row or table it reproduces "
+                                   "(\"this toolkit's: ...\" where it is none) and its epochs and lr.")
+    s.add_argument("--paper", metavar="TEXT",
+                   help="only the presets whose name or paper row contains TEXT (any case), e.g. --paper save, "
+                        "--paper 'table 3'")
+    s.add_argument("--settings", action="store_true",
+                   help="also the model settings each preset changes from the defaults")
     s.add_argument("--pretrained", action="store_true",
                    help="list the trained models shipped with itmatch instead (load them by name)")
     s.set_defaults(func=_cmd_models)

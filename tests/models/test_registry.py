@@ -14,8 +14,19 @@ from torch import nn
 
 from itmatch.config import ModelConfig, config_from_dict, new_model_config, parse_overrides
 from itmatch.errors import ConfigError
+from itmatch.models import registry
 from itmatch.models.base import ImageEmb, Matcher, SimilarityHead, TextEmb
-from itmatch.models.registry import ARCHS, PRESETS, Arch, build_model, register_arch, resolve_config
+from itmatch.models.registry import (
+    ARCHS,
+    PAPER_ROWS,
+    PRESETS,
+    Arch,
+    build_model,
+    preset_config,
+    register_arch,
+    register_presets,
+    resolve_config,
+)
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "itmatch"
 PACKAGES = {p.name for p in (SRC / "models").iterdir() if (p / "__init__.py").is_file()}
@@ -27,6 +38,41 @@ def test_every_arch_and_preset_comes_from_a_model_package():
     assert {p["model"]["arch"] for p in PRESETS.values()} <= set(ARCHS)
     sections = {f.name for f in dataclasses.fields(new_model_config()) if dataclasses.is_dataclass(f.type)}
     assert {"scan", "oan", "mmca", "save", "sman", "meanpool"} <= sections
+
+
+def test_every_preset_says_which_paper_row_it_reproduces():
+    """`itmatch models` shows each preset's paper row or table, or says it is this toolkit's own (a `_coco` twin of
+    a Flickr30K row, an end-to-end `_ft` run, a baseline no paper reports)."""
+    missing = sorted(set(PRESETS) - set(PAPER_ROWS))
+    assert not missing, f"presets with no paper row (give their dict a \"paper\" key): {', '.join(missing)}"
+    assert not [name for name in PRESETS if "paper" in PRESETS[name]]  # (kept out of the configs)
+    for name in PRESETS:
+        preset_config(name)  # every preset still resolves
+    papers = ("SCAN Table", "OAN Table", "MMCA Table", "SAVE Table", "SMAN Table", "this toolkit's")
+    assert not [f"{name}: {row}" for name, row in PAPER_ROWS.items() if not row.startswith(papers)]
+    assert PAPER_ROWS["scan_t2i_avg"] == "SCAN Tables 1, 3: t-i AVG"
+    assert PAPER_ROWS["scan_i2t_lse_coco"] == "SCAN Table 2 (MS-COCO): i-t LSE"
+    assert PAPER_ROWS["scan_i2t_max"] == "SCAN Table 4: i-t MAX"
+    assert PAPER_ROWS["save_asa_ms2_both"] == "SAVE Table 1 (i-t AVG + t-i LSE averaged, footnote 1): ASA + ms2"
+    assert PAPER_ROWS["save_nosa_t2i_lse"] == "SAVE Tables 4, 6 (t-i LSE): no-SA"
+    assert PAPER_ROWS["oan_no_intra_attn"] == "OAN Table 2: No intra-modal attention"
+    assert PAPER_ROWS["sman_im"] == "SMAN Table III: SMAN-IM"
+    assert PAPER_ROWS["mmca_alpha0"].startswith("MMCA Table 6: alpha = 0")
+    # no paper prints these: SCAN's Table 4 ablates MAX / SUM on i-t only; SCAN's Table 2 has no MAX / SUM, no
+    # Sum-Max; SAVE's end-to-end rows; VSE++ on regions and mean pooling are baselines of this toolkit's
+    ours = ["scan_t2i_max", "scan_t2i_sum", "scan_i2t_max_coco", "summax_t2i_coco", "vsepp", "vsepp_coco",
+            "save_dsa_ft", "save_asa_ms3_ft", "meanpool"]
+    assert [PAPER_ROWS[name] for name in ours if not PAPER_ROWS[name].startswith("this toolkit's")] == []
+    assert PAPER_ROWS["scan_i2t_max_coco"].endswith("with COCO's schedule and lambdas")
+
+
+def test_a_presets_paper_row_is_registered_apart_from_its_config(monkeypatch):
+    monkeypatch.setattr(registry, "PRESETS", {})
+    monkeypatch.setattr(registry, "PAPER_ROWS", {})
+    register_presets(lambda: {"a": {"model": {"arch": "vsepp"}, "paper": "X Table 9: a"}, "b": {"model": {}}})
+    assert registry.PRESETS == {"a": {"model": {"arch": "vsepp"}}, "b": {"model": {}}}
+    assert registry.PAPER_ROWS == {"a": "X Table 9: a"}
+    assert resolve_config("a").model.arch == "vsepp"  # (an unknown key "paper" would be refused)
 
 
 @pytest.mark.parametrize(("key", "value", "message"), [

@@ -15,7 +15,8 @@ from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher
 from itmatch.models.encoders import read_pixels_through
 
-#: a partial config: {"model": {...}, "train": {...}, ...} applied over the defaults
+#: a partial config: {"model": {...}, "train": {...}, ...} applied over the defaults; at registration it may also
+#: carry "paper": the paper row or table it reproduces (kept in PAPER_ROWS, not in the config)
 Preset = dict[str, Any]
 
 
@@ -57,6 +58,8 @@ class Arch:
 
 ARCHS: dict[str, Arch] = {}
 PRESETS: dict[str, Preset] = {}
+#: preset name -> what it reproduces, e.g. "SCAN Table 1: t-i AVG", or "this toolkit's: ..." where it is no paper row
+PAPER_ROWS: dict[str, str] = {}
 
 
 def register_arch(cls: type[Arch]) -> type[Arch]:
@@ -70,11 +73,14 @@ def register_arch(cls: type[Arch]) -> type[Arch]:
 def register_presets(make: Callable[[], dict[str, Preset]]) -> Callable[[], dict[str, Preset]]:
     """Function decorator: the presets `make()` returns, by name, each a partial config naming its arch: every
     paper configuration worth reproducing, with the paper's hyper-parameters (the CPU schedule of docs/ is
-    applied on top)."""
+    applied on top). A preset's "paper" key, the row it reproduces, goes to PAPER_ROWS (`itmatch models` shows
+    it; config resolution never sees it)."""
     for name, preset in make().items():
         if name in PRESETS:
             raise ValueError(f"preset {name!r} is already registered")
-        PRESETS[name] = preset
+        PRESETS[name] = {key: value for key, value in preset.items() if key != "paper"}
+        if preset.get("paper"):
+            PAPER_ROWS[name] = str(preset["paper"])
     return make
 
 

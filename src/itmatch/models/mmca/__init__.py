@@ -47,7 +47,10 @@ def mmca_presets() -> dict[str, Preset]:
     margin 0.2, alpha 0.2 (Table 6); WordPiece tokens of the frozen text encoder."""
     base = {"train": {"epochs": 20, "lr": 2e-4, "lr_update": 10, "batch_size": 64},
             "loss": {"margin": 0.2}, "data": {"tokenizer": "wordpiece"}}
-    variants = {"mmca": {"embed_size": 256, "mmca": {"alpha": 0.2}},
-                "mmca_alpha0": {"embed_size": 256, "mmca": {"alpha": 0.0}},  # self-attention module only
-                "mmca_h512": {"embed_size": 512, "mmca": {"alpha": 0.2}}}  # a larger hidden size
-    return {name: {"model": {"arch": "mmca", **model}, **base} for name, model in variants.items()}
+    variants = {"mmca": ("Tables 1-3: MMCA (d = 256, alpha = 0.2: the best of Tables 4-6)",
+                         {"embed_size": 256, "mmca": {"alpha": 0.2}}),
+                "mmca_alpha0": ("Table 6: alpha = 0 (self-attention module only)",
+                                {"embed_size": 256, "mmca": {"alpha": 0.0}}),
+                "mmca_h512": ("Tables 4/5: hidden size d = 512", {"embed_size": 512, "mmca": {"alpha": 0.2}})}
+    return {name: {"model": {"arch": "mmca", **model}, **base, "paper": f"MMCA {row}"}
+            for name, (row, model) in variants.items()}

@@ -25,15 +25,16 @@ __all__ = ["OANConfig", "OANHead", "TextCNNEncoder", "OAN_VARIANTS"]
 # beta = 0.5, K = 6, gamma = 0.3).
 OAN_SCHEDULE = {"epochs": 24, "optimizer": "adam", "lr": 5e-4, "lr_update": 15, "weight_decay": 1e-6,
                 "grad_clip": 2.0, "batch_size": 128}
-# Table 2 of OAN (ablations): preset suffix -> model.oan switches. `oan` is the paper's chosen full model (Eq. 10 + 12).
-OAN_VARIANTS: dict[str, dict[str, Any]] = {
-    "": {"negatives": "eq12"},  # full model, Eq. 10 with the Eq. 12 intra-modal negatives (the paper's choice)
-    "_eq11": {"negatives": "eq11"},  # full model, Eq. 10 with the Eq. 11 intra-modal negatives
-    "_no_intra_neg": {"negatives": "none"},  # no intra-modal hard negatives (Eq. 9)
-    "_no_inter_attn": {"inter": False},  # no inter-modal attention
-    "_no_intra_attn": {"intra": "none"},  # no intra-modal attention
-    "_no_attn": {"inter": False, "intra": "mean"},  # no attention: mean pooling in each modality
-    "_bilstm": {"text_encoder": "bilstm"},  # no object-oriented textual encoder
+# Table 2 of OAN (ablations): preset suffix -> (its row, model.oan switches). `oan` is the paper's chosen full model
+# (Eq. 10 + 12), the model of Tables 3-4.
+OAN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "": ("Full model (Eq. 10 and Eq. 12), OAN of Tables 3-4", {"negatives": "eq12"}),
+    "_eq11": ("Full model (Eq. 10 and Eq. 11)", {"negatives": "eq11"}),
+    "_no_intra_neg": ("No intra-modal hard negatives", {"negatives": "none"}),  # Eq. 9 in every term
+    "_no_inter_attn": ("No inter-modal attention", {"inter": False}),
+    "_no_intra_attn": ("No intra-modal attention", {"intra": "none"}),
+    "_no_attn": ("No attention", {"inter": False, "intra": "mean"}),  # mean pooling in each modality
+    "_bilstm": ("No object-oriented textual encoder", {"text_encoder": "bilstm"}),  # a BiLSTM for the TextCNN
 }
 
 
@@ -77,5 +78,5 @@ class OAN(Arch):
 def oan_presets() -> dict[str, Preset]:
     """oan and its Table 2 ablations (oan_eq11, oan_no_intra_neg, ...), section 5.2's schedule."""
     return {f"oan{suffix}": {"model": {"arch": "oan", "embed_size": 512, "word_dim": 300, "oan": switches},
-                             "loss": {"margin": 0.2}, "train": OAN_SCHEDULE}
-            for suffix, switches in OAN_VARIANTS.items()}
+                             "loss": {"margin": 0.2}, "train": OAN_SCHEDULE, "paper": f"OAN Table 2: {row}"}
+            for suffix, (row, switches) in OAN_VARIANTS.items()}

@@ -80,12 +80,35 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "i2t_lse": {"pool": "lse"},
     "both": {"direction": "both", "pool": "lse", "scan": {"i2t_pool": "avg"}},  # i-t AVG + t-i LSE averaged
 }
+# The paper's tables of these presets: (the scoring settings it reports, {variant: its row there}); "i2t_avg" is the
+# variants' own setting, any other one a preset `{variant}_{setting}` (the label `itmatch models` shows: paper_row)
+PAPER_TABLES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "Table 1": (("both",), {"save_dsa": "DSA", "save_asa": "ASA", "save_asa_ms2": "ASA + ms2",
+                            "save_asa_ms3": "ASA + ms3"}),
+    "Table 4": (("i2t_avg", "t2i_lse"), {"save_nosa": "no-SA", "save_dsa": "DSA", "save_asa": "ASA"}),
+    "Table 5": (("i2t_avg",), {"save_dsa": "DSA", "save_dsa_ms2": "DSA-ms2", "save_asa": "ASA",
+                               "save_asa_ms2": "ASA-ms2", "save_asa_ms3": "ASA-ms3", "save_nl_ms2": "NL-ms2"}),
+    "Table 6": (("i2t_lse", "i2t_avg", "t2i_lse", "t2i_avg"), {"save_nosa": "no-SA", "save_nosa_ms2": "no-SA-ms2"}),
+}
+SETTING_NAMES = {"i2t_avg": "i-t AVG", "t2i_lse": "t-i LSE", "t2i_avg": "t-i AVG", "i2t_lse": "i-t LSE",
+                 "both": "i-t AVG + t-i LSE averaged, footnote 1"}
 # setting -> the variants the paper reports in it: Table 1 (footnote 1: i-t and t-i scores averaged), Table 4's t-i
 # LSE rows, Table 6's no-SA and no-SA-ms2 in all four settings
-PAPER_SETTINGS = {"both": ("save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3"),
-                  "t2i_lse": ("save_nosa", "save_dsa", "save_asa", "save_nosa_ms2"),
-                  "t2i_avg": ("save_nosa", "save_nosa_ms2"),
-                  "i2t_lse": ("save_nosa", "save_nosa_ms2")}
+PAPER_SETTINGS = {setting: tuple(dict.fromkeys(name for settings, rows in PAPER_TABLES.values()
+                                               if setting in settings for name in rows))
+                  for setting in SETTINGS}
+
+
+def paper_row(name: str, setting: str = "i2t_avg") -> str:
+    """The tables reporting variant `name` in `setting`, and its row, e.g. "SAVE Tables 4, 5 (i-t AVG): DSA";
+    "" where none does."""
+    tables = {table: rows[name] for table, (settings, rows) in PAPER_TABLES.items()
+              if setting in settings and name in rows}
+    if not tables:
+        return ""
+    numbers = ", ".join(table.split()[1] for table in tables)
+    return (f"SAVE Table{'s' if len(tables) > 1 else ''} {numbers} ({SETTING_NAMES[setting]}): "
+            f"{next(iter(tables.values()))}")
 
 
 @register_presets
@@ -117,11 +140,15 @@ def save_presets() -> dict[str, Preset]:
         "save_dsa_ms2": {"attention": "dsa", "scales": "c4,c5", "scale_norm": "layernorm"},
         "save_nosa_ms2": {"attention": "none", "scales": "c4,c5", "scale_norm": "layernorm"},
     }
-    presets = {name: {"model": {**model, "save": save}, "train": F30K_SCHEDULE} for name, save in variants.items()}
+    end_to_end = "this toolkit's: {} end to end from pixels, its CNN fine-tuned at lr / 10 (SAVE section 3.5.3)"
+    presets = {name: {"model": {**model, "save": save}, "train": F30K_SCHEDULE,
+                      "paper": paper_row(name) or end_to_end.format(name.removesuffix("_ft"))}
+               for name, save in variants.items()}
     for setting, names in PAPER_SETTINGS.items():
         for name in names:
             base, change = presets[name]["model"], SETTINGS[setting]
             scan = {**base["scan"], **change.get("scan", {})}
-            presets[f"{name}_{setting}"] = {"model": {**base, **change, "scan": scan}, "train": F30K_SCHEDULE}
+            presets[f"{name}_{setting}"] = {"model": {**base, **change, "scan": scan}, "train": F30K_SCHEDULE,
+                                            "paper": paper_row(name, setting)}
     return presets
 

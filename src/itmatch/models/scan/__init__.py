@@ -123,6 +123,20 @@ class Scan(Arch):
         return region_rnn_matcher(mc, scan_head(mc, two_way_lambdas(mc) if mc.direction == "both" else one_way))
 
 
+# (direction, pool) -> the tables of SCAN's Flickr30K rows (MAX / SUM: Table 4 ablates them on i-t only); its
+# MS-COCO Table 2 reports every AVG and LSE row
+F30K_TABLES = {("t2i", "avg"): "Tables 1, 3", ("t2i", "lse"): "Table 1", ("i2t", "avg"): "Tables 1, 3-5",
+               ("i2t", "lse"): "Table 1", ("i2t", "max"): "Table 4", ("i2t", "sum"): "Table 4"}
+
+
+def paper_row(row: str, tables: str, dataset: str, coco: str = "schedule") -> str:
+    """What a preset of SCAN's family reproduces: `row` of SCAN's Flickr30K `tables` ("": a row of this toolkit's),
+    and as a `_coco` twin, the same with COCO's `coco`."""
+    if dataset == "f30k":
+        return f"SCAN {tables}: {row}" if tables else f"this toolkit's: {row}"
+    return f"this toolkit's: {f'SCAN {tables} ' if tables else ''}{row} with COCO's {coco}"
+
+
 @register_presets
 def scan_presets() -> dict[str, Preset]:
     """vsepp, summax_{t2i,i2t}, scan_{t2i,i2t}_{avg,lse,max,sum} (MAX / SUM: SCAN Table 4), each with the
@@ -130,13 +144,22 @@ def scan_presets() -> dict[str, Preset]:
     presets: dict[str, dict[str, Any]] = {}
     for dataset, schedule in (("f30k", F30K_SCHEDULE), ("coco", COCO_SCHEDULE)):
         suffix = "" if dataset == "f30k" else "_coco"
-        presets[f"vsepp{suffix}"] = {"model": {"arch": "vsepp", "bidirectional": False}, "train": schedule}
+        presets[f"vsepp{suffix}"] = {
+            "model": {"arch": "vsepp", "bidirectional": False}, "train": schedule,
+            "paper": paper_row("VSE++ on SCAN's regions (SCAN quotes VSE++'s own figures)", "", dataset)}
         for direction in ("t2i", "i2t"):
+            way = {"t2i": "t-i", "i2t": "i-t"}[direction]
             presets[f"summax_{direction}{suffix}"] = {
-                "model": {"arch": "summax", "direction": direction}, "train": schedule}
+                "model": {"arch": "summax", "direction": direction}, "train": schedule,
+                "paper": paper_row(f"Sum-Max {way}", "Table 3", dataset)}
             for pool in ("avg", "lse", "max", "sum"):
+                row, tables = f"{way} {pool.upper()}", F30K_TABLES.get((direction, pool), "")
+                if not tables:
+                    row = f"SCAN {row} (Table 4 ablates {pool.upper()} on i-t only)"
                 presets[f"scan_{direction}_{pool}{suffix}"] = {
                     "model": {"arch": "scan", "direction": direction, "pool": pool,
                               "scan": dict(SCAN_LAMBDAS[(dataset, direction)])},
-                    "train": schedule}
+                    "train": schedule,
+                    "paper": (f"SCAN Table 2 (MS-COCO): {row}" if suffix and pool in ("avg", "lse")
+                              else paper_row(row, tables, dataset, "schedule and lambdas"))}
     return presets

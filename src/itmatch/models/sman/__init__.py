@@ -21,18 +21,20 @@ __all__ = ["SMANConfig", "SMANHead", "SMANImageEncoder", "SMANTextEncoder", "SMA
 SMAN_SCHEDULE = {"epochs": 60, "optimizer": "adadelta", "lr": 0.05, "lr_update": 50, "weight_decay": 5e-4,
                  "grad_clip": 0.1, "grad_clip_mode": "value", "batch_size": 128}
 SMAN_MODEL = {"arch": "sman", "embed_size": 512, "word_dim": 512, "text_rnn": "lstm"}
-# name -> (model.sman switches, other model fields): SMAN (random words), the pretrained-vector variant
-# (spaCy en_core_web_md 300-d in place of GloVe) and the ablations of section IV-A4 / Table III-V.
-SMAN_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "sman": ({}, {}),
-    "sman_w2v_spacy": ({}, {"word_vectors": "spacy_md", "word_dim": 300}),
-    "sman_im": ({"steps": 1, "spatial": False}, {}),  # intra-modal attention, no v(loc)
-    "sman_im_loc": ({"steps": 1}, {}),  # intra-modal attention with v(loc)
-    "sman_sim": ({"alpha": 1.0}, {}),  # stacked intra-modal attention (gate at alpha = 1)
-    "sman_inter": ({"intra_pair_weight": 0.0}, {}),  # ranking loss only (no Eq. 22 term)
-    # SMAN-inter (alpha = 1) of Tables I, II and IV (alpha = 1.0): ranking loss only and the gate at alpha = 1; the
-    # paper's "approximately equivalent to DAN" also drops v(loc) (`--set model.sman.spatial=false`)
-    "sman_inter_alpha1": ({"alpha": 1.0, "intra_pair_weight": 0.0}, {}),
+# name -> (the paper's row, model.sman switches, other model fields): SMAN (random words), the pretrained-vector
+# variant (spaCy en_core_web_md 300-d in place of GloVe) and the ablations of section IV-A4 / Tables III-V.
+SMAN_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "sman": ("Tables I, II: SMAN (random)", {}, {}),
+    "sman_w2v_spacy": ("Tables I, II: SMAN (Glove), spaCy's vectors in GloVe's place", {},
+                       {"word_vectors": "spacy_md", "word_dim": 300}),
+    "sman_im": ("Table III: SMAN-IM", {"steps": 1, "spatial": False}, {}),  # intra-modal attention, no v(loc)
+    "sman_im_loc": ("Table III: SMAN-IM-LOC", {"steps": 1}, {}),  # intra-modal attention with v(loc)
+    "sman_sim": ("Table III: SMAN-SIM", {"alpha": 1.0}, {}),  # stacked intra-modal attention (gate at alpha = 1)
+    # ranking loss only (no Eq. 22 term)
+    "sman_inter": ("Tables I, II, IV, V: SMAN-inter (alpha = 0.9)", {"intra_pair_weight": 0.0}, {}),
+    # ranking loss only and the gate at alpha = 1; the paper's "approximately equivalent to DAN" also drops v(loc)
+    # (`--set model.sman.spatial=false`)
+    "sman_inter_alpha1": ("Tables I, II, IV: SMAN-inter (alpha = 1)", {"alpha": 1.0, "intra_pair_weight": 0.0}, {}),
 }
 
 
@@ -56,5 +58,5 @@ class SMAN(Arch):
 def sman_presets() -> dict[str, Preset]:
     """sman, sman_w2v_spacy and the ablations of section IV-A4, section IV-A3's schedule."""
     return {name: {"model": {**SMAN_MODEL, **fields, "sman": switches}, "loss": {"margin": 0.2},
-                   "train": SMAN_SCHEDULE}
-            for name, (switches, fields) in SMAN_VARIANTS.items()}
+                   "train": SMAN_SCHEDULE, "paper": f"SMAN {row}"}
+            for name, (row, switches, fields) in SMAN_VARIANTS.items()}
