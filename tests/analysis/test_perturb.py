@@ -218,9 +218,19 @@ def test_analyze_perturb_end_to_end(tiny_precomp, tmp_path, capsys):
     # the fixture's captions are "a <attr> and <attr> and <attr>": colours are adjectives
     assert report["priors"]["adjectives"] > 0.5
     with open(out / "perturb.csv", newline="") as fh:
-        assert len(list(csv.DictReader(fh))) == 3
+        lines = list(csv.DictReader(fh))
+    assert len(lines) == 3 and [line["epochs"] for line in lines] == ["1"] * 3
     assert (out / "perturb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "Random shuffling" in (out / "perturb.md").read_text()
+    page = (out / "perturb.md").read_text()
+    assert "Random shuffling" in page
+    # what the runs were, so that a reader can tell a converged study from a short one and where it trained
+    assert report["schedule"].startswith("D = 32, 1 epochs, batch 32, adam lr 0.002")
+    assert f"Every run: {report['schedule']}" in page
+    for row in report["rows"]:
+        assert (row["epochs"], row["best_epoch"], row["trained_on"]) == (1, 1, "auto") and row["dev_rsum"] > 0
+        assert row["rsum"] == pytest.approx(sum(row[d][k] for d in ("text_to_image", "image_to_text")
+                                                for k in ("r1", "r5", "r10")))
+        assert f"| {row['label']} | {row['rsum']:.1f} | {row['dev_rsum']:.1f} | 1 | 1 | auto |" in page
     # a second call reuses the finished runs and their test metrics instead of recomputing them
     stamps = [(out / "shuffle" / name).stat().st_mtime_ns for name in ("best/model.safetensors", "eval_test_full.json")]
     assert main(args) == 0

@@ -31,7 +31,7 @@ from itmatch.data.perturb import (
 )
 from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
-from itmatch.engine.checkpoint import load_checkpoint, read_checkpoint_config
+from itmatch.engine.checkpoint import load_checkpoint, read_checkpoint_config, read_state
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.train import train, training_finished
 from itmatch.errors import CheckpointError, ConfigError, OverwriteError
@@ -100,8 +100,8 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
         transform = CaptionPerturbation(kind, train_split.training_captions, tagged, seed=seed)
         result, best_epoch = _evaluate(run_dirs[kind], out / kind, test_split, protocol, progress)
         rows.append({"perturbation": kind, "label": LABELS[kind], "empty_captions": len(transform.empty),
-                     "prior": priors.get(kind), "best_epoch": best_epoch,
-                     **{d: {k: result[d][k] for k in KS} for d in DIRECTIONS}})
+                     "prior": priors.get(kind), "best_epoch": best_epoch, "rsum": result["rsum"],
+                     **_run_facts(run_dirs[kind]), **{d: {k: result[d][k] for k in KS} for d in DIRECTIONS}})
     base = rows[0]
     for row in rows:
         for d in DIRECTIONS:
@@ -110,7 +110,8 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
                 row[d][f"{k}_delta"] = delta
                 row[d][f"{k}_delta_pct"] = 100.0 * delta / base[d][k] if base[d][k] else 0.0
     report = {"model": cfg.preset or cfg.model.arch, "data": cfg.data.path, "split": split, "protocol": protocol,
-              "train_captions": len(train_split.training_captions), "priors": priors, "rows": rows}
+              "schedule": schedule_line(cfg), "train_captions": len(train_split.training_captions),
+              "priors": priors, "rows": rows}
     write_json_atomic(out / "perturb.json", report)
     write_text_atomic(out / "perturb.csv", to_csv(report))
     write_text_atomic(out / "perturb.md", to_markdown(report))
@@ -240,6 +241,22 @@ def _read_study(path: Path) -> dict[str, Any] | None:
     return recorded if isinstance(recorded, dict) else None
 
 
+def schedule_line(cfg: Config) -> str:
+    """What every run of a study trained with, in one line of its report (e.g. "D = 1024, 30 epochs, batch 128,
+    adam lr 0.0002 (x 0.1 after 15 epochs), warm-up 0 epochs")."""
+    t = cfg.train
+    return (f"D = {cfg.model.embed_size}, {t.epochs} epochs, batch {t.batch_size}, {t.optimizer} lr {t.lr:g} "
+            f"(x 0.1 after {t.lr_update} epochs), warm-up {cfg.loss.warmup_epochs} epochs")
+
+
+def _run_facts(run_dir: Path) -> dict[str, Any]:
+    """Where and how long a row's run trained, from the checkpoint the row evaluates (best/): its schedule's
+    epochs, its device setting (train.device as the run recorded it) and its best dev rsum; a study's rows may
+    come from different machines (the reference from a results table, a resumed run)."""
+    stored, state = read_checkpoint_config(run_dir / "best"), read_state(run_dir / "best")
+    return {"epochs": stored.train.epochs, "trained_on": stored.train.device, "dev_rsum": state.get("best_rsum")}
+
+
 def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str,
               progress: bool) -> tuple[dict[str, Any], Any]:
     """Test metrics of run_dir/best on the unperturbed split, cached in cache_dir (recomputed when the
@@ -262,16 +279,18 @@ def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str
 
 
 def to_csv(report: dict[str, Any]) -> str:
-    """One line per perturbation: both directions' R@K, delta and delta %."""
+    """One line per perturbation: both directions' R@K, delta and delta %, then its run's test rsum, best dev epoch,
+    epochs and device setting."""
     buf = io.StringIO()
     header = ["perturbation", "prior", "empty_captions"]
     columns = [(d, f"{k}{suffix}") for d in DIRECTIONS for k in KS for suffix in ("", "_delta", "_delta_pct")]
-    header += [f"{d}_{c}" for d, c in columns]
+    header += [f"{d}_{c}" for d, c in columns] + ["rsum", "best_epoch", "epochs", "trained_on"]
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
     for row in report["rows"]:
         line = [row["perturbation"], "" if row["prior"] is None else f"{row['prior']:.4f}", row["empty_captions"]]
         line += [f"{row[d][c]:.2f}" for d, c in columns]
+        line += [f"{row['rsum']:.2f}", row["best_epoch"], row["epochs"], row["trained_on"]]
         writer.writerow(line)
     return buf.getvalue()
 
@@ -281,6 +300,8 @@ def to_markdown(report: dict[str, Any]) -> str:
     parts = [f"# Perturbation study: {report['model']}\n",
              f"Trained on perturbed training captions ({report['train_captions']} of them), evaluated on the "
              f"unperturbed `{report['split']}` split ({report['protocol']} protocol). Cells: R@K (Δ, Δ%).\n"]
+    if report.get("schedule"):  # (reports written before it was recorded have none)
+        parts.append(f"Every run: {report['schedule']}; each evaluated at its best dev epoch (Runs, below).\n")
     for d in DIRECTIONS:
         parts.append(f"\n## {d.replace('_', ' ')}\n")
         parts.append("| perturbation | R@1 | R@5 | R@10 | captions left without a word |")
@@ -288,6 +309,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         for row in report["rows"]:
             cells = [f"{row[d][k]:.1f} ({row[d][k + '_delta']:+.1f}, {row[d][k + '_delta_pct']:+.1f}%)" for k in KS]
             parts.append(f"| {row['label']} | {' | '.join(cells)} | {row['empty_captions']} |")
+    if all("rsum" in row for row in report["rows"]):
+        parts.append("\n## Runs\n\n| perturbation | test rsum | best dev rsum | at epoch | of | trained on |")
+        parts.append("|---|---|---|---|---|---|")
+        for row in report["rows"]:
+            dev = "-" if row["dev_rsum"] is None else f"{row['dev_rsum']:.1f}"
+            parts.append(f"| {row['label']} | {row['rsum']:.1f} | {dev} | {row['best_epoch']} | {row['epochs']} | "
+                         f"{row['trained_on']} |")
     parts.append("\n## Prior probability that a training caption contains the class\n\n| class | Penn tags | prior |")
     parts.append("|---|---|---|")
     for name, tags in POS_CLASSES.items():
