@@ -152,7 +152,7 @@ def test_reader_leaving_the_pipe_is_not_an_error_and_the_command_carries_on(monk
 def test_models_shows_each_presets_paper_row_and_filters_by_it(capsys):
     """One line per preset: name, arch, the paper row it reproduces, epochs and lr; --settings adds the model
     settings it changes, --paper TEXT keeps the presets whose name or row contains TEXT."""
-    from itmatch.models.registry import list_models
+    from itmatch.models.registry import PAPER_ROWS, list_models
 
     assert main(["models"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -167,7 +167,14 @@ def test_models_shows_each_presets_paper_row_and_filters_by_it(capsys):
     assert "ASA + ms2  (epochs 30, lr 0.0002)  direction=both pool=lse " in lines[1]
     assert main(["models", "--paper", "oan_no_attn"]) == 0
     assert capsys.readouterr().out.startswith("oan_no_attn            oan      OAN Table 2: No attention  (epochs 24")
-    for argv, said in ((["models", "--paper", "table 99"], "no preset's name or paper row contains 'table 99'"),
+    # a row of several tables counts for each ("Tables 1, 3", "Tables 3-5", "Tables I, II, IV"), the words anywhere
+    for query, wanted in (("scan table 3", {"scan_t2i_avg", "scan_i2t_avg", "summax_t2i", "summax_i2t"}),
+                          ("save table 5", {"save_dsa", "save_asa", "save_dsa_ms2", "save_asa_ms3"}),
+                          ("sman table iv", {"sman_inter", "sman_inter_alpha1"})):
+        assert main(["models", "--paper", query]) == 0
+        found = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
+        assert wanted <= found and all(query.split()[0] in PAPER_ROWS[name].lower() for name in found), found
+    for argv, said in ((["models", "--paper", "table 12"], "no preset's name or paper row contains every word of"),
                        (["models", "--pretrained", "--settings"], "list presets, not the shipped models")):
         assert main(argv) == 2
         assert said in capsys.readouterr().err

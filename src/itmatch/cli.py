@@ -42,18 +42,17 @@ def _placement(args: argparse.Namespace):
 
 def _cmd_models(args: argparse.Namespace) -> int:
     from itmatch.errors import ConfigError
-    from itmatch.models.registry import PAPER_ROWS, PRESETS, list_models, preset_config
+    from itmatch.models.registry import PAPER_ROWS, PRESETS, describes, list_models, preset_config
 
     if args.pretrained:
         if args.paper is not None or args.settings:
             raise ConfigError("--paper and --settings list presets, not the shipped models of --pretrained")
         return _list_pretrained()
 
-    wanted = (args.paper or "").lower()
-    names = [name for name in list_models() if wanted in f"{name} {PAPER_ROWS.get(name, '')}".lower()]
+    names = [name for name in list_models() if describes(name, args.paper or "")]
     if not names:
-        raise ConfigError(f"no preset's name or paper row contains {args.paper!r}",
-                          hint="e.g. --paper save, --paper 'table 3'; `itmatch models` lists them all")
+        raise ConfigError(f"no preset's name or paper row contains every word of {args.paper!r}",
+                          hint="e.g. --paper save, --paper 'scan table 3'; `itmatch models` lists them all")
     for name in names:
         m, t = PRESETS[name]["model"], preset_config(name).train
         line = f"{name:<22} {m['arch']:<9}{PAPER_ROWS.get(name, '-')}  (epochs {t.epochs}, lr {t.lr:g})"
@@ -482,8 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="One line per preset: its name, arch, the paper row or table it reproduces "
                                    "(\"this toolkit's: ...\" where it is none) and its epochs and lr.")
     s.add_argument("--paper", metavar="TEXT",
-                   help="only the presets whose name or paper row contains TEXT (any case), e.g. --paper save, "
-                        "--paper 'table 3'")
+                   help="only the presets whose name or paper row contains every word of TEXT (any case; a row "
+                        "of 'Tables 1, 3' counts for 'table 3'), e.g. --paper save, --paper 'scan table 3'")
     s.add_argument("--settings", action="store_true",
                    help="also the model settings each preset changes from the defaults")
     s.add_argument("--pretrained", action="store_true",

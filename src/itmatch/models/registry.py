@@ -6,6 +6,7 @@ This module knows no arch by name; docs/architecture.md walks through adding one
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -60,6 +61,28 @@ ARCHS: dict[str, Arch] = {}
 PRESETS: dict[str, Preset] = {}
 #: preset name -> what it reproduces, e.g. "SCAN Table 1: t-i AVG", or "this toolkit's: ..." where it is no paper row
 PAPER_ROWS: dict[str, str] = {}
+
+
+_ROMAN = ("I", "II", "III", "IV", "V", "VI", "VII", "VIII", "IX", "X")
+_TABLE_LIST = re.compile(r"Tables? ((?:\d+|[IVX]+\b)(?:\s*[,/-]\s*(?:\d+|[IVX]+\b))*)")
+
+
+def describes(name: str, text: str) -> bool:
+    """Whether every word of `text` (any case; "table N" one term, a whole number) is in preset `name`'s name or
+    paper row, where a row of several tables ("SCAN Tables 1, 3", "Tables 3-5", "Tables I, II, IV") reads as
+    each of them ("table 3", "table iv"): "save table 5" finds SAVE's rows of Tables 4, 5 too."""
+    row = PAPER_ROWS.get(name, "")
+    tables = []
+    for listed in _TABLE_LIST.findall(row):
+        for item in re.split(r"\s*[,/]\s*", listed):
+            first, _, last = item.partition("-")
+            roman = first in _ROMAN
+            number = (lambda s: _ROMAN.index(s) + 1) if roman else int
+            for n in range(number(first), number(last or first) + 1):
+                tables.append(f"table {_ROMAN[n - 1] if roman else n}")
+    haystack = " ".join([name, row, *tables]).lower()
+    return all(re.search(rf"\b{re.escape(term)}\b", haystack) if term.startswith("table ") else term in haystack
+               for term in re.findall(r"tables? \S+|\S+", text.lower()))
 
 
 def register_arch(cls: type[Arch]) -> type[Arch]:
