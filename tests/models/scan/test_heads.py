@@ -154,9 +154,11 @@ def test_vsepp_image_vector_is_l2_of_the_mean_of_l2_normalised_cell_embeddings()
         assert torch.allclose(got, l2norm(cells.mean(1)), atol=1e-6)
 
 
-def test_an_i2t_model_left_with_the_t2i_lambdas_is_warned_of():
-    """A one-way head reads model.scan.lambda_* (the public code's one flag): a t-i preset turned i-t keeps SCAN's
-    t-i 9 / 6, which Table 1 does not use for i-t (4 / 5): said when the model is built; the i-t presets are not."""
+def test_a_head_left_with_the_other_directions_lambdas_is_warned_of():
+    """A one-way head reads model.scan.lambda_* (the public code's one flag): a preset turned around by --set
+    model.direction keeps its direction's lambdas, which SCAN's tables do not use for the other (t-i 9 / 6, i-t
+    4 / 5, COCO i-t 4 / 20): said when the model is built, per head (lambda_2 only where it pools by LSE); the
+    presets as they are and a head given its own direction's values are not."""
     import warnings
 
     from itmatch.config import parse_overrides
@@ -167,11 +169,24 @@ def test_an_i2t_model_left_with_the_t2i_lambdas_is_warned_of():
         mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = 20, 8, 16, 8
         return build_model(mc)
 
-    with pytest.warns(UserWarning, match="t-i values; its Table 1 gives i-t 4 / 5"):
+    for preset, sets, said in (
+            ("scan_t2i_avg", ["model.direction=i2t"], "i2t head scores with model.scan.lambda_softmax = 9, the other"),
+            ("scan_t2i_lse", ["model.direction=i2t", "model.scan.lambda_lse=5"], "lambda_lse = 9 / 5"),  # (λ1 still)
+            ("scan_i2t_avg", ["model.direction=t2i"], "t2i head scores with model.scan.lambda_softmax = 4"),
+            ("scan_i2t_lse_coco", ["model.direction=t2i"], "lambda_lse = 4 / 20"),
+            ("scan_i2t_avg", ["model.direction=both"], "t2i head"),  # (its t-i half: what the i-t preset set)
+            ("scan_t2i_avg", ["model.direction=both", "model.scan.i2t_lambda_softmax=9"], "model.scan.i2t_lambda")):
+        with pytest.warns(UserWarning, match="the other direction's values in SCAN's tables") as caught:
+            build(preset, *sets)
+        assert said in str(caught[0].message), (preset, sets, str(caught[0].message))
+    with pytest.warns(UserWarning):
         model = build("scan_t2i_avg", "model.direction=i2t")
     assert (model.head.direction, model.head.lambda_softmax) == ("i2t", 9.0)  # (warned, not changed)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for preset, sets in (("scan_i2t_avg", ()), ("scan_i2t_lse_coco", ()), ("scan_t2i_avg", ("model.direction=i2t",
-                             "model.scan.lambda_softmax=4", "model.scan.lambda_lse=5"))):
+        for preset, sets in [*((p, ()) for p in ("scan_t2i_avg", "scan_i2t_avg", "scan_i2t_lse_coco", "scan_t2i_sum")),
+                             ("scan_t2i_avg", ("model.direction=both",)),  # (t-i 9 / 6, i-t 4 / 5: both halves' own)
+                             ("scan_t2i_avg", ("model.direction=i2t", "model.scan.lambda_softmax=4")),  # (AVG: λ1 only)
+                             ("scan_t2i_lse", ("model.direction=i2t", "model.scan.lambda_softmax=4",
+                                               "model.scan.lambda_lse=20"))]:
             build(preset, *sets)

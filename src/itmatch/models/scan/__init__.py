@@ -27,7 +27,10 @@ SCAN_LAMBDAS = {
     ("coco", "t2i"): {"lambda_softmax": 9.0, "lambda_lse": 6.0},
     ("coco", "i2t"): {"lambda_softmax": 4.0, "lambda_lse": 20.0},
 }
-T2I_LAMBDAS = tuple(SCAN_LAMBDAS[("f30k", "t2i")].values())  # (also model.scan.lambda_*'s defaults)
+
+
+LAMBDA_TABLES = "Table 1, Flickr30K: t-i 9 / 6, i-t 4 / 5; Table 2, COCO: t-i 9 / 6, i-t 4 / 20"
+OWN_LAMBDAS = {"t2i": "9 / 6", "i2t": "4 / 5 (COCO: 4 / 20)"}
 
 
 @register_options("scan", moved_from={"model.lambda_softmax": "lambda_softmax", "model.lambda_lse": "lambda_lse",
@@ -113,14 +116,35 @@ class Scan(Arch):
 
     def build(self, mc: ModelConfig) -> Matcher:
         one_way = (mc.scan.lambda_softmax, mc.scan.lambda_lse)
-        if mc.direction == "i2t" and one_way == T2I_LAMBDAS:
-            # (a one-way model's only head reads model.scan.lambda_*, as the public code's one flag: a t-i preset
-            # turned i-t with --set model.direction=i2t keeps the t-i values unless told otherwise)
-            warnings.warn(f"SCAN i-t scores with model.scan.lambda_softmax / lambda_lse = {one_way[0]:g} / "
-                          f"{one_way[1]:g}, SCAN's t-i values; its Table 1 gives i-t 4 / 5 (COCO 4 / 20). Use a "
-                          "scan_i2t_* preset, or --set model.scan.lambda_softmax=4 --set model.scan.lambda_lse=5",
-                          UserWarning, stacklevel=2)
+        for warning in other_directions_lambdas(mc):
+            warnings.warn(warning, UserWarning, stacklevel=2)
         return region_rnn_matcher(mc, scan_head(mc, two_way_lambdas(mc) if mc.direction == "both" else one_way))
+
+
+def other_directions_lambdas(mc: ModelConfig) -> list[str]:
+    """A sentence for each head of a SCAN model that scores with the other direction's lambdas of SCAN's tables
+    (lambda_1; lambda_2 too where the head pools by LSE). A one-way model's only head reads model.scan.lambda_*,
+    as the public code's one flag, so a preset turned around by --set model.direction keeps its direction's
+    values (and a model of both directions gives its t-i half what an i-t preset put there)."""
+    sc = mc.scan
+    heads = ([("t2i", "", sc.lambda_softmax, sc.lambda_lse, mc.pool),
+              ("i2t", "i2t_", sc.i2t_lambda_softmax, sc.i2t_lambda_lse, sc.i2t_pool or mc.pool)]
+             if mc.direction == "both" else [(mc.direction, "", sc.lambda_softmax, sc.lambda_lse, mc.pool)])
+    said = []
+    for direction, prefix, softmax, lse, pool in heads:
+        def values(key: str, mine: bool, direction: str = direction) -> set[float]:
+            return {v[key] for (_, d), v in SCAN_LAMBDAS.items() if (d == direction) == mine}
+
+        def foreign(key: str, value: float) -> bool:
+            return value in values(key, False) and value not in values(key, True)
+
+        if foreign("lambda_softmax", softmax) or (pool == "lse" and foreign("lambda_lse", lse)):
+            names = f"{prefix}lambda_softmax" + (f" / {prefix}lambda_lse" if pool == "lse" else "")
+            shown = f"{softmax:g}" + (f" / {lse:g}" if pool == "lse" else "")
+            said.append(f"SCAN's {direction} head scores with model.scan.{names} = {shown}, the other direction's "
+                        f"values in SCAN's tables ({LAMBDA_TABLES}); use a scan_{direction}_* preset, or set "
+                        f"model.scan.{prefix}lambda_softmax / {prefix}lambda_lse to {OWN_LAMBDAS[direction]}")
+    return said
 
 
 # (direction, pool) -> the tables of SCAN's Flickr30K rows (MAX / SUM: Table 4 ablates them on i-t only); its
