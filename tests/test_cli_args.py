@@ -164,7 +164,7 @@ def test_models_shows_each_presets_paper_row_and_filters_by_it(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == ["save_asa_both", "save_asa_ms2_both", "save_asa_ms3_both",
                                                    "save_dsa_both"]
-    assert "ASA + ms2  (epochs 30, lr 0.0002)  direction=both pool=lse " in lines[1]
+    assert "ASA + ms2, CNN frozen (the paper trains it end to end)  (epochs 30, lr 0.0002)  direction=both " in lines[1]
     assert main(["models", "--paper", "oan_no_attn"]) == 0
     assert capsys.readouterr().out.startswith("oan_no_attn            oan      OAN Table 2: No attention  (epochs 24")
     # a row of several tables counts for each ("Tables 1, 3", "Tables 3-5", "Tables I, II, IV"), the words anywhere

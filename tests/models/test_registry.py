@@ -42,7 +42,7 @@ def test_every_arch_and_preset_comes_from_a_model_package():
 
 def test_every_preset_says_which_paper_row_it_reproduces():
     """`itmatch models` shows each preset's paper row or table, or says it is this toolkit's own (a `_coco` twin of
-    a Flickr30K row, an end-to-end `_ft` run, a baseline no paper reports)."""
+    a Flickr30K row, a baseline no paper reports)."""
     missing = sorted(set(PRESETS) - set(PAPER_ROWS))
     assert not missing, f"presets with no paper row (give their dict a \"paper\" key): {', '.join(missing)}"
     assert not [name for name in PRESETS if "paper" in PRESETS[name]]  # (kept out of the configs)
@@ -53,15 +53,17 @@ def test_every_preset_says_which_paper_row_it_reproduces():
     assert PAPER_ROWS["scan_t2i_avg"] == "SCAN Tables 1, 3: t-i AVG"
     assert PAPER_ROWS["scan_i2t_lse_coco"] == "SCAN Table 2 (MS-COCO): i-t LSE"
     assert PAPER_ROWS["scan_i2t_max"] == "SCAN Table 4: i-t MAX"
-    assert PAPER_ROWS["save_asa_ms2_both"] == "SAVE Table 1 (i-t AVG + t-i LSE averaged, footnote 1): ASA + ms2"
-    assert PAPER_ROWS["save_nosa_t2i_lse"] == "SAVE Tables 4, 6 (t-i LSE): no-SA"
+    frozen = ", CNN frozen (the paper trains it end to end)"  # (SAVE's rows are all end to end: section 3.5.3)
+    assert PAPER_ROWS["save_asa_ms2_both"] == ("SAVE Table 1 (i-t AVG + t-i LSE averaged, footnote 1): "
+                                               f"ASA + ms2{frozen}")
+    assert PAPER_ROWS["save_nosa_t2i_lse"] == f"SAVE Tables 4, 6 (t-i LSE): no-SA{frozen}"
+    assert PAPER_ROWS["save_dsa_ft"].startswith("SAVE Tables 4, 5 (i-t AVG): DSA, end to end as the paper trains it")
     assert PAPER_ROWS["oan_no_intra_attn"] == "OAN Table 2: No intra-modal attention"
     assert PAPER_ROWS["sman_im"] == "SMAN Table III: SMAN-IM"
     assert PAPER_ROWS["mmca_alpha0"].startswith("MMCA Table 6: alpha = 0")
     # no paper prints these: SCAN's Table 4 ablates MAX / SUM on i-t only; SCAN's Table 2 has no MAX / SUM, no
-    # Sum-Max; SAVE's end-to-end rows; VSE++ on regions and mean pooling are baselines of this toolkit's
-    ours = ["scan_t2i_max", "scan_t2i_sum", "scan_i2t_max_coco", "summax_t2i_coco", "vsepp", "vsepp_coco",
-            "save_dsa_ft", "save_asa_ms3_ft", "meanpool"]
+    # Sum-Max; VSE++ on regions and mean pooling are baselines of this toolkit's
+    ours = ["scan_t2i_max", "scan_t2i_sum", "scan_i2t_max_coco", "summax_t2i_coco", "vsepp", "vsepp_coco", "meanpool"]
     assert [PAPER_ROWS[name] for name in ours if not PAPER_ROWS[name].startswith("this toolkit's")] == []
     assert PAPER_ROWS["scan_i2t_max_coco"].endswith("with COCO's schedule and lambdas")
 
