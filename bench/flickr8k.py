@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import itertools
 import json
-import platform
 import shutil
 import subprocess
 import sys
@@ -500,14 +499,12 @@ def device_name(profile: Profile, threads: int) -> str:
     """What a row of the device table ran on: the GPU's name, or the CPU's model and the threads it used."""
     import torch
 
+    from itmatch.device import machine_name
+
     if not profile.on_cpu:
-        return torch.cuda.get_device_name(0)
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
-             if line.startswith("model name")]
-    cpu = names[0] if names else platform.processor() or "unknown"
+        return machine_name(torch.device("cuda", 0))
     n = thread_count(threads)
-    return f"CPU {cpu}, {n} thread{'s' if n != 1 else ''}"
+    return f"{machine_name(torch.device('cpu'))}, {n} thread{'s' if n != 1 else ''}"
 
 
 def write_device_row(row: str, model: str, result_json: Path, command: str, profile: Profile,

@@ -26,6 +26,20 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float
 OutOfMemoryError: type[BaseException] = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
 
 
+def machine_name(device: torch.device) -> str:
+    """The machine a device is, in words: the GPU's name ("NVIDIA H100 80GB HBM3"), or "CPU " and the processor's
+    model ("CPU AMD EPYC 7B13"); what a run records as where it trained."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    from pathlib import Path
+
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.is_file() else [])
+             if line.startswith("model name")]
+    return f"{device.type.upper()} {names[0] if names else platform.processor() or 'unknown'}"
+
+
 def available_devices() -> str:
     """What this machine offers, in words (for error messages)."""
     if not torch.cuda.is_available():

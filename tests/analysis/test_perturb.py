@@ -7,6 +7,7 @@ import importlib.util
 import json
 
 import pytest
+import torch
 
 from itmatch.cli import main
 from itmatch.data import perturb
@@ -17,6 +18,7 @@ from itmatch.data.perturb import (
     tag_cache_path,
     tag_captions,
 )
+from itmatch.device import machine_name
 from itmatch.errors import ConfigError, DataError
 
 
@@ -227,10 +229,11 @@ def test_analyze_perturb_end_to_end(tiny_precomp, tmp_path, capsys):
     assert report["schedule"].startswith("D = 32, 1 epochs, batch 32, adam lr 0.002")
     assert f"Every run: {report['schedule']}" in page
     for row in report["rows"]:
-        assert (row["epochs"], row["best_epoch"], row["trained_on"]) == (1, 1, "auto") and row["dev_rsum"] > 0
+        assert (row["epochs"], row["best_epoch"]) == (1, 1) and row["dev_rsum"] > 0
+        assert row["trained_on"] == machine_name(torch.device("cpu"))  # (the machine, not the setting "auto")
         assert row["rsum"] == pytest.approx(sum(row[d][k] for d in ("text_to_image", "image_to_text")
                                                 for k in ("r1", "r5", "r10")))
-        assert f"| {row['label']} | {row['rsum']:.1f} | {row['dev_rsum']:.1f} | 1 | 1 | auto |" in page
+        assert f"| {row['label']} | {row['rsum']:.1f} | {row['dev_rsum']:.1f} | 1 | 1 | {row['trained_on']} |" in page
     # a second call reuses the finished runs and their test metrics instead of recomputing them
     stamps = [(out / "shuffle" / name).stat().st_mtime_ns for name in ("best/model.safetensors", "eval_test_full.json")]
     assert main(args) == 0
@@ -385,3 +388,22 @@ def test_only_settings_that_change_the_model_or_the_perturbation_are_compared(tm
     _finished_run(interrupted, _trained_as(wanted, **{"train.epochs": 3}), state="last")
     with pytest.raises(OverwriteError, match=r"the last run .* train\.epochs \(run: 3, now: 30\)"):
         check_existing_run(interrupted, wanted, {"perturbation": "nouns", "seed": 0})
+
+
+def test_a_report_from_before_its_runs_were_described_still_renders():
+    """perturb.json written before the schedule and the runs' facts were recorded (or a run that did not record its
+    best epoch): the page leaves out what it does not know instead of failing."""
+    from itmatch.analysis.perturb import to_csv, to_markdown
+
+    cells = {k: 1.0 for k in ("r1", "r5", "r10", "r1_delta", "r5_delta", "r10_delta", "r1_delta_pct", "r5_delta_pct",
+                              "r10_delta_pct")}
+    old = {"model": "vsepp", "split": "test", "protocol": "1k", "train_captions": 10, "priors": dict.fromkeys(
+        perturb.POS_CLASSES, 0.5), "rows": [{"perturbation": "original", "label": "Original model", "prior": None,
+                                               "empty_captions": 0, "best_epoch": None, "text_to_image": cells,
+                                               "image_to_text": cells}]}
+    page = to_markdown(old)
+    assert "Every run:" not in page and "## Runs" not in page and "Original model" in page
+    assert to_csv(old).splitlines()[1].endswith(",,,,")  # (rsum, best epoch, epochs, machine: not recorded)
+    described = {**old, "schedule": "D = 8", "rows": [{**old["rows"][0], "rsum": 6.0, "dev_rsum": None,
+                                                        "epochs": 2, "trained_on": "cpu"}]}
+    assert "| Original model | 6.0 | - | - | 2 | cpu |" in to_markdown(described)

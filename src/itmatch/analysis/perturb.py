@@ -251,10 +251,11 @@ def schedule_line(cfg: Config) -> str:
 
 def _run_facts(run_dir: Path) -> dict[str, Any]:
     """Where and how long a row's run trained, from the checkpoint the row evaluates (best/): its schedule's
-    epochs, its device setting (train.device as the run recorded it) and its best dev rsum; a study's rows may
-    come from different machines (the reference from a results table, a resumed run)."""
+    epochs, the machines it trained on (runs before they were recorded: its train.device setting) and its best dev
+    rsum; a study's rows may come from different machines (the reference from a results table, a resumed run)."""
     stored, state = read_checkpoint_config(run_dir / "best"), read_state(run_dir / "best")
-    return {"epochs": stored.train.epochs, "trained_on": stored.train.device, "dev_rsum": state.get("best_rsum")}
+    return {"epochs": stored.train.epochs, "trained_on": " + ".join(state.get("devices") or [stored.train.device]),
+            "dev_rsum": state.get("best_rsum")}
 
 
 def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str,
@@ -278,6 +279,11 @@ def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str
     return result, best_epoch
 
 
+def _shown(value: Any, missing: str = "-") -> str:
+    """A cell of the report: the value, or `missing` for one a run did not record."""
+    return missing if value is None else str(value)
+
+
 def to_csv(report: dict[str, Any]) -> str:
     """One line per perturbation: both directions' R@K, delta and delta %, then its run's test rsum, best dev epoch,
     epochs and device setting."""
@@ -290,7 +296,8 @@ def to_csv(report: dict[str, Any]) -> str:
     for row in report["rows"]:
         line = [row["perturbation"], "" if row["prior"] is None else f"{row['prior']:.4f}", row["empty_captions"]]
         line += [f"{row[d][c]:.2f}" for d, c in columns]
-        line += [f"{row['rsum']:.2f}", row["best_epoch"], row["epochs"], row["trained_on"]]
+        line += ["" if row.get("rsum") is None else f"{row['rsum']:.2f}",
+                 *(_shown(row.get(key), "") for key in ("best_epoch", "epochs", "trained_on"))]
         writer.writerow(line)
     return buf.getvalue()
 
@@ -314,8 +321,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         parts.append("|---|---|---|---|---|---|")
         for row in report["rows"]:
             dev = "-" if row["dev_rsum"] is None else f"{row['dev_rsum']:.1f}"
-            parts.append(f"| {row['label']} | {row['rsum']:.1f} | {dev} | {row['best_epoch']} | {row['epochs']} | "
-                         f"{row['trained_on']} |")
+            parts.append(f"| {row['label']} | {row['rsum']:.1f} | {dev} | {_shown(row['best_epoch'])} | "
+                         f"{row['epochs']} | {row['trained_on']} |")
     parts.append("\n## Prior probability that a training caption contains the class\n\n| class | Penn tags | prior |")
     parts.append("|---|---|---|")
     for name, tags in POS_CLASSES.items():

@@ -35,7 +35,7 @@ from itmatch.data.datasets import (
 )
 from itmatch.data.precomp import META_NAME, PrecompSplit
 from itmatch.data.vocab import AnyVocab
-from itmatch.device import Placement, resolve
+from itmatch.device import Placement, machine_name, resolve
 from itmatch.engine.checkpoint import (
     MANIFEST,
     config_for_checkpoint,
@@ -516,6 +516,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         write_json_atomic(run_dir / "config.json", config_for_checkpoint(cfg, run_dir))
     if cfg.train.threads:  # the thread count changes float summation order: part of the config
         torch.set_num_threads(cfg.train.threads)
+    # the machines the run trained on, in order (a run resumed elsewhere lists both): what its checkpoints say
+    state["devices"] = list(dict.fromkeys([*state.get("devices", []), machine_name(placement.device)]))
     model.to(placement.device)  # (before the optimizer: its state follows the parameters' device)
     optimizer = make_optimizer(cfg, model, state["epoch"])
     scaler = placement.grad_scaler()  # fp16 only; otherwise a no-op
