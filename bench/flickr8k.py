@@ -344,6 +344,12 @@ def row_members(row: str, profile: Profile) -> tuple[list[str], list[str]]:
     return members, [profile.row_data.get(member, data) for member in members]  # (an ensemble may mix features)
 
 
+def features_of(row: str, profile: Profile, members: list[str]) -> list[str]:
+    """The features each of `members` (a row's runs, or some of them) reads when the row evaluates them."""
+    data_of = dict(zip(*row_members(row, profile), strict=True))
+    return [data_of[m] for m in members]
+
+
 def without_checkpoint(members: list[str], profile: Profile) -> list[str]:
     """The runs among `members` that have no `best` checkpoint here (what a row's evaluation reads)."""
     return [m for m in members if not (ROOT / profile.runs / m / "best" / "config.json").is_file()]
@@ -360,10 +366,9 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
                        split: str = "test") -> list[str]:
     """`itmatch evaluate` of a row's `split` as its results row is made, writing what `record` says; `members`: a
     subset of the row's runs (a dev-picked row's pair) instead of all of them."""
-    every, datas = row_members(row, profile)
-    data_of = dict(zip(every, datas, strict=True))
+    every = row_members(row, profile)[0]
     members = members or every
-    datas = [data_of[m] for m in members]
+    datas = features_of(row, profile, members)
     rerank = profile.rerank.get(row, (row, 0))[1]
     pruned = (row in profile.pruned or row in profile.prune if members == every  # (a subset: the rule of GPU_PRUNE)
               else bool(set(members) & profile.prune) and {base_preset(m, profile) for m in members} <= GLOBAL_BOUND)
@@ -676,7 +681,7 @@ def recall_figure(rows: list[str], threads: int, profile: Profile = CPU) -> None
             if absent:
                 sys.exit(f"row {row}: no recall curve in {result_json} and no checkpoint of {', '.join(absent)} "
                          f"here to evaluate; leave the row out, or bring its JSON or run here")
-            for data in dict.fromkeys(d for m in members for d in row_members(m, profile)[1]):
+            for data in dict.fromkeys(features_of(row, profile, members)):
                 ensure_features(data, profile)  # (a fresh machine has the runs brought back, not the features)
             run(evaluation_command(row, profile, threads, ["--json", result_json, "--force"], members=members))
     figure = f"docs/results/recall/{Path(profile.results).stem}.png"

@@ -111,6 +111,7 @@ def test_only_thetas_bias_changes_the_asa_attention():
 
 def test_asa_bias_reaches_the_model_through_the_config():
     from itmatch.config import parse_overrides
+    from itmatch.errors import ConfigError
     from itmatch.models.registry import resolve_config
 
     for sets, has_bias in (([], True), (["model.save.asa_bias=false"], False)):
@@ -121,6 +122,8 @@ def test_asa_bias_reaches_the_model_through_the_config():
         assert [(b.theta.bias is not None, b.phi.bias is not None, b.g.bias is not None) for b in blocks] == \
             [(has_bias,) * 3] * 2
         assert all(b.out.bias is not None for b in blocks)  # (W_z, the block's own output layer, keeps its bias)
+    with pytest.raises(ConfigError, match="asa_bias=false applies to ASA, not to model.save.attention=dsa"):
+        _save_head_through_config("save_dsa", "model.save.asa_bias=false")
 
 
 def test_asa_is_identity_at_init():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from itmatch.config import ModelConfig
+from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher
 from itmatch.models.encoders import RNNTextEncoder
 from itmatch.models.registry import Arch, Preset, register_arch, register_presets
@@ -42,6 +43,9 @@ class Save(Arch):
         sc = mc.save
         scales = parse_scales(sc.scales)
         pixels = bool(self.pixel_backbone(mc))
+        if not sc.asa_bias and sc.attention != "asa":  # (it would be ignored: DSA has no weights, none no block)
+            raise ConfigError(f"model.save.asa_bias=false applies to ASA, not to model.save.attention={sc.attention}",
+                              hint="leave asa_bias out, or set model.save.attention=asa")
         if sc.finetune and not pixels:
             raise ValueError("model.save.finetune needs model.save.pixels=true (the backbone runs inside the model)")
         backbone = tail = None

@@ -25,7 +25,7 @@ SMAN_MODEL = {"arch": "sman", "embed_size": 512, "word_dim": 512, "text_rnn": "l
 # variant (spaCy en_core_web_md 300-d in place of GloVe) and the ablations of section IV-A4 / Tables III-V.
 SMAN_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "sman": ("Tables I, II: SMAN (random)", {}, {}),
-    "sman_w2v_spacy": ("Tables I, II: SMAN (Glove), spaCy's vectors in GloVe's place", {},
+    "sman_w2v_spacy": ("Tables I-III, V: SMAN (Glove), spaCy's vectors in GloVe's place", {},
                        {"word_vectors": "spacy_md", "word_dim": 300}),
     "sman_im": ("Table III: SMAN-IM", {"steps": 1, "spatial": False}, {}),  # intra-modal attention, no v(loc)
     "sman_im_loc": ("Table III: SMAN-IM-LOC", {"steps": 1}, {}),  # intra-modal attention with v(loc)
