@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Arguments that take free text or a name checked later against a list (presets, splits, config keys).
 FREE_TEXT = {"preset", "name", "set", "split", "splits", "scales", "backbone", "query", "caption", "command", "dataset",
-             "perturbations", "labels", "title"}
+             "perturbations", "labels", "title", "paper"}
 
 
 def _verbs() -> dict[str, argparse.ArgumentParser]:
