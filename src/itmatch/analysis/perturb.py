@@ -279,9 +279,9 @@ def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str
     return result, best_epoch
 
 
-def _shown(value: Any, missing: str = "-") -> str:
-    """A cell of the report: the value, or `missing` for one a run did not record."""
-    return missing if value is None else str(value)
+def _shown(value: Any, missing: str = "-", spec: str = "") -> str:
+    """A cell of the report: the value formatted by `spec`, or `missing` for one a run did not record."""
+    return missing if value is None else format(value, spec)
 
 
 def to_csv(report: dict[str, Any]) -> str:
@@ -294,9 +294,9 @@ def to_csv(report: dict[str, Any]) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
     for row in report["rows"]:
-        line = [row["perturbation"], "" if row["prior"] is None else f"{row['prior']:.4f}", row["empty_captions"]]
+        line = [row["perturbation"], _shown(row["prior"], "", ".4f"), row["empty_captions"]]
         line += [f"{row[d][c]:.2f}" for d, c in columns]
-        line += ["" if row.get("rsum") is None else f"{row['rsum']:.2f}",
+        line += [_shown(row.get("rsum"), "", ".2f"),
                  *(_shown(row.get(key), "") for key in ("best_epoch", "epochs", "trained_on"))]
         writer.writerow(line)
     return buf.getvalue()
@@ -320,9 +320,8 @@ def to_markdown(report: dict[str, Any]) -> str:
         parts.append("\n## Runs\n\n| perturbation | test rsum | best dev rsum | at epoch | of | trained on |")
         parts.append("|---|---|---|---|---|---|")
         for row in report["rows"]:
-            dev = "-" if row["dev_rsum"] is None else f"{row['dev_rsum']:.1f}"
-            parts.append(f"| {row['label']} | {row['rsum']:.1f} | {dev} | {_shown(row['best_epoch'])} | "
-                         f"{row['epochs']} | {row['trained_on']} |")
+            parts.append(f"| {row['label']} | {row['rsum']:.1f} | {_shown(row['dev_rsum'], spec='.1f')} | "
+                         f"{_shown(row['best_epoch'])} | {row['epochs']} | {row['trained_on']} |")
     parts.append("\n## Prior probability that a training caption contains the class\n\n| class | Penn tags | prior |")
     parts.append("|---|---|---|")
     for name, tags in POS_CLASSES.items():

@@ -29,8 +29,17 @@ SCAN_LAMBDAS = {
 }
 
 
-LAMBDA_TABLES = "Table 1, Flickr30K: t-i 9 / 6, i-t 4 / 5; Table 2, COCO: t-i 9 / 6, i-t 4 / 20"
-OWN_LAMBDAS = {"t2i": "9 / 6", "i2t": "4 / 5 (COCO: 4 / 20)"}
+def _lambdas(dataset: str, direction: str) -> str:
+    """`lambda_1 / lambda_2` of one of SCAN's rows as its tables print them ("9 / 6")."""
+    values = SCAN_LAMBDAS[(dataset, direction)]
+    return f"{values['lambda_softmax']:g} / {values['lambda_lse']:g}"
+
+
+# The words of the other-direction warning below, read from SCAN_LAMBDAS so that the two cannot disagree.
+LAMBDA_TABLES = (f"Table 1, Flickr30K: t-i {_lambdas('f30k', 't2i')}, i-t {_lambdas('f30k', 'i2t')}; "
+                 f"Table 2, COCO: t-i {_lambdas('coco', 't2i')}, i-t {_lambdas('coco', 'i2t')}")
+OWN_LAMBDAS = {d: _lambdas("f30k", d) + ("" if _lambdas("coco", d) == _lambdas("f30k", d)
+                                          else f" (COCO: {_lambdas('coco', d)})") for d in ("t2i", "i2t")}
 
 
 @register_options("scan", moved_from={"model.lambda_softmax": "lambda_softmax", "model.lambda_lse": "lambda_lse",
