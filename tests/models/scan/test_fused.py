@@ -1,8 +1,8 @@
 """The fused SCAN t-i kernel (models/scan/fused.py, docs/gpu.md "The fused SCAN t-i kernel") against the plain
 head it replaces at evaluation: on the CPU through Triton's interpreter (test_interpreted_*: run by
 test_the_kernel_in_triton_s_interpreter in a child process with TRITON_INTERPRET=1, which triton must see before
-it is imported; skipped where triton is not installed, as in CI's venv), on a GPU compiled (marked `cuda`); and
-when ScanHead.forward may use it."""
+it is imported; the dev extra installs triton, skipped where it is missing), on a GPU compiled (marked `cuda`);
+and when ScanHead.forward may use it."""
 
 from __future__ import annotations
 
