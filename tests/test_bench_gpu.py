@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import SHARED, load_script
 
 from itmatch.config import load_yaml, parse_overrides
 from itmatch.engine.train import train
@@ -37,6 +37,22 @@ def test_every_row_of_the_issue_is_defined_and_resolves(bench):
     assert wanted <= set(gpu.rows) and len(set(gpu.rows)) == len(gpu.rows)
     assert all(f"{row}_seed1" in gpu.rows for row in bench.HEADLINE)  # two seeds for the headline rows
     bench.check_rows_resolve(gpu)  # unknown keys or bad values would raise ConfigError
+
+
+def test_the_shipped_scan_row_fits_a_shipped_model_where_the_paper_s_d_does_not(bench):
+    """The row exists because SCAN at D = 1024 is over the shipped models' limit (docs/training.md)."""
+    from itmatch.pretrained import MAX_BYTES
+
+    captions = SHARED / "flickr8k" / "Flickr8k.token.txt"
+    if not captions.is_file():
+        pytest.skip(f"needs the Flickr8K captions for the vocabulary's size: {captions} not found (../shared)")
+    sizes = load_script("bench/pretrained_sizes.py")
+    vocab = sizes.flickr8k_vocab_size(captions)
+    preset, overrides = bench.GPU_CONTROLS[bench.SHIPPED_SCAN]
+    d, shipped = sizes.fp16_megabytes(preset, vocab, False, overrides)
+    paper_d, paper = sizes.fp16_megabytes(preset, vocab, False)
+    assert (d, paper_d) == (960, 1024)
+    assert shipped * 1e6 < MAX_BYTES < paper * 1e6
 
 
 def test_gpu_rows_keep_their_papers_schedules(bench):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -302,3 +303,29 @@ def test_a_studys_finished_run_travels_back_and_there_again_under_its_own_path(s
     assert all((here / row / name).read_bytes() == files[name] for name in kept)
     assert sorted(dest for _, dest in session.run_files(row, here)) == sorted(
         f"itmatch/runs/flickr8k_gpu/{row}/{name}" for name in kept)
+
+
+def test_ship_takes_back_a_package_too_large_to_come_back_and_says_how_to_ship_it(session, tmp_path, monkeypatch,
+                                                                                    capsys):
+    """$OUT returns files of at most 16 MiB: a SCAN at D = 960 (18.8 MB of weights) would be left out there
+    without a word, so `ship` removes it and names fetch / take / ship here; a package that fits stays."""
+    monkeypatch.setattr(session, "OUT_FILE_LIMIT", 4096)
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    weights = {"small-flickr8k": 4000, "large-flickr8k": 5000}
+
+    def ship_pretrained(cmd, **kwargs):  # what scripts/ship_pretrained.py writes into --out-root
+        name = cmd[3]
+        (out / name).mkdir(parents=True)
+        (out / name / "model.safetensors").write_bytes(os.urandom(weights[name]))
+        (out / name / "card.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(session.subprocess, "run", ship_pretrained)
+    assert session.main(["ship", "scan_i2t_lse", "small-flickr8k"]) == 0
+    assert (out / "small-flickr8k" / "model.safetensors").stat().st_size == 4000
+    assert session.main(["ship", "scan_i2t_lse_d960", "large-flickr8k"]) == 1
+    assert not (out / "large-flickr8k").exists()
+    said = capsys.readouterr().out
+    assert "model.safetensors" in said and "`fetch scan_i2t_lse_d960`" in said
+    assert "scripts/ship_pretrained.py runs/flickr8k_gpu/scan_i2t_lse_d960/best large-flickr8k" in said
