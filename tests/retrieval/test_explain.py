@@ -95,3 +95,21 @@ def test_oan_explain_over_http_is_a_map_not_a_500(oan_searcher):
         "<start>", "a", "red", "circle", "<end>"]
     for w in data["words"]:
         assert abs(sum(x for row in w["weights"] for x in row) - 1.0) <= 1e-5
+
+
+def test_a_shipped_model_without_word_attention_says_so_in_health_and_explain_is_a_409(shipped_vsepp_index):
+    """The page reads /health's `explain` to leave results unclickable and say why (test_search_browser.py)."""
+    pytest.importorskip("fastapi", reason="the `serve` extra (fastapi) is not installed")
+    pytest.importorskip("httpx", reason="fastapi's TestClient needs httpx (dev extra)")
+    from fastapi.testclient import TestClient
+
+    from itmatch.retrieval.search import Searcher
+    from itmatch.retrieval.service import create_app
+
+    searcher = Searcher(shipped_vsepp_index)
+    client = TestClient(create_app(searcher), raise_server_exceptions=False)
+    health = client.get("/health").json()
+    assert health["explain"] is False and health["model"]["preset"] == "vsepp"
+    resp = client.get("/api/explain", params={"q": "a dog", "id": searcher.ids[0]})
+    assert resp.status_code == 409 and "no per-word attention" in resp.json()["error"]["message"]
+    assert client.get("/api/search", params={"q": "a dog", "k": 3}).status_code == 200  # search itself works

@@ -2,7 +2,8 @@
 type a query, see ranked photos, open one, see one attention heatmap per word; a screenshot is saved.
 Then a folder of hostile file names (not UTF-8, markup, `#`, `?`, `%`, newlines, 255 bytes) of 2:1 photos:
 every name shown as text, every photo loaded, the explain view uncropped and unsquashed, and its URL a
-deep link that opens it again."""
+deep link that opens it again. And a shipped model without word attention (VSE++): results, a note that says why
+no map opens, and no error on a click."""
 
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def server(tiny_search_setup, tmp_path_factory):
 def hostile_server(tiny_search_setup, hostile_photos, tmp_path_factory):
     out = tmp_path_factory.mktemp("browser_names") / "index"
     with _server(hostile_photos, tiny_search_setup["checkpoint"], out) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def shipped_vsepp_server(shipped_vsepp_index):
+    from itmatch.retrieval.search import Searcher
+    from itmatch.retrieval.service import create_app
+
+    with serving(create_app(Searcher(shipped_vsepp_index))) as base:
         yield base
 
 
@@ -209,3 +219,26 @@ def test_hostile_names_non_square_photos_and_a_deep_link(hostile_server, browser
     page.click("#explain-close")
     assert "id=" not in page.url  # closing the explanation takes it out of the link
     assert not page.errors, page.errors
+
+
+def test_a_model_without_attention_maps_says_so_and_its_results_open_nothing(shipped_vsepp_server, page):
+    """With the shipped VSE++ model every click on a result used to end in the 409's message; the page now reads
+    /health, says once why no map opens, and leaves the results unclickable (a deep link's id is ignored)."""
+    page.goto(shipped_vsepp_server + "/?q=a%20red%20circle&id=test_00000.png")
+    page.wait_for_selector("#results .result img", timeout=20_000)
+    note = page.locator("#model-note")
+    assert note.is_visible() and "vsepp" in note.inner_text() and "SCAN, SAVE or OAN" in note.inner_text()
+    assert page.locator("#results .result.no-explain").count() == page.locator("#results .result").count() > 0
+    page.locator("#results .result").nth(0).click()
+    page.wait_for_timeout(500)  # (nothing is requested: a wrongly attached handler would have answered by now)
+    assert page.locator("#explain").is_hidden() and page.locator("#status").inner_text().endswith("ms")
+    assert page.evaluate("getComputedStyle(document.querySelector('#results .result')).cursor") == "default"
+    assert not page.errors, page.errors
+
+
+def test_a_model_with_attention_maps_shows_no_note(server, page):
+    page.goto(server + "/")
+    page.wait_for_function("document.querySelector('#model-note') !== null")
+    _search(page, "a red circle")
+    assert page.locator("#model-note").is_hidden()
+    assert page.locator("#results .result.no-explain").count() == 0

@@ -315,6 +315,12 @@ class Searcher:
             raise QueryError(f"image '{image_id}' is not available", status=404)
         return path
 
+    @property
+    def explains(self) -> bool:
+        """Whether `explain` has maps to give: the model's score attends from words to regions (SCAN, SAVE, OAN
+        with inter-modal attention; not VSE++, MMCA, SMAN: docs/search.md, "Which map explain shows")."""
+        return self.model.head.has_word_attention
+
     def explain(self, query: str, image_id: str) -> dict[str, Any]:
         """Per-word attention over the image's regions, as the model computes it for the score.
 

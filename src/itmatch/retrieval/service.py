@@ -198,7 +198,7 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
     def health() -> dict[str, Any]:
         m = searcher.index.manifest
         return {"status": "ok", "images": len(searcher.ids), "captions": len(searcher.captions),
-                "model": {k: m["model"].get(k) for k in ("arch", "preset", "backbone")}}
+                "model": {k: m["model"].get(k) for k in ("arch", "preset", "backbone")}, "explain": searcher.explains}
 
     @app.get("/metrics")
     def get_metrics() -> dict[str, Any]:

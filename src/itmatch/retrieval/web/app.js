@@ -6,6 +6,9 @@
 
 const $ = (sel) => document.querySelector(sel);
 let lastQuery = "";
+// Whether the index's model has per-word attention maps (/health's "explain"): a VSE++, MMCA or SMAN model has
+// none, so its results open nothing and the page says why once, instead of an error on every click.
+let canExplain = true;
 
 function setStatus(text) { $("#status").textContent = text || ""; }
 
@@ -71,8 +74,13 @@ function renderResults(results) {
     meta.querySelector(".id").title = hit.id;  // the whole name on hover when it is cut short
     meta.querySelector(".score").textContent = hit.score.toFixed(3);
     card.append(img, meta);
-    card.addEventListener("click", () => explain(hit.id));
-    card.addEventListener("keydown", (ev) => { if (ev.key === "Enter") explain(hit.id); });
+    if (canExplain) {
+      card.addEventListener("click", () => explain(hit.id));
+      card.addEventListener("keydown", (ev) => { if (ev.key === "Enter") explain(hit.id); });
+    } else {
+      card.classList.add("no-explain");
+      card.tabIndex = -1;
+    }
     grid.append(card);
   }
 }
@@ -204,12 +212,30 @@ $("#explain-close").addEventListener("click", () => {
 });
 $("#photo").addEventListener("change", (ev) => { if (ev.target.files[0]) searchByPhoto(ev.target.files[0]); });
 
+async function readModel() {
+  try {
+    const health = await getJSON("/health");
+    canExplain = health.explain !== false;
+    const note = $("#model-note");
+    note.hidden = canExplain;
+    if (!canExplain) {
+      const model = health.model || {};
+      note.textContent = "This index's model (" + (model.preset || model.arch || "unknown") + ") scores a photo " +
+        "without attending from words to its regions, so results open no attention maps; a SCAN, SAVE or OAN " +
+        "model draws them.";
+    }
+  } catch (e) {
+    setStatus(e.message);
+  }
+}
+
 async function openFromLocation() {
+  await readModel();
   const params = new URL(location.href).searchParams;
   const query = params.get("q"), id = params.get("id");
   if (!query) return;
   $("#q").value = query;
   await search(query, $("#k").value);
-  if (id) await explain(id);  // the photo need not be among the results
+  if (id && canExplain) await explain(id);  // the photo need not be among the results
 }
 openFromLocation();
