@@ -3,6 +3,11 @@ model has one, a clean 409 where it has none, never a 500 (docs/search.md, "Expl
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 import torch
 
@@ -113,3 +118,28 @@ def test_a_shipped_model_without_word_attention_says_so_in_health_and_explain_is
     resp = client.get("/api/explain", params={"q": "a dog", "id": searcher.ids[0]})
     assert resp.status_code == 409 and "no per-word attention" in resp.json()["error"]["message"]
     assert client.get("/api/search", params={"q": "a dog", "k": 3}).status_code == 200  # search itself works
+
+
+def test_serve_says_at_start_that_its_model_draws_no_maps(shipped_vsepp_index):
+    """`itmatch serve` (a real process on a free port) says it once in its log, before the address."""
+    pytest.importorskip("uvicorn", reason="the `serve` extra (uvicorn) is not installed")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "itmatch", "serve", str(shipped_vsepp_index), "--port",
+                               str(port)], stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("serving 12 images" in line for line in lines):
+            line = server.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    said = "".join(lines)
+    assert "serving 12 images" in said, said
+    assert "the vsepp model has no per-word attention over regions" in said
+    assert said.index("no per-word attention") < said.index("serving 12 images")
