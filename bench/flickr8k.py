@@ -222,6 +222,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # ms3 differs from ASA in two ways, c3/c4 added and every scale standardised per cell (scale_norm, which the
     # fused scales need: docs/save.md); ASA on c5 standardised alone tells which of the two a gain comes from
     "save_asa_layernorm": ("save_asa", ["model.save.scale_norm=layernorm"]),
+    # ASA's theta / phi / g as Eq. 6-7 write them (W u, no bias) beside the non-local block's biased convolutions that
+    # every SAVE preset keeps (docs/save.md): only theta's bias changes the attention, a learned prior over the cells
+    "save_asa_no_bias": ("save_asa", ["model.save.asa_bias=false"]),
     **{f"{p}_seed1": (p, ["train.seed=1"]) for p in HEADLINE},
     # the warm-up decision, measured again on converged runs (docs/training.md, "The paper schedules"): SCAN t-i
     # AVG stalled without it on the CPU; VSE++ at D = 1024 stalled too, but only for three epochs, and ended
