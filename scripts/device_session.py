@@ -462,34 +462,35 @@ def _epochs(metrics: Path) -> str:
     return ", ".join(f"{e['epoch']}: {e['val_rsum']:.1f}" for e in done) or "no epoch yet"
 
 
-OUT_FILE_LIMIT = 15 * 2**20  # a file back through $OUT may weigh 16 MiB (device README); a piece stays under it
+OUT_FILE_MAX = 16 * 2**20  # the most a file may weigh to come back through $OUT (device README)
+OUT_FILE_LIMIT = 15 * 2**20  # a fetched piece: under OUT_FILE_MAX, with a margin
 
 
 def ship(args: argparse.Namespace) -> int:
-    """A converged row's model in its shipped form (fp16, with its results row) into $OUT/NAME/; one whose weights
-    are over what a file may weigh to come back through $OUT (a SCAN at D = 960: 18.8 MB) is taken out again, with
-    the way that works: `fetch` the run, ship it here."""
+    """A converged row's model in its shipped form (fp16, with its results row) into $OUT/NAME/; one with a file over
+    what $OUT returns (a SCAN at D = 960: 18.8 MB of weights) is taken out again, and the way that works is said:
+    `fetch` the run, ship it here."""
     work = DEVICE_ROOT / "itmatch"
     # (its own error, e.g. a model over the 20 MB a shipped one may weigh, is the message: no traceback around it)
-    done = subprocess.run([sys.executable, "scripts/ship_pretrained.py", f"{RUNS}/{args.row}/best",
-                           args.name, "--results", RESULTS[0], "--row", args.row, "--out-root", os.environ["OUT"]],
-                          cwd=work, env=_environment()).returncode
+    rc = subprocess.run([sys.executable, "scripts/ship_pretrained.py", f"{RUNS}/{args.row}/best",
+                         args.name, "--results", RESULTS[0], "--row", args.row, "--out-root", os.environ["OUT"]],
+                        cwd=work, env=_environment()).returncode
     package = Path(os.environ["OUT"]) / args.name
-    too_large = [] if done else oversized(package)
+    too_large = [] if rc else oversized(package)
     if not too_large:
-        return done
+        return rc
     sizes = ", ".join(f"{f.name} {f.stat().st_size / 2**20:.1f} MiB" for f in too_large)
     shutil.rmtree(package)
-    print(f"{args.name}: {sizes}, over the "
-          f"{OUT_FILE_LIMIT / 2**20:.0f} MiB of a file that comes back through $OUT (taken out again): "
-          f"`fetch {args.row}` (pieces), then here `take FILES_AT` and `python scripts/ship_pretrained.py "
-          f"{RUNS}/{args.row}/best {args.name} --results {RESULTS[0]} --row {args.row}`")
+    print(f"{args.name}: {sizes}, over the {OUT_FILE_MAX / 2**20:.0f} MiB of a file that comes back through $OUT "
+          f"(taken out again). Instead: `fetch {args.row}` (in pieces); here `take FILES_AT`, copy the row's "
+          f"{RESULTS[0]} from a `poll` into the checkout, and `python scripts/ship_pretrained.py "
+          f"{RUNS}/{args.row}/best {args.name} --results {RESULTS[0]} --row {args.row}`", file=sys.stderr)
     return 1
 
 
 def oversized(folder: Path) -> list[Path]:
-    """The files under `folder` too large to come back through $OUT whole (over OUT_FILE_LIMIT)."""
-    return sorted(f for f in folder.rglob("*") if f.is_file() and f.stat().st_size > OUT_FILE_LIMIT)
+    """The files under `folder` too large to come back through $OUT (over OUT_FILE_MAX)."""
+    return sorted(f for f in folder.rglob("*") if f.is_file() and f.stat().st_size > OUT_FILE_MAX)
 
 
 # what a fetched run leaves behind: the last epoch's weights and optimizer (best/ holds the model that is evaluated;

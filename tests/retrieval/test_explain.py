@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -129,16 +130,20 @@ def test_serve_says_at_start_that_its_model_draws_no_maps(shipped_vsepp_index):
     server = subprocess.Popen([sys.executable, "-m", "itmatch", "serve", str(shipped_vsepp_index), "--port",
                                str(port)], stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True)  # (a read never blocks us)
+    reader.start()
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any("serving 12 images" in line for line in lines):
-            line = server.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
+        while time.monotonic() < deadline and server.poll() is None and "serving 12 images" not in "".join(lines):
+            time.sleep(0.2)
     finally:
         server.terminate()
-        server.wait(timeout=30)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    reader.join(timeout=10)
     said = "".join(lines)
     assert "serving 12 images" in said, said
     assert "the vsepp model has no per-word attention over regions" in said

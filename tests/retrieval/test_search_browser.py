@@ -8,6 +8,7 @@ no map opens, and no error on a click."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -223,22 +224,39 @@ def test_hostile_names_non_square_photos_and_a_deep_link(hostile_server, browser
 
 def test_a_model_without_attention_maps_says_so_and_its_results_open_nothing(shipped_vsepp_server, page):
     """With the shipped VSE++ model every click on a result used to end in the 409's message; the page now reads
-    /health, says once why no map opens, and leaves the results unclickable (a deep link's id is ignored)."""
+    /health, says once why no map opens, and leaves the results unclickable; a deep link's id is dropped."""
+    asked = []
+    page.on("request", lambda request: asked.append(request.url))
+
+    def late(route):  # /health answers after the deep link's search: its results must wait for it
+        time.sleep(1.0)
+        route.continue_()
+
+    page.route("**/health", late)
     page.goto(shipped_vsepp_server + "/?q=a%20red%20circle&id=test_00000.png")
     page.wait_for_selector("#results .result img", timeout=20_000)
     note = page.locator("#model-note")
     assert note.is_visible() and "vsepp" in note.inner_text() and "SCAN, SAVE or OAN" in note.inner_text()
     assert page.locator("#results .result.no-explain").count() == page.locator("#results .result").count() > 0
+    assert page.locator("#results .result[tabindex]").count() == 0  # no keyboard stop that opens nothing
     page.locator("#results .result").nth(0).click()
-    page.wait_for_timeout(500)  # (nothing is requested: a wrongly attached handler would have answered by now)
+    page.locator("#results .result").nth(1).focus()
+    page.keyboard.press("Enter")
+    page.evaluate("fetch('/health')")  # a request after the clicks: once it is seen, theirs would have been too
+    page.wait_for_function("performance.getEntriesByType('resource').filter(e => e.name.endsWith('/health'))"
+                           ".length >= 2")
+    assert not [url for url in asked if "/api/explain" in url], asked
     assert page.locator("#explain").is_hidden() and page.locator("#status").inner_text().endswith("ms")
     assert page.evaluate("getComputedStyle(document.querySelector('#results .result')).cursor") == "default"
+    assert "id=" not in page.url  # the link no longer promises a map
     assert not page.errors, page.errors
 
 
-def test_a_model_with_attention_maps_shows_no_note(server, page):
-    page.goto(server + "/")
-    page.wait_for_function("document.querySelector('#model-note') !== null")
+def test_a_model_with_attention_maps_shows_no_note_and_its_results_open(server, page):
+    with page.expect_response(lambda response: response.url.endswith("/health")):
+        page.goto(server + "/")
     _search(page, "a red circle")
     assert page.locator("#model-note").is_hidden()
     assert page.locator("#results .result.no-explain").count() == 0
+    page.locator("#results .result").nth(0).click()
+    page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)

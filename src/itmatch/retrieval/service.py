@@ -262,7 +262,7 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
     if not searcher.explains:
         model = searcher.index.manifest["model"]
         log.info("the %s model has no per-word attention over regions: the page's results open no attention maps "
-                 "(a SCAN, SAVE or OAN model draws them)", model.get("preset") or model.get("arch"))
+                 "(SCAN, SAVE and OAN with inter-modal attention draw them)", model.get("preset") or model.get("arch"))
     log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error

@@ -7,7 +7,8 @@
 const $ = (sel) => document.querySelector(sel);
 let lastQuery = "";
 // Whether the index's model has per-word attention maps (/health's "explain"): a VSE++, MMCA or SMAN model has
-// none, so its results open nothing and the page says why once, instead of an error on every click.
+// none, so its results open nothing and the page says why once, instead of an error on every click. Results are
+// drawn only once it is known (modelReady, below): a search typed before /health answers waits for it.
 let canExplain = true;
 
 function setStatus(text) { $("#status").textContent = text || ""; }
@@ -30,6 +31,7 @@ async function search(query, k) {
   setStatus("searching…");
   try {
     const data = await getJSON("/api/search?q=" + encodeURIComponent(query) + "&k=" + k);
+    await modelReady;
     renderResults(data.results);
     renderUnknownWords(data.unknown_words || []);
     setStatus(data.results.length + " results in " + data.took_ms + " ms");
@@ -79,7 +81,7 @@ function renderResults(results) {
       card.addEventListener("keydown", (ev) => { if (ev.key === "Enter") explain(hit.id); });
     } else {
       card.classList.add("no-explain");
-      card.tabIndex = -1;
+      card.removeAttribute("tabindex");  // nothing to open: not a stop of the keyboard's tour, nor focusable
     }
     grid.append(card);
   }
@@ -222,20 +224,23 @@ async function readModel() {
       const model = health.model || {};
       note.textContent = "This index's model (" + (model.preset || model.arch || "unknown") + ") scores a photo " +
         "without attending from words to its regions, so results open no attention maps; a SCAN, SAVE or OAN " +
-        "model draws them.";
+        "model (with inter-modal attention) draws them.";
     }
   } catch (e) {
-    setStatus(e.message);
+    // (results stay clickable: explain answers for itself)
+    setStatus("could not read the index's model from /health: " + e.message);
   }
 }
+const modelReady = readModel();
 
 async function openFromLocation() {
-  await readModel();
   const params = new URL(location.href).searchParams;
   const query = params.get("q"), id = params.get("id");
   if (!query) return;
   $("#q").value = query;
   await search(query, $("#k").value);
-  if (id && canExplain) await explain(id);  // the photo need not be among the results
+  if (!id) return;
+  if (canExplain) await explain(id);  // the photo need not be among the results
+  else setLocation(query, null);  // a link that promises a map this model cannot draw is not kept
 }
 openFromLocation();
