@@ -218,14 +218,14 @@ def test_edited_config_or_vocabulary_is_refused_naming_the_file(tmp_path, caplog
     config_file, vocab_file = ck / "config.json", ck / "vocab.json"
     original_config, original_vocab = config_file.read_text(), vocab_file.read_text()
     config = json.loads(original_config)
-    config["model"]["scan"]["lambda_softmax"] = 4.0
+    config["model"]["scan"]["lambda_softmax"] = 5.0  # (not 4: SCAN's i-t value would add the lambda warning)
     config_file.write_text(json.dumps(config, indent=2) + "\n")
     with pytest.raises(CheckpointError, match="config.json does not match the manifest") as err:
         load_checkpoint(ck)
     assert err.value.path == config_file and "--trust-modified" in str(err.value)
     assert "--resume --set train.epochs=N" in str(err.value)  # the way to change training settings
     with caplog.at_level(logging.WARNING, "itmatch.checkpoint"):
-        assert load_checkpoint(ck, trust_modified=True).config.model.scan.lambda_softmax == 4.0
+        assert load_checkpoint(ck, trust_modified=True).config.model.scan.lambda_softmax == 5.0
     assert len(caplog.records) == 1 and "config.json modified" in caplog.records[0].getMessage()
     config_file.write_text(original_config)
 

@@ -287,7 +287,7 @@ def test_checkpoint_of_an_older_version_finds_its_working_directory_relative_dat
 def test_evaluate_refuses_an_edited_checkpoint_unless_trusted(tiny_precomp, tmp_path, capsys, caplog):
     ckpt = _untrained_checkpoint(quick_config("scan_t2i_avg", tiny_precomp), tmp_path / "ck")
     config = json.loads((ckpt / "config.json").read_text())
-    config["model"]["scan"]["lambda_softmax"] = 4.0
+    config["model"]["scan"]["lambda_softmax"] = 5.0  # (not 4: SCAN's i-t value would add the lambda warning)
     (ckpt / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     assert main(["evaluate", str(ckpt), "--quiet"]) == 2
     err = capsys.readouterr().err
