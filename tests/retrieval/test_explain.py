@@ -109,6 +109,7 @@ def test_a_shipped_model_without_word_attention_says_so_in_health_and_explain_is
     pytest.importorskip("httpx", reason="fastapi's TestClient needs httpx (dev extra)")
     from fastapi.testclient import TestClient
 
+    from itmatch.retrieval.matcher import WORD_ATTENTION_MODELS
     from itmatch.retrieval.search import Searcher
     from itmatch.retrieval.service import create_app
 
@@ -116,8 +117,11 @@ def test_a_shipped_model_without_word_attention_says_so_in_health_and_explain_is
     client = TestClient(create_app(searcher), raise_server_exceptions=False)
     health = client.get("/health").json()
     assert health["explain"] is False and health["model"]["preset"] == "vsepp"
+    assert health["explain_note"] == searcher.explain_note and "(vsepp)" in health["explain_note"]
+    assert WORD_ATTENTION_MODELS in health["explain_note"]  # the same models the 409's hint names
     resp = client.get("/api/explain", params={"q": "a dog", "id": searcher.ids[0]})
     assert resp.status_code == 409 and "no per-word attention" in resp.json()["error"]["message"]
+    assert WORD_ATTENTION_MODELS in resp.json()["error"]["hint"]
     assert client.get("/api/search", params={"q": "a dog", "k": 3}).status_code == 200  # search itself works
 
 
@@ -146,5 +150,6 @@ def test_serve_says_at_start_that_its_model_draws_no_maps(shipped_vsepp_index):
     reader.join(timeout=10)
     said = "".join(lines)
     assert "serving 12 images" in said, said
-    assert "the vsepp model has no per-word attention over regions" in said
-    assert said.index("no per-word attention") < said.index("serving 12 images")
+    note = "This index's model (vsepp) scores a photo without attending from words to its regions"
+    assert note in said  # (the page's note, Searcher.explain_note)
+    assert said.index(note) < said.index("serving 12 images")

@@ -49,7 +49,7 @@ def test_search_ranked_and_images_served(client, tiny_search_setup):
     assert [r["id"] for r in post.json()["results"]] == [r["id"] for r in results]
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["images"] == 12 and health["model"]["arch"] == "scan"
-    assert health["explain"] is True  # SCAN attends from words to regions: the page opens maps
+    assert health["explain"] is True and health["explain_note"] is None  # SCAN attends from words to regions
 
 
 def test_explain_shapes_and_normalisation(client, searcher):

@@ -33,6 +33,9 @@ ImageInput = str | Path | bytes | Image.Image
 _ONE_IMAGE = (str, Path, bytes, Image.Image)
 #: how rank() reads its query: decided from the query ("auto"), or said by the caller
 QUERY_KINDS = ("auto", "text", "image")
+#: the models whose score attends from words to regions, so that word_attention has maps to give: one wording for
+#: the matcher's error, `itmatch serve`'s log and the search page's note (Searcher.explain_note)
+WORD_ATTENTION_MODELS = "a SCAN, SAVE or OAN (with inter-modal attention) model"
 _PHOTOS_HINT = "or pass the photos themselves (paths, bytes or PIL images): the matcher computes what the model reads"
 
 
@@ -364,8 +367,7 @@ class ImageTextMatcher:
         head = self.model.head
         if not head.has_word_attention:
             raise ConfigError(f"the {self.checkpoint.config.model.arch} model has no per-word attention over "
-                              "regions", hint="attention maps need a SCAN, SAVE or OAN (with inter-modal "
-                                              "attention) model; see docs/search.md")
+                              "regions", hint=f"attention maps need {WORD_ATTENTION_MODELS}; see docs/search.md")
         if not isinstance(text, str):
             raise DataError(f"word_attention takes one caption (a str), got {type(text).__name__}",
                             hint="pass the caption as a string")

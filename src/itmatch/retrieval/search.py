@@ -28,6 +28,7 @@ from itmatch.inference import score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
 from itmatch.retrieval.limits import MAX_K, MAX_PIXELS, MAX_QUERY_CHARS, MAX_QUERY_WORDS, MAX_UPLOAD_BYTES
+from itmatch.retrieval.matcher import WORD_ATTENTION_MODELS
 from itmatch.retrieval.names import public_id
 
 IMAGE_FORMATS = frozenset({"JPEG", "PNG", "GIF", "BMP", "WEBP", "TIFF", "MPO"})
@@ -320,6 +321,17 @@ class Searcher:
         """Whether `explain` has maps to give: the model's score attends from words to regions (SCAN, SAVE, OAN
         with inter-modal attention; not VSE++, MMCA, SMAN: docs/search.md, "Which map explain shows")."""
         return self.model.head.has_word_attention
+
+    @property
+    def explain_note(self) -> str | None:
+        """Why results open no attention maps, for a model that has none (None when it has): the search page shows
+        it under the search box and `itmatch serve` logs it."""
+        if self.explains:
+            return None
+        model = self.index.manifest["model"]
+        name = model.get("preset") or model.get("arch") or "unknown"
+        return (f"This index's model ({name}) scores a photo without attending from words to its regions, so results "
+                f"open no attention maps; {WORD_ATTENTION_MODELS} draws them.")
 
     def explain(self, query: str, image_id: str) -> dict[str, Any]:
         """Per-word attention over the image's regions, as the model computes it for the score.

@@ -198,7 +198,8 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
     def health() -> dict[str, Any]:
         m = searcher.index.manifest
         return {"status": "ok", "images": len(searcher.ids), "captions": len(searcher.captions),
-                "model": {k: m["model"].get(k) for k in ("arch", "preset", "backbone")}, "explain": searcher.explains}
+                "model": {k: m["model"].get(k) for k in ("arch", "preset", "backbone")}, "explain": searcher.explains,
+                "explain_note": searcher.explain_note}
 
     @app.get("/metrics")
     def get_metrics() -> dict[str, Any]:
@@ -259,10 +260,8 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
     if searcher.captions_without_known_word:
         log.warning("%d caption(s) of %s have no word in the model's vocabulary and are never ranked, e.g. %r",
                     len(searcher.captions_without_known_word), captions, searcher.captions_without_known_word[0])
-    if not searcher.explains:
-        model = searcher.index.manifest["model"]
-        log.info("the %s model has no per-word attention over regions: the page's results open no attention maps "
-                 "(SCAN, SAVE and OAN with inter-modal attention draw them)", model.get("preset") or model.get("arch"))
+    if searcher.explain_note:
+        log.info(searcher.explain_note)
     log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error

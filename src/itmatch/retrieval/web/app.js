@@ -63,7 +63,6 @@ function renderResults(results) {
     const card = document.createElement("div");
     card.className = "result";
     card.dataset.id = hit.id;
-    card.tabIndex = 0;
     const img = document.createElement("img");
     img.src = hit.url;
     img.alt = hit.id;
@@ -77,11 +76,11 @@ function renderResults(results) {
     meta.querySelector(".score").textContent = hit.score.toFixed(3);
     card.append(img, meta);
     if (canExplain) {
+      card.tabIndex = 0;  // a stop of the keyboard's tour; a card with nothing to open is none
       card.addEventListener("click", () => explain(hit.id));
       card.addEventListener("keydown", (ev) => { if (ev.key === "Enter") explain(hit.id); });
     } else {
       card.classList.add("no-explain");
-      card.removeAttribute("tabindex");  // nothing to open: not a stop of the keyboard's tour, nor focusable
     }
     grid.append(card);
   }
@@ -220,12 +219,7 @@ async function readModel() {
     canExplain = health.explain !== false;
     const note = $("#model-note");
     note.hidden = canExplain;
-    if (!canExplain) {
-      const model = health.model || {};
-      note.textContent = "This index's model (" + (model.preset || model.arch || "unknown") + ") scores a photo " +
-        "without attending from words to its regions, so results open no attention maps; a SCAN, SAVE or OAN " +
-        "model (with inter-modal attention) draws them.";
-    }
+    if (!canExplain) note.textContent = health.explain_note;  // (the server's wording: also in its log)
   } catch (e) {
     // (results stay clickable: explain answers for itself)
     setStatus("could not read the index's model from /health: " + e.message);
