@@ -607,11 +607,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--split", default="test", help="unperturbed evaluation split (default test)")
     a.add_argument("--protocol", default="1k", choices=["1k", "full", "coco1k", "coco5k"],
                    help="evaluation protocol (default 1k)")
-    a.add_argument("--seed", type=non_negative_int, default=0, help="seed of the word shuffling")
+    a.add_argument("--seed", type=non_negative_int, default=0,
+                   help="seed of the word shuffling (the shuffle run's word order; the other perturbations drop the "
+                        "same words whatever it is; the training's seed is train.seed, set with --set)")
     a.add_argument("--tag-cache", type=output_dir,
                    help="directory caching the POS tags of the training captions (default OUT/cache)")
     a.add_argument("--force", action="store_true",
-                   help="retrain runs that exist (default: reuse finished runs, resume interrupted ones)")
+                   help="retrain every run of the study in OUT (not --original's), from scratch (default: "
+                        "reuse finished runs, resume interrupted ones; to retrain one, delete OUT/<perturbation>)")
     a.add_argument("--jobs", type=positive_int, default=1,
                    help="trainings at once, each in its own process (default 1; a GPU fits the whole study)")
     a.add_argument("--original", type=existing_dir, metavar="RUN",

@@ -407,3 +407,106 @@ def test_a_report_from_before_its_runs_were_described_still_renders():
     described = {**old, "schedule": "D = 8", "rows": [{**old["rows"][0], "rsum": 6.0, "dev_rsum": None,
                                                         "epochs": 2, "trained_on": "cpu"}]}
     assert "| Original model | 6.0 | - | - | 2 | cpu |" in to_markdown(described)
+
+
+def _tiny_study_config(tiny_precomp, **train):
+    from itmatch.models.registry import resolve_config
+
+    return resolve_config("vsepp", {"data": {"path": str(tiny_precomp)}, "model": {"embed_size": 16},
+                                    "train": {"epochs": 1, "batch_size": 8, "val_images": 4, "threads": 1, **train}})
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_restarted_not_refused(tiny_precomp, tmp_path, monkeypatch):
+    """A run killed before its first checkpoint leaves config.json and no last/: the study started it as a new run,
+    the trainer refused the non-empty directory, and every later call of the study failed the same way (the CPU's
+    `prepositions` on 2026-11-27). It is restarted from its saved config, checked against the command's first."""
+    from itmatch.analysis import perturb as study
+    from itmatch.data.precomp import read_precomp
+    from itmatch.errors import OverwriteError
+
+    captions = read_precomp(tiny_precomp, "train").training_captions
+    tagged = [(caption_tokens(c), ["NN"] * len(caption_tokens(c))) for c in captions]
+    cfg = _tiny_study_config(tiny_precomp)
+    run = tmp_path / "study" / "prepositions"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(cfg.to_dict()))  # as the trainer leaves it before any checkpoint
+    (run / "metrics.jsonl").write_text('{"step": 1, "epoch": 0, "loss": 50.0, "lr": 0.0002}\n')
+    assert study.started(run) and not (run / "last").exists()
+
+    class Started(Exception):
+        pass
+
+    def trainings_started(trainings, *_):
+        raise Started({t.kind: t.resume for t in trainings})
+
+    _no_tagger(monkeypatch)
+    _write_tag_cache(captions, tmp_path / "tags", tagged)
+    with monkeypatch.context() as m:
+        m.setattr(study, "_train_all", trainings_started)
+        with pytest.raises(Started) as begun:
+            study.run_perturbation_study(cfg, tmp_path / "study", ["prepositions"], tag_cache=tmp_path / "tags",
+                                         progress=False)
+    assert begun.value.args[0] == {"original": False, "prepositions": True}
+    other = _tiny_study_config(tiny_precomp, lr=0.002)
+    with pytest.raises(OverwriteError, match=r"the started run .* train\.lr \(run: 0\.0002, now: 0\.002\)"):
+        study.check_existing_run(run, other, study.study_record("prepositions", 0))
+    study._train_one(study._Training(cfg.to_dict(), run, "prepositions", 0, force=False, resume=True), captions,
+                     tagged, progress=False)
+    assert study.training_finished(run)
+
+
+def test_the_study_record_is_written_before_training_and_the_seed_counts_only_for_shuffle(tiny_precomp, tmp_path,
+                                                                                         monkeypatch):
+    """The perturbation and seed were recorded when a run ended: a run stopped on the way had no record, so a
+    later call with another --seed resumed `shuffle` on another word order. And a changed seed refused the runs it
+    does not change (the dropped words are the same whatever the seed)."""
+    from itmatch.analysis import perturb as study
+    from itmatch.errors import OverwriteError
+    from itmatch.models.registry import resolve_config
+
+    def stopped(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(study, "train", stopped)
+    cfg = _tiny_study_config(tiny_precomp)
+    for kind in ("shuffle", "nouns"):
+        with pytest.raises(KeyboardInterrupt):
+            study._train_one(study._Training(cfg.to_dict(), tmp_path / kind, kind, 3, force=False, resume=False),
+                             CAPTIONS, TAGGED, progress=False)
+    assert json.loads((tmp_path / "shuffle" / study.STUDY_FILE).read_text()) == {"perturbation": "shuffle", "seed": 3}
+    assert json.loads((tmp_path / "nouns" / study.STUDY_FILE).read_text()) == {"perturbation": "nouns"}
+
+    wanted = resolve_config("vsepp", {"data": {"path": str(tmp_path / "precomp")}})
+    for kind in ("shuffle", "nouns"):
+        _finished_run(tmp_path / kind, _trained_as(wanted), state="last")
+    with pytest.raises(OverwriteError, match=r"study\.seed \(run: 3, now: 0\)"):
+        study.check_existing_run(tmp_path / "shuffle", wanted, study.study_record("shuffle", 0))
+    study.check_existing_run(tmp_path / "nouns", wanted, study.study_record("nouns", 0))
+    (tmp_path / "nouns" / study.STUDY_FILE).write_text(json.dumps({"perturbation": "nouns", "seed": 3}))  # (older)
+    study.check_existing_run(tmp_path / "nouns", wanted, study.study_record("nouns", 0))
+
+
+@pytest.mark.slow
+def test_an_evaluation_cache_answers_only_for_its_own_checkpoint(tiny_precomp, tmp_path):
+    """OUT/original caches the reference's test metrics; it was trusted whenever it was newer than the weights being
+    evaluated, so after the study's own reference, a table's run given as --original (trained earlier) was
+    reported with the study's own run's metrics."""
+    from itmatch.analysis import perturb as study
+    from itmatch.data.precomp import read_precomp
+
+    settings = ["--data", str(tiny_precomp), "--quiet", "--set", "model.embed_size=16", "--set", "train.epochs=1",
+                "--set", "train.batch_size=8", "--set", "train.val_images=4", "--set", "train.threads=1"]
+    table_run, own = tmp_path / "runs" / "vsepp", tmp_path / "study" / "original"
+    assert main(["train", "--preset", "vsepp", "--out", str(table_run), *settings]) == 0
+    assert main(["train", "--preset", "vsepp", "--out", str(own), *settings, "--set", "train.lr=0.002"]) == 0
+    test = read_precomp(tiny_precomp, "test")
+    def recalls(run, cache_dir):  # (what the report takes: not the evaluation's seconds)
+        result, _ = study._evaluate(run, cache_dir, test, "full", progress=False)
+        return {d: result[d] for d in study.DIRECTIONS}
+
+    own_metrics = recalls(own, own)  # (its cache: newer than both weights)
+    assert recalls(own, own) == own_metrics  # (from the cache)
+    table_metrics = recalls(table_run, own)
+    assert table_metrics == recalls(table_run, tmp_path / "fresh") != own_metrics
+    cached = json.loads((own / "eval_test_full.json").read_text())
+    assert cached["checkpoint"]["weights"] == str((table_run / "best" / "model.safetensors").resolve())

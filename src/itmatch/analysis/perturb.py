@@ -85,7 +85,7 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
                                                   "or leave --original out to train the reference in the study")
     for kind in kinds:  # before the tagging and the trainings: a mismatch is found in seconds, not hours
         if not force or run_dirs[kind] != out / kind:
-            check_existing_run(run_dirs[kind], cfg, {"perturbation": kind, "seed": seed})
+            check_existing_run(run_dirs[kind], cfg, study_record(kind, seed))
     train_split = read_precomp(cfg.data.path, cfg.data.train_split)
     test_split = read_precomp(cfg.data.path, split)
     tagged = tag_captions(train_split.training_captions, cache_dir=tag_cache or out / "cache", progress=progress)
@@ -93,7 +93,7 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     to_train = [kind for kind in kinds  # (a run stopped after an epoch has a `best`, but is not finished)
                 if run_dirs[kind] == out / kind and (force or not training_finished(out / kind))]
     trainings = [_Training(_run_config(cfg, kind, jobs).to_dict(), out / kind, kind, seed, force,
-                           resume=(out / kind / "last").exists() and not force) for kind in to_train]
+                           resume=started(out / kind) and not force) for kind in to_train]
     _train_all(trainings, train_split.training_captions, tagged, jobs, progress)
     rows = []
     for kind in kinds:
@@ -145,9 +145,15 @@ def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, pro
     # a resumed run keeps its own settings but saves as often as this command asks (a study continued session after
     # session loses at most that many batches); its threads stay: they change float sums, so resumes stay exact
     saving = {"train": {"checkpoint_every": cfg.train.checkpoint_every}} if training.resume else None
-    train(cfg, training.run_dir, resume=training.resume, force=training.force, transform=transform,
+    # The record first: a run stopped before it ends is still checked against it (check_existing_run). A new run's
+    # directory then holds that record and no config.json (or it would be resumed), so the trainer may write there;
+    # a best/ alone (copied in by hand) still stops it
+    run_dir = training.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / STUDY_FILE, study_record(training.kind, training.seed))
+    new_run = not training.resume and not (run_dir / "best").exists()
+    train(cfg, run_dir, resume=training.resume, force=training.force or new_run, transform=transform,
           progress=progress, resume_overrides=saving)
-    write_json_atomic(training.run_dir / STUDY_FILE, {"perturbation": training.kind, "seed": training.seed})
 
 
 def _train_all(trainings: list[_Training], captions: Sequence[str], tagged: Tagged, jobs: int,
@@ -201,12 +207,25 @@ def run_differences(stored: Config, wanted: Config) -> dict[str, tuple[Any, Any]
             and not _same_value(key, old.get(key), new.get(key))}
 
 
+def study_record(kind: str, seed: int) -> dict[str, Any]:
+    """What a run's STUDY_FILE records besides its config: the perturbation, and the seed where it changes the
+    captions (shuffle's order; the other perturbations drop the same words whatever the seed)."""
+    return {"perturbation": kind, **({"seed": seed} if kind == "shuffle" else {})}
+
+
+def started(run_dir: Path) -> bool:
+    """Whether a training of `run_dir` has begun: it saved its config (the trainer resumes it from last/, or from
+    that config when it was stopped before its first checkpoint)."""
+    return (run_dir / "last").exists() or (run_dir / "config.json").is_file()
+
+
 def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> None:
-    """Refuse to reuse (best/) or resume (last/) a run of `run_dir` trained with other settings than `cfg`
-    or another perturbation seed (OverwriteError naming the keys); nothing to check when there is no run.
-    The run's config is read as its checkpoint is loaded: its data paths, stored from the checkpoint's
-    directory, resolved from there, and keys of older versions read by their current names."""
-    for state in ("best", "last"):  # what the study would reuse, else what it would resume
+    """Refuse to reuse (best/) or resume (last/, or the run's own config.json when it stopped before its first
+    checkpoint) a run of `run_dir` trained with other settings than `cfg` or another perturbation seed
+    (OverwriteError naming the keys); nothing to check when there is no run. The run's config is read as its
+    checkpoint is loaded: its data paths, stored from the checkpoint's directory, resolved from there, and keys
+    of older versions read by their current names."""
+    for state in ("best", "last", "."):  # what the study would reuse, else what it would resume
         saved = run_dir / state / "config.json"
         if saved.is_file():
             break
@@ -226,7 +245,8 @@ def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> Non
                    if key in recorded and recorded[key] != value}
     if differ:
         shown = ", ".join(f"{key} (run: {old!r}, now: {new!r})" for key, (old, new) in differ.items())
-        raise OverwriteError(f"the {state} run in {run_dir} was trained with other settings: {shown}",
+        which = {"best": "best", "last": "last", ".": "started"}[state]
+        raise OverwriteError(f"the {which} run in {run_dir} was trained with other settings: {shown}",
                              path=saved, hint="pass --force to retrain it with these settings, or write the "
                                               "study to another --out")
 
@@ -260,13 +280,18 @@ def _run_facts(run_dir: Path) -> dict[str, Any]:
 
 def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str,
               progress: bool) -> tuple[dict[str, Any], Any]:
-    """Test metrics of run_dir/best on the unperturbed split, cached in cache_dir (recomputed when the
-    checkpoint is newer than the cache), so re-running the study only evaluates new runs."""
+    """Test metrics of run_dir/best on the unperturbed split, cached in cache_dir with the checkpoint they are of
+    (where its weights are, their size and time), so re-running the study only evaluates new runs, and the cache of
+    OUT/original never answers for another checkpoint (a study's own reference, then a table's run as --original)."""
     cache = cache_dir / f"eval_{split.split}_{protocol}.json"
-    weights = run_dir / "best" / "model.safetensors"
-    if cache.is_file() and cache.stat().st_mtime_ns >= weights.stat().st_mtime_ns:
-        cached = json.loads(cache.read_text(encoding="utf-8"))
-        if cached.get("n_captions") == len(split.captions):
+    weights = (run_dir / "best" / "model.safetensors").resolve()
+    checkpoint = {"weights": str(weights), "bytes": weights.stat().st_size, "mtime_ns": weights.stat().st_mtime_ns}
+    if cache.is_file():
+        try:
+            cached = json.loads(cache.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            cached = {}  # (a damaged cache is evaluated again, and rewritten)
+        if cached.get("checkpoint") == checkpoint and cached.get("n_captions") == len(split.captions):
             return cached["result"], cached["best_epoch"]
     ckpt = load_checkpoint(run_dir / "best")
     where = resolve(ckpt.config.train.device, ckpt.config.train.precision, device_setting="train.device",
@@ -275,7 +300,8 @@ def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str
                              precision=where.precision)
     best_epoch = ckpt.state.get("best_epoch")
     cache_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(cache, {"n_captions": len(split.captions), "best_epoch": best_epoch, "result": result})
+    write_json_atomic(cache, {"checkpoint": checkpoint, "n_captions": len(split.captions), "best_epoch": best_epoch,
+                              "result": result})
     return result, best_epoch
 
 
