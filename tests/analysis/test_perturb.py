@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -422,16 +423,20 @@ def test_a_run_stopped_before_its_first_checkpoint_is_restarted_not_refused(tiny
     `prepositions` on 2026-11-27). It is restarted from its saved config, checked against the command's first."""
     from itmatch.analysis import perturb as study
     from itmatch.data.precomp import read_precomp
+    from itmatch.engine.checkpoint import config_for_checkpoint
     from itmatch.errors import OverwriteError
 
     captions = read_precomp(tiny_precomp, "train").training_captions
     tagged = [(caption_tokens(c), ["NN"] * len(caption_tokens(c))) for c in captions]
-    cfg = _tiny_study_config(tiny_precomp)
+    monkeypatch.chdir(tiny_precomp.parent)  # (a data path given relative, as the bench gives it)
+    cfg = _tiny_study_config(Path(tiny_precomp.name))
     run = tmp_path / "study" / "prepositions"
     run.mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps(cfg.to_dict()))  # as the trainer leaves it before any checkpoint
+    # as the trainer leaves it before any checkpoint: its data path written from the run folder
+    (run / "config.json").write_text(json.dumps(config_for_checkpoint(cfg, run)))
     (run / "metrics.jsonl").write_text('{"step": 1, "epoch": 0, "loss": 50.0, "lr": 0.0002}\n')
     assert study.started(run) and not (run / "last").exists()
+    study.check_existing_run(run, cfg, study.study_record("prepositions", 0))  # (read as a checkpoint's, refused)
 
     class Started(Exception):
         pass
@@ -447,7 +452,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_restarted_not_refused(tiny
             study.run_perturbation_study(cfg, tmp_path / "study", ["prepositions"], tag_cache=tmp_path / "tags",
                                          progress=False)
     assert begun.value.args[0] == {"original": False, "prepositions": True}
-    other = _tiny_study_config(tiny_precomp, lr=0.002)
+    other = _tiny_study_config(Path(tiny_precomp.name), lr=0.002)
     with pytest.raises(OverwriteError, match=r"the started run .* train\.lr \(run: 0\.0002, now: 0\.002\)"):
         study.check_existing_run(run, other, study.study_record("prepositions", 0))
     study._train_one(study._Training(cfg.to_dict(), run, "prepositions", 0, force=False, resume=True), captions,

@@ -31,7 +31,7 @@ from itmatch.data.perturb import (
 )
 from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
-from itmatch.engine.checkpoint import load_checkpoint, read_checkpoint_config, read_state
+from itmatch.engine.checkpoint import load_checkpoint, read_checkpoint_config, read_run_config, read_state
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.train import train, training_finished
 from itmatch.errors import CheckpointError, ConfigError, OverwriteError
@@ -233,8 +233,8 @@ def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> Non
         return
     wanted = copy.deepcopy(cfg)
     read_pixels_for_finetuning(wanted)  # what the trainer sets before it saves the config
-    try:
-        stored = read_checkpoint_config(saved.parent)
+    try:  # (the run's own config.json stores its data paths as the trainer restarts from it: read_run_config)
+        stored = read_checkpoint_config(saved.parent) if state != "." else read_run_config(run_dir)
     except CheckpointError as exc:
         raise ConfigError(f"cannot read the run's config ({exc.message})", path=saved,
                           hint="retrain it with --force, or write the study to another --out") from None

@@ -251,14 +251,6 @@ def _resolve_data_paths(config: Config, directory: Path, *versions: int) -> dict
     return searched
 
 
-def resolve_run_data_paths(config: Config, run_dir: Path) -> None:
-    """The data paths of a run's own config.json (what --resume restarts from when the run was killed before its
-    first checkpoint), as paths from the current directory. Written like a checkpoint's (from the run directory,
-    `config_for_checkpoint`), so a restart from another working directory finds the data; a config.json of an
-    older itmatch stored them from the run's working directory, and is read as an old checkpoint is."""
-    _resolve_data_paths(config, run_dir, MANIFEST_VERSION, 1)
-
-
 def read_checkpoint_config(path: str | Path) -> Config:
     """The config of checkpoint `path` as `load_checkpoint` gives it (keys of older versions read by their
     current names, data paths resolved from where the checkpoint is, as paths from the current directory),
@@ -280,9 +272,18 @@ def _read_manifest(directory: Path) -> tuple[dict[str, Any] | None, int]:
         raise CheckpointError("corrupt manifest", path=file, hint="the checkpoint is damaged; use another") from None
 
 
-def _read_config(path: Path, version: int) -> tuple[Config, dict[str, list[Path]]]:
-    """config.json of checkpoint `path` (written by a manifest `version`), with its data paths resolved, and
-    every place looked at for them."""
+def read_run_config(run_dir: str | Path) -> Config:
+    """A run's own config.json (what --resume restarts from when the run was killed before its first checkpoint),
+    its data paths as paths from the current directory. They are written like a checkpoint's (from the run
+    directory, `config_for_checkpoint`), so a restart from another working directory finds the data; a config.json
+    of an older itmatch stored them from the run's working directory, and is read as an old checkpoint is (the run
+    folder has no manifest to say which)."""
+    return _read_config(Path(run_dir), MANIFEST_VERSION, 1)[0]
+
+
+def _read_config(path: Path, *versions: int) -> tuple[Config, dict[str, list[Path]]]:
+    """config.json of checkpoint `path` (written by a manifest of one of `versions`, tried in that order), with its
+    data paths resolved, and every place looked at for them."""
     try:
         data = json.loads((path / CONFIG).read_text(encoding="utf-8"))
         if not isinstance(data, dict):
@@ -299,7 +300,7 @@ def _read_config(path: Path, version: int) -> tuple[Config, dict[str, list[Path]
     except ConfigError as exc:
         raise CheckpointError(f"config does not match this itmatch version: {exc.message}",
                               path=path / CONFIG) from None
-    return config, _resolve_data_paths(config, path, version)
+    return config, _resolve_data_paths(config, path, *versions)
 
 
 def load_checkpoint(path: str | Path, *, expect_arch: str | None = None, trust_modified: bool = False) -> Checkpoint:

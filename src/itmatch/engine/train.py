@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from itmatch import distributed as dist
-from itmatch.config import Config, config_from_dict, flatten, get_key, locate, update
+from itmatch.config import Config, flatten, get_key, locate, update
 from itmatch.data.datasets import (
     CaptionTransform,
     LengthBucketSampler,
@@ -44,9 +44,9 @@ from itmatch.engine.checkpoint import (
     load_optimizer_state,
     load_trainer_state,
     read_checkpoint_config,
+    read_run_config,
     read_state,
     recover_checkpoint,
-    resolve_run_data_paths,
     save_checkpoint,
     verify_manifest,
 )
@@ -440,12 +440,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             raise OverwriteError("nothing to resume: no last checkpoint", path=last,
                                  hint="start a new run without --resume")
         # Killed before its first checkpoint: start the same run again from its saved config.
-        try:
-            cfg = config_from_dict(json.loads(saved.read_text(encoding="utf-8")))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot restart the run: its config.json is not valid JSON ({exc})",
-                              path=saved) from None
-        resolve_run_data_paths(cfg, run_dir)
+        cfg = read_run_config(run_dir)
         resume, force = False, True
         apply_resume_overrides(cfg, resume_overrides or {})
     if resume:  # a finished run says so before its weights and data are loaded
