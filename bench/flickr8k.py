@@ -32,8 +32,10 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from itmatch.engine.train import training_finished
 
@@ -391,33 +393,55 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
             *on_cpu(profile)]
 
 
-def dev_pair_rsums(row: str, profile: Profile) -> tuple[Path, dict[str, float]]:
-    """RUNS/<row>.dev_pairs.json, and the dev rsum of every pair ("a+b") evaluated so far ({} before the first)."""
+def weights_digest(member: str, profile: Profile) -> str:
+    """The sha256 of a run's evaluated weights, as best/manifest.json records it ("" when it does not)."""
+    manifest = ROOT / profile.runs / member / "best" / "manifest.json"
+    try:
+        return json.loads(manifest.read_text(encoding="utf-8"))["files"]["model.safetensors"]["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
+def dev_pair_rsums(row: str, profile: Profile) -> tuple[Path, dict[str, Any]]:
+    """RUNS/<row>.dev_pairs.json: per pair ("a+b") evaluated so far, its dev rsum and the digests of the weights it
+    was of ({} before the first)."""
     picks = ROOT / profile.runs / f"{row}.dev_pairs.json"
     return picks, json.loads(picks.read_text(encoding="utf-8")) if picks.is_file() else {}
 
 
+def current_dev_rsums(row: str, profile: Profile) -> dict[str, float]:
+    """The dev rsum of each pair whose record is of its members' weights as they are now (a member retrained or
+    replaced since makes its pairs' records stale: they are evaluated again)."""
+    _, recorded = dev_pair_rsums(row, profile)
+    return {key: entry["rsum"] for key, entry in recorded.items() if isinstance(entry, dict)
+            and entry.get("weights") == {m: weights_digest(m, profile) for m in key.split("+")}}
+
+
 def evaluate_dev_pairs(row: str, profile: Profile, threads: int) -> None:
-    """Every pair of a dev-picked row's candidates evaluated on the dev split, once: their rsums are kept in
-    RUNS/<row>.dev_pairs.json (written after each pair, atomically), so a killed bench goes on with the pairs left."""
+    """Every pair of a dev-picked row's candidates evaluated on the dev split, once for the weights they have: their
+    rsums are kept in RUNS/<row>.dev_pairs.json (written after each pair, atomically), so a killed bench goes on
+    with the pairs left."""
     from itmatch.io import write_json_atomic
 
-    picks, dev_rsum = dev_pair_rsums(row, profile)
+    picks, recorded = dev_pair_rsums(row, profile)
+    current = current_dev_rsums(row, profile)
     for pair in itertools.combinations(profile.dev_picked[row], 2):
         key = "+".join(pair)
-        if key in dev_rsum:
+        if key in current:
             continue
         result = f"{profile.runs}/{row}.dev.{key}.json"
         run(evaluation_command(row, profile, threads, ["--json", result, "--force"], members=list(pair), split="dev"))
         if not DRY_RUN:
-            dev_rsum[key] = json.loads((ROOT / result).read_text(encoding="utf-8"))["rsum"]
-            write_json_atomic(picks, dev_rsum)
+            recorded[key] = {"rsum": json.loads((ROOT / result).read_text(encoding="utf-8"))["rsum"],
+                             "weights": {m: weights_digest(m, profile) for m in pair}}
+            write_json_atomic(picks, recorded)
 
 
 def dev_pick(row: str, profile: Profile) -> list[str] | None:
     """The pair of a dev-picked row's candidates whose ensemble has the best dev rsum (on a tie the first in the
-    candidates' order), from RUNS/<row>.dev_pairs.json; None while a pair has no dev rsum there yet."""
-    _, dev_rsum = dev_pair_rsums(row, profile)
+    candidates' order), from RUNS/<row>.dev_pairs.json; None while a pair has no dev rsum there of its members'
+    current weights."""
+    dev_rsum = current_dev_rsums(row, profile)
     pairs = ["+".join(pair) for pair in itertools.combinations(profile.dev_picked[row], 2)]
     if any(key not in dev_rsum for key in pairs):
         return None
@@ -450,12 +474,16 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
         member_preset = base_preset(member, profile)
         schedule = schedule_of(member, profile)
         check_run_matches(out, member_preset, schedule, profile.overrides.get(member, []))
-        if not training_finished(ROOT / out):
-            resume = ["--resume"] if (ROOT / out / "last").exists() else []
-            sets = [a for s in profile.overrides.get(member, []) for a in ("--set", s)]
-            run(["itmatch", "train", "--preset", member_preset, "--config", schedule,
-                 "--data", member_data, "--out", out, "--force", "--set", f"train.threads={threads}",
-                 "--set", f"train.checkpoint_every={profile.checkpoint_every}", *sets, *resume, *on_cpu(profile)])
+        # One trainer per run folder: rows side by side may share a member (a row and its ensemble, a run and the
+        # row that continues it), and the second's --force would wipe the first's checkpoints under it
+        with contextlib.nullcontext() if DRY_RUN else run_lock(member, profile):
+            if not training_finished(ROOT / out):  # (again inside the lock: the other may have finished it)
+                resume = ["--resume"] if (ROOT / out / "last").exists() else []
+                sets = [a for s in profile.overrides.get(member, []) for a in ("--set", s)]
+                run(["itmatch", "train", "--preset", member_preset, "--config", schedule,
+                     "--data", member_data, "--out", out, "--force", "--set", f"train.threads={threads}",
+                     "--set", f"train.checkpoint_every={profile.checkpoint_every}", *sets, *resume,
+                     *on_cpu(profile)])
         record_history(member, profile)
     if train_only:
         return
@@ -465,7 +493,8 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
                                 f"although training finished; move the run directory aside and run the row again")
     command = row_command(row, profile, threads)
     result_json = f"{profile.runs}/{row}.test.json"
-    record = (["--json", result_json] if profile.device  # (the row, with the device, is written below)
+    # (--force: a row evaluated again, or a bench killed after the JSON and before the row, replaces its own JSON)
+    record = (["--json", result_json, "--force"] if profile.device  # (the row, with the device, is written below)
               else ["--results", profile.results, "--name", row, "--dataset", "flickr8k", "--command", command,
                     "--force", "--json", result_json])
     if row in profile.dev_picked:
@@ -475,7 +504,26 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
     run(evaluate, ranks=eval_ranks if "--resume-dir" in evaluate else 1)  # (two-stage scoring runs on one process)
     if profile.device and not DRY_RUN:
         write_device_row(row, "+".join(base_preset(m, profile) for m in members), ROOT / result_json, command, profile,
-                         threads)
+                         threads, members)
+
+
+@contextlib.contextmanager
+def run_lock(member: str, profile: Profile) -> Iterator[None]:
+    """A lock on RUNS/<member> held while the run trains: a second bench (or a row beside it) says so and waits."""
+    from filelock import FileLock, Timeout
+
+    path = ROOT / profile.runs / f".{member}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        print(f"{profile.runs}/{member} is being trained by another process; waiting for it", flush=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def on_cpu(profile: Profile) -> list[str]:
@@ -508,27 +556,49 @@ def row_command(row: str, profile: Profile, threads: int) -> str:
                      "--row", row, *(["--threads", str(thread_count(threads))] if runs_on_cpu(profile) else [])])
 
 
-def device_name(profile: Profile, threads: int) -> str:
-    """What a row of the device table ran on: the GPU's name, or the CPU's model and the threads it used."""
+def device_name(profile: Profile, threads: int, trained: Sequence[str] = ()) -> str:
+    """What a row of the device table ran on: the GPU's name, or the CPU's model and the threads it used; and the
+    machines its models trained on (`trained`) where one is not that machine (a run fetched from a GPU session and
+    evaluated here)."""
     import torch
 
     from itmatch.device import machine_name
 
-    if not profile.on_cpu:
-        return machine_name(torch.device("cuda", 0))
-    n = thread_count(threads)
-    return f"{machine_name(torch.device('cpu'))}, {n} thread{'s' if n != 1 else ''}"
+    if profile.on_cpu:
+        n = thread_count(threads)
+        machine = machine_name(torch.device("cpu"))
+        evaluated = f"{machine}, {n} thread{'s' if n != 1 else ''}"
+    else:
+        evaluated = machine = machine_name(torch.device("cuda", 0))
+    if all(device == machine for device in trained):
+        return evaluated
+    return f"{evaluated}; trained on {' + '.join(trained)}"
+
+
+def trained_on(members: Sequence[str], profile: Profile) -> list[str]:
+    """The machines the members' evaluated checkpoints trained on, in order (best/state.json; runs from before they
+    were recorded add none)."""
+    from itmatch.engine.checkpoint import read_state
+
+    machines = [d for m in members for d in read_state(ROOT / profile.runs / m / "best").get("devices", [])]
+    return list(dict.fromkeys(machines))
 
 
 def write_device_row(row: str, model: str, result_json: Path, command: str, profile: Profile,
-                     threads: int = 0) -> None:
-    """Add the row with the device's name to the profile's results CSV."""
-    from itmatch.engine.results import result_row, upsert_row
+                     threads: int = 0, members: Sequence[str] = ()) -> None:
+    """Add the row with where it ran (device_name) to the profile's results CSV, replacing the row of that name;
+    the replaced row's machine is said when it was another (a GPU row evaluated again on a CPU)."""
+    from itmatch.engine.results import read_rows, result_row, upsert_row
 
     result = json.loads(result_json.read_text(encoding="utf-8"))
-    upsert_row(ROOT / profile.results, result_row(row, model, "flickr8k", result, command,
-                                                  device=device_name(profile, threads)), force=True)
+    device = device_name(profile, threads, trained_on(members, profile))
+    results = ROOT / profile.results
+    before = next((r for r in read_rows(results) if r["name"] == row), None)
+    upsert_row(results, result_row(row, model, "flickr8k", result, command, device=device), force=True)
     print(f"row {row!r} written to {profile.results}", flush=True)
+    if before is not None and before.get("device") != device:
+        print(f"  (it replaces the row from {before.get('device')}: rsum {before.get('rsum')}; git diff "
+              f"{profile.results} shows both)", flush=True)
 
 
 def require_cuda() -> None:
@@ -689,6 +759,10 @@ def recall_figure(rows: list[str], threads: int, profile: Profile = CPU) -> None
             if absent:
                 sys.exit(f"row {row}: no recall curve in {result_json} and no checkpoint of {', '.join(absent)} "
                          f"here to evaluate; leave the row out, or bring its JSON or run here")
+            training = [] if DRY_RUN else [m for m in members if not training_finished(ROOT / profile.runs / m)]
+            if training:  # (its best/ is an epoch's on the way, not the row's model)
+                sys.exit(f"row {row}: {', '.join(training)} has epochs left to train; finish the row first "
+                         f"(python bench/flickr8k.py --config {profile.name} --row {row}), or leave it out")
             for data in dict.fromkeys(features_of(row, profile, members)):
                 ensure_features(data, profile)  # (a fresh machine has the runs brought back, not the features)
             run(evaluation_command(row, profile, threads, ["--json", result_json, "--force"], members=members))

@@ -462,7 +462,8 @@ def test_an_ensemble_picked_on_dev_evaluates_test_once_with_the_pair_of_the_best
     bench.run_row("ensemble_dev_pick", 2, profile=gpu)
     assert [members for split, members in evaluated if split == "dev"] == [m.split("+") for m in dev]
     assert evaluated[-1] == ("test", ["scan_i2t_lse", "mmca_alpha0_lite2"]) and len(evaluated) == 4
-    assert json.loads((tmp_path / "runs" / "ensemble_dev_pick.dev_pairs.json").read_text()) == dev
+    recorded = json.loads((tmp_path / "runs" / "ensemble_dev_pick.dev_pairs.json").read_text())
+    assert {key: entry["rsum"] for key, entry in recorded.items()} == dev
     from itmatch.engine.results import read_rows
 
     row = next(r for r in read_rows(tmp_path / "gpu.csv") if r["name"] == "ensemble_dev_pick")
@@ -478,8 +479,108 @@ def test_an_ensemble_picked_on_dev_evaluates_test_once_with_the_pair_of_the_best
     assert evaluated[0] == ("test", ["scan_i2t_lse", "mmca_alpha0_lite2"])
     # a tie goes to the first pair in the candidates' order, whatever the file's order; a stale pair counts not
     picks = tmp_path / "runs" / "ensemble_dev_pick.dev_pairs.json"
-    picks.write_text(json.dumps({"x+y": 400.0, "mmca_alpha0_lite2+vsepp": 330.0, **dev}))
+
+    def record(rsums):
+        picks.write_text(json.dumps({key: {"rsum": rsum, "weights": dict.fromkeys(key.split("+"), "")}
+                                     for key, rsum in rsums.items()}))
+
+    record({"x+y": 400.0, "mmca_alpha0_lite2+vsepp": 330.0, **dev})
     assert bench.dev_pick("ensemble_dev_pick", gpu) == ["scan_i2t_lse", "mmca_alpha0_lite2"]
     del dev["scan_i2t_lse+vsepp"]
-    picks.write_text(json.dumps(dev))
+    record(dev)
     assert bench.dev_pick("ensemble_dev_pick", gpu) is None  # (a pair left: the row evaluates it first)
+    # a member retrained since: its pairs' dev rsums were of other weights, and are evaluated again (those alone)
+    dev["scan_i2t_lse+vsepp"] = 310.0
+    record(dev)
+    (tmp_path / "runs" / "vsepp" / "best" / "manifest.json").write_text(json.dumps(
+        {"version": 2, "files": {"model.safetensors": {"bytes": 1, "sha256": "retrained"}}}))
+    assert bench.dev_pick("ensemble_dev_pick", gpu) is None
+    evaluated.clear()
+    monkeypatch.setattr(bench, "ROOT", ROOT)  # (the schedule files' paths)
+    bench.run_row("ensemble_dev_pick", 2, profile=gpu)
+    assert [members for split, members in evaluated if split == "dev"] == [["scan_i2t_lse", "vsepp"],
+                                                                          ["mmca_alpha0_lite2", "vsepp"]]
+    assert json.loads(picks.read_text())["mmca_alpha0_lite2+vsepp"]["weights"]["vsepp"] == "retrained"
+
+
+def test_a_gpu_row_evaluated_again_replaces_its_own_json(bench, tmp_path, monkeypatch, capsys):
+    """The GPU table's evaluation wrote `--json RUNS/<row>.test.json` without --force, and `itmatch evaluate` keeps an
+    existing file without it: a bench killed between the JSON and the row, or a row evaluated again, failed at every
+    rerun (runs/flickr8k_gpu/vsepp.test.json here would have stopped `--row vsepp`)."""
+    import dataclasses
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"), on_cpu=True)
+    _fake_run(bench, gpu, "vsepp", epochs_done=30, with_best=True)
+    (tmp_path / "runs" / "vsepp.test.json").write_text("{}")
+    monkeypatch.setattr(bench, "DRY_RUN", True)
+    bench.run_row("vsepp", 2, profile=gpu)
+    evaluate = next(line for line in capsys.readouterr().out.splitlines() if " evaluate " in line).split()
+    assert evaluate[evaluate.index("--json") + 1] == f"{tmp_path}/runs/vsepp.test.json" and "--force" in evaluate
+
+
+def test_one_trainer_per_run_folder_the_second_waits_and_finds_it_trained(bench, tmp_path, monkeypatch, capsys):
+    """Rows side by side may share a member (a row and its ensemble, a run and the row that continues it): the second
+    bench started the same run with --force, which wipes the first's checkpoints under it. It now waits for the
+    first's lock, then looks again, and trains nothing when the first finished the run."""
+    import dataclasses
+    import threading
+    import time
+
+    from filelock import FileLock
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"))
+    _fake_run(bench, gpu, "vsepp", epochs_done=7, with_best=True)
+    commands: list[list[str]] = []
+    monkeypatch.setattr(bench, "run", lambda cmd, ranks=1: commands.append(cmd))
+    monkeypatch.setattr(bench, "ensure_features", lambda data, profile=None: None)
+    first = FileLock(tmp_path / "runs" / ".vsepp.lock")
+    first.acquire()  # (the other bench, training vsepp)
+    second = threading.Thread(target=bench.run_row, args=("vsepp", 2), kwargs={"train_only": True, "profile": gpu})
+    second.start()
+    said = ""
+    deadline = time.monotonic() + 30
+    while "being trained by another process" not in said and time.monotonic() < deadline:
+        time.sleep(0.05)
+        said += capsys.readouterr().out
+    assert "runs/vsepp is being trained by another process; waiting for it" in said
+    assert second.is_alive() and not commands
+    (tmp_path / "runs" / "vsepp" / "last" / "state.json").write_text(json.dumps({"epoch": 30, "batch": 0}))
+    first.release()  # the other bench finished the run
+    second.join(timeout=30)
+    assert not second.is_alive() and not commands  # nothing trained again
+
+
+def test_a_row_evaluated_here_of_a_run_trained_elsewhere_names_both_machines(bench, tmp_path, capsys):
+    """A run fetched from a GPU session and evaluated on this CPU was labelled with the CPU alone, and the GPU's row it
+    replaced went without a word."""
+    import dataclasses
+
+    from itmatch.engine.results import DEVICE_HEADER, read_rows, write_rows
+
+    cpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"), on_cpu=True)
+    _fake_run(bench, cpu, "scan_i2t_lse", epochs_done=30, with_best=True)
+    (tmp_path / "runs" / "scan_i2t_lse" / "best" / "state.json").write_text(
+        json.dumps({"epoch": 30, "devices": ["NVIDIA H100 80GB HBM3"]}))
+    write_rows(cpu.results, DEVICE_HEADER, [{**dict.fromkeys(DEVICE_HEADER, ""), "name": "scan_i2t_lse",
+                                             "rsum": "283.3", "device": "NVIDIA H100 80GB HBM3"}])
+    result = {"image_to_text": {"r1": 1.0, "r5": 2.0, "r10": 3.0}, "text_to_image": {"r1": 1.0, "r5": 2.0, "r10": 3.0},
+              "rsum": 12.0, "protocol": "1k", "eval_seconds": 1.0}
+    (tmp_path / "scan.test.json").write_text(json.dumps(result))
+    bench.write_device_row("scan_i2t_lse", "scan_i2t_lse", tmp_path / "scan.test.json", "cmd", cpu, threads=2,
+                           members=["scan_i2t_lse"])
+    device = read_rows(cpu.results)[0]["device"]
+    assert device.startswith("CPU ") and device.endswith(", 2 threads; trained on NVIDIA H100 80GB HBM3")
+    assert "it replaces the row from NVIDIA H100 80GB HBM3: rsum 283.3" in capsys.readouterr().out
+    here = bench.device_name(cpu, 2)  # a run trained on this machine names it once
+    assert bench.device_name(cpu, 2, [here.split(",")[0]]) == here
+
+
+def test_the_recall_figure_never_draws_a_run_with_epochs_left(bench, tmp_path, monkeypatch):
+    """`--recall --row X` while X trains evaluated its best/ of an epoch on the way and drew it under the row's name."""
+    import dataclasses
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"), on_cpu=True)
+    _fake_run(bench, gpu, "vsepp", epochs_done=7, with_best=True)
+    monkeypatch.setattr(bench, "run", lambda cmd, ranks=1: pytest.fail(f"ran {cmd}"))
+    with pytest.raises(SystemExit, match="vsepp has epochs left to train; finish the row first"):
+        bench.recall_figure(["vsepp"], 2, gpu)
