@@ -55,6 +55,46 @@ def test_build_index_takes_a_shipped_models_name(tiny_search_setup, few_photos, 
     assert len(Searcher(tmp_path / "index", "tiny-scan").search("a red circle", k=3)) == 3
 
 
+def test_an_index_of_a_shipped_model_outlives_a_reinstall_and_a_lost_checkpoint_says_what_to_do(
+        tiny_search_setup, few_photos, tmp_path, monkeypatch):
+    """An index records its checkpoint's absolute path: for a shipped model, inside site-packages, gone after itmatch
+    is reinstalled or the virtual environment is made again; searching it then failed with "no pretrained model
+    named '/old/venv/.../vsepp-flickr8k'". It records the shipped name and loads the model by it (an index written
+    before it did: from a path ending in itmatch/pretrained/<name>); a checkpoint of the user's that is gone says so
+    and what to pass."""
+    from itmatch.retrieval.index import index_command, load_index
+
+    def install(venv):  # itmatch's shipped models as installed in `venv`
+        shelf = tmp_path / venv / "itmatch" / "pretrained"
+        shutil.copytree(tiny_search_setup["checkpoint"], shelf / "tiny-scan")
+        (shelf / "tiny-scan" / pretrained.CARD).write_text(json.dumps({"name": "tiny-scan"}))
+        monkeypatch.setattr(pretrained, "PRETRAINED_DIR", shelf)
+        return shelf
+
+    old = install("old-venv")
+    build_index(few_photos, "tiny-scan", tmp_path / "index", progress=False)
+    manifest = json.loads((tmp_path / "index" / MANIFEST).read_text())
+    assert manifest["model"]["pretrained"] == "tiny-scan"
+    expected = Searcher(tmp_path / "index").search("a red circle", k=3)
+    shutil.rmtree(tmp_path / "old-venv")
+    install("new-venv")
+    assert Searcher(tmp_path / "index").search("a red circle", k=3) == expected
+    assert "--model tiny-scan " in index_command(tmp_path / "index", manifest)
+    del manifest["model"]["pretrained"]  # (an index written before the name was recorded)
+    (tmp_path / "index" / MANIFEST).write_text(json.dumps(manifest))
+    assert str(old) in manifest["model"]["checkpoint"]
+    assert Searcher(tmp_path / "index").search("a red circle", k=3) == expected
+
+    mine = tmp_path / "my-run" / "best"  # a checkpoint of the user's, moved away after indexing
+    shutil.copytree(tiny_search_setup["checkpoint"], mine)
+    build_index(few_photos, mine, tmp_path / "index2", progress=False)
+    shutil.rmtree(tmp_path / "my-run")
+    with pytest.raises(CheckpointError, match=r"the index's model is gone from .*my-run/best") as err:
+        Searcher(tmp_path / "index2")
+    assert "--model CKPT" in err.value.hint and "--force" in err.value.hint
+    assert load_index(tmp_path / "index2").manifest["model"].get("pretrained") is None
+
+
 @pytest.mark.parametrize(("arguments", "named"), [
     ({"batch_size": 0}, "batch_size must be a whole number >= 1, got 0"),
     ({"batch_size": -3}, "batch_size must be a whole number >= 1, got -3"),

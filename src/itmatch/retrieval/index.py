@@ -86,22 +86,32 @@ def missing_manifest_hint(folder: Path) -> str:
 
 def index_command(index_dir: Path | str, manifest: dict | None = None) -> str:
     """The `itmatch index` command that updates the index (its photo folder and model, from its manifest)."""
-    from itmatch.pretrained import PRETRAINED_DIR
-
     images = (manifest or {}).get("images_root", "IMAGES_DIR")
-    ckpt = ((manifest or {}).get("model") or {}).get("checkpoint", "CKPT")
-    if Path(ckpt).parent == PRETRAINED_DIR:  # a shipped model: its name, which holds wherever itmatch is installed
-        ckpt = Path(ckpt).name
+    model = (manifest or {}).get("model") or {}
+    ckpt = pretrained_name(model) or model.get("checkpoint", "CKPT")  # (a name holds wherever itmatch is installed)
     return f"itmatch index {images} --model {ckpt} --out {index_dir}"
+
+
+def pretrained_name(model: dict[str, Any]) -> str | None:
+    """The shipped model an index's model identity is of, by name: as recorded, or for an index written before it
+    was, from a checkpoint path that ends in itmatch/pretrained/<name>; None for a checkpoint of the user's."""
+    if model.get("pretrained"):
+        return str(model["pretrained"])
+    path = Path(model.get("checkpoint") or "")
+    return path.name if path.parent.name == "pretrained" and path.parent.parent.name == "itmatch" else None
 
 
 def model_identity(checkpoint: Path | str, backbone: str) -> dict[str, Any]:
     """What an index's encodings depend on (the model config, the backbone and the weights) and what its
-    queries are encoded with (the vocabulary)."""
+    queries are encoded with (the vocabulary); a shipped model's name too (`indexed_checkpoint`)."""
+    from itmatch.pretrained import PRETRAINED_DIR
+
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     canonical = json.dumps({"model": config["model"], "backbone": backbone}, sort_keys=True)
-    return {"checkpoint": str(checkpoint.resolve()), "arch": config["model"]["arch"],
+    shipped = checkpoint.resolve().parent == PRETRAINED_DIR.resolve()
+    return {"checkpoint": str(checkpoint.resolve()), **({"pretrained": checkpoint.resolve().name} if shipped else {}),
+            "arch": config["model"]["arch"],
             "preset": config.get("preset", ""), "backbone": backbone,
             "config_hash": hashlib.sha256(canonical.encode()).hexdigest(),
             "weights_hash": file_sha256(checkpoint / "model.safetensors"),
@@ -235,6 +245,23 @@ class ImageIndex:
     def features(self, verify: bool = True) -> np.ndarray:
         return _open_array(self.root, self.manifest, "features", verify)
 
+    def checkpoint(self) -> Path:
+        """The checkpoint the index was built with: the path it recorded; where that is gone and it was a shipped
+        model (itmatch reinstalled, another virtual environment, an editable checkout moved), the shipped model of
+        that name as installed now (its weights are checked against the index's once loaded: `check_model`)."""
+        from itmatch.pretrained import shipped
+
+        built = self.manifest["model"]
+        recorded, name = Path(built["checkpoint"]), pretrained_name(built)
+        if recorded.exists():
+            return recorded
+        if name and name in (models := shipped()):
+            return models[name].path
+        raise CheckpointError(f"the index's model is gone from {recorded}" + (
+            f" (the shipped {name}, which this itmatch does not ship)" if name else ""), path=self.root / MANIFEST,
+            hint="pass the checkpoint it was built with where it is now (--model CKPT; from Python, checkpoint=), "
+                 f"or index the photos again with a model at hand: {index_command(self.root, self.manifest)} --force")
+
     def check_model(self, identity: dict[str, Any]) -> None:
         """Refuse a model other than the one the index was built with."""
         built = self.manifest["model"]
@@ -252,7 +279,8 @@ class ImageIndex:
                 f"{identity.get('preset') or identity.get('arch')} from {identity.get('checkpoint')}, "
                 f"weights {identity.get('weights_hash', '')[:12]}",
                 path=self.root / MANIFEST,
-                hint=f"use the index's own checkpoint {built.get('checkpoint')}, or rebuild the index for this "
+                hint=f"use the index's own model {pretrained_name(built) or built.get('checkpoint')}, or rebuild the "
+                     "index for this "
                      f"model: {index_command(self.root, {**self.manifest, 'model': identity})} --force")
 
 

@@ -177,7 +177,7 @@ class Searcher:
         from itmatch.pretrained import resolve_checkpoint  # (a path, or a pretrained model's name)
 
         ckpt = (resolve_checkpoint(checkpoint) if checkpoint is not None
-                else Path(self.index.manifest["model"]["checkpoint"]))
+                else self.index.checkpoint())
         backbone, identity = self.index.manifest["model"]["backbone"], None
         with contextlib.suppress(FileNotFoundError):  # (no checkpoint files: the loader below says what is missing)
             identity = model_identity(ckpt, backbone)
