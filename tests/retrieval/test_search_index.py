@@ -575,6 +575,24 @@ def test_links_to_files_outside_the_folder_are_not_indexed(tmp_path, caplog):
     assert f"index the folder they point to, {elsewhere}, or copy them in" in caplog.text  # (the library)
 
 
+def test_files_in_formats_it_cannot_read_are_counted_not_left_out_unsaid(tmp_path, caplog):
+    """A phone's folder mixes .jpg and .heic: the .heic photos were left out of the index without a word (the summary
+    counted only what it indexed), so they were missing from every search."""
+    photos = tmp_path / "photos"
+    (photos / "2024").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(photos / "a.jpg")
+    for name in ("IMG_0001.HEIC", "2024/IMG_0002.heic", "2024/clip.mov", "README"):
+        (photos / name).write_bytes(b"...")
+    (photos / ".DS_Store").write_bytes(b"...")  # (hidden: not counted)
+    with caplog.at_level("WARNING", logger="itmatch.retrieval"):
+        assert scan_images(photos) == ["a.jpg"]
+    assert "4 file(s) in" in caplog.text and "(.heic 2, (no extension) 1, .mov 1; it reads .bmp" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="itmatch.retrieval"):
+        assert scan_images(photos / "2024") == []
+    assert "2 file(s) in" in caplog.text
+
+
 def test_unknown_words_are_reported_and_captions_without_a_known_word_never_ranked(tiny_search_setup, tmp_path,
                                                                                      capsys):
     out = tmp_path / "index"

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -133,7 +134,7 @@ def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
     """Relative POSIX paths of the image files under `root` (recursive, sorted; hidden files and
     folders and the folder `exclude`, e.g. an index kept inside the photo folder, are left out; a folder
     that cannot be listed, e.g. no permission or a path over the system's limit, is left out with a warning)."""
-    found, outside = [], []
+    found, outside, unread = [], [], Counter()
     exclude = exclude.resolve() if exclude is not None else None
     real_root = root.resolve()
 
@@ -147,7 +148,9 @@ def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
                              and (exclude is None or (here / d).resolve() != exclude))
         for name in filenames:
-            if not name.startswith(".") and Path(name).suffix.lower() in IMAGE_SUFFIXES:
+            if not name.startswith(".") and Path(name).suffix.lower() not in IMAGE_SUFFIXES:
+                unread[Path(name).suffix.lower() or "(no extension)"] += 1
+            elif not name.startswith("."):
                 rel = (here / name).relative_to(root).as_posix()
                 # a link to a file outside the folder: the service never serves such files
                 # (Searcher.image_path), so indexing it would give results that cannot be shown
@@ -164,6 +167,12 @@ def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
         log.warning("%d image(s) in %s are links to files outside it and are not indexed (the server only "
                     "serves files inside the photo folder, so that a link cannot expose other files), e.g. %s; "
                     "%scopy them in", len(outside), public_id(str(root)), public_id(outside[0][0]), instead)
+    if unread:  # (a phone's .heic photos among its .jpg ones would otherwise be missing from every search unsaid)
+        common = sorted(unread.items(), key=lambda kind: (-kind[1], kind[0]))[:8]  # (most first, then by name)
+        kinds = ", ".join(f"{suffix} {n}" for suffix, n in common)
+        log.warning("%d file(s) in %s are not indexed: not in a format itmatch reads (%s%s; it reads %s); convert "
+                    "the photos among them to JPEG or PNG to find them", sum(unread.values()), public_id(str(root)),
+                    kinds, ", ..." if len(unread) > 8 else "", " ".join(sorted(IMAGE_SUFFIXES)))
     return sorted(found)
 
 
