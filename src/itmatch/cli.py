@@ -367,11 +367,15 @@ def _cmd_search(args: argparse.Namespace) -> int:
         results = [{**h.as_dict(), "path": public_id(str(path))} for h, path in zip(hits, paths, strict=True)]
         gone = sum(not path.is_file() for path in paths)
         if gone:  # (deleted or moved since the index was last updated: still ranked, not shown by the server)
-            from itmatch.retrieval.index import index_command
+            from itmatch.retrieval.index import index_command, moved_folder_hint
 
-            print(f"note: {gone} of these {len(hits)} photos are no longer where they were indexed (moved or "
-                  f"deleted); update the index: {index_command(args.index, searcher.index.manifest)}",
-                  file=sys.stderr)
+            manifest = searcher.index.manifest
+            if not searcher.images_root.is_dir():
+                print(f"note: the photo folder {public_id(str(searcher.images_root))} is not there; "
+                      f"{moved_folder_hint(args.index, manifest)}", file=sys.stderr)
+            else:
+                print(f"note: {gone} of these {len(hits)} photos are no longer where they were indexed (moved or "
+                      f"deleted); update the index: {index_command(args.index, manifest)}", file=sys.stderr)
         unknown = searcher.unknown_words(args.query)
         if unknown:  # (stderr as well: a reader of the ranked lines sees it)
             print(f"note: not in the model's vocabulary, read as <unk>: {', '.join(unknown)}", file=sys.stderr)

@@ -335,6 +335,40 @@ def test_search_notes_results_whose_photo_is_gone_since_indexing(tiny_search_set
             f"itmatch index {photos} --model {tiny_search_setup['checkpoint']} --out {out}") in printed.err
 
 
+def test_a_moved_photo_folder_is_said_with_what_to_do_in_search_serve_and_the_api(tiny_search_setup, photos,
+                                                                                  tmp_path, capsys, caplog,
+                                                                                  monkeypatch):
+    """After `mv photos elsewhere`, search advised `itmatch index OLD_FOLDER ...`, which fails (the folder is gone);
+    serve started without a word and answered every photo with a bare 404. Each now says the folder is not there and
+    the way on, and the command it gives works (photos already encoded are reused)."""
+    pytest.importorskip("fastapi", reason="the `serve` extra (fastapi) is not installed")
+    pytest.importorskip("httpx", reason="fastapi's TestClient needs httpx (dev extra)")
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    from itmatch.retrieval.service import create_app, serve
+
+    out = tmp_path / "index"
+    _build(tiny_search_setup, photos, out)
+    moved = photos.rename(tmp_path / "moved")
+    assert main(["search", str(out), "a red circle", "-k", "3"]) == 0
+    err = capsys.readouterr().err
+    assert f"note: the photo folder {photos} is not there; if it moved, index it where it is (itmatch index " \
+           f"NEW_FOLDER --model {tiny_search_setup['checkpoint']} --out {out} --force" in err
+    assert f"itmatch serve {out} --images NEW_FOLDER" in err
+    client = TestClient(create_app(Searcher(out)), raise_server_exceptions=False)
+    url = client.get("/api/search", params={"q": "a red circle", "k": 1}).json()["results"][0]["url"]
+    answer = client.get(url)
+    assert answer.status_code == 404 and "--images NEW_FOLDER" in answer.json()["error"]["hint"]
+    assert str(photos) not in answer.text  # (the server's paths are not a client's business)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # (its start-up, not its serving)
+    with caplog.at_level("WARNING", logger="itmatch.retrieval"):
+        serve(out, port=0)
+    assert f"the photo folder {photos} is not there: results will come without their photos" in caplog.text
+    summary = build_index(moved, tiny_search_setup["checkpoint"], out, force=True, progress=False)  # (the way on)
+    assert summary["images"] == summary["reused"] == 12 and summary["encoded"] == 0
+
+
 def test_a_folder_without_manifest_is_told_what_to_do(tiny_search_setup, photos, tmp_path, capsys):
     """Searching the photo folder itself, a first index that was stopped, or any other folder: each gets its own
     fix (the photo folder's is not "rebuild it with --out PHOTOS --force", which would write the index into it)."""

@@ -93,6 +93,14 @@ def index_command(index_dir: Path | str, manifest: dict | None = None) -> str:
     return f"itmatch index {images} --model {ckpt} --out {index_dir}"
 
 
+def moved_folder_hint(index_dir: Path | str, manifest: dict[str, Any]) -> str:
+    """What to do when an index's photo folder is not where it was indexed: index it where it is now (the photos
+    it has encoded are reused, by content), or serve it from there."""
+    index_again = index_command(index_dir, {**manifest, "images_root": "NEW_FOLDER"})
+    return (f"if it moved, index it where it is ({index_again} --force: photos already encoded are not encoded again), "
+            f"or serve it from there (itmatch serve {index_dir} --images NEW_FOLDER)")
+
+
 def pretrained_name(model: dict[str, Any]) -> str | None:
     """The shipped model an index's model identity is of, by name: as recorded, or for an index written before it
     was, from a checkpoint path that ends in itmatch/pretrained/<name>; None for a checkpoint of the user's."""

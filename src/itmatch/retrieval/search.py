@@ -313,7 +313,9 @@ class Searcher:
         root = self.images_root.resolve()
         path = self.path_of(image_id).resolve()
         if not path.is_relative_to(root) or not path.is_file():
-            raise QueryError(f"image '{image_id}' is not available", status=404)
+            moved = None if root.is_dir() else ("the index's photo folder is not there on the server: serve the "
+                                               "index with --images NEW_FOLDER where it moved")  # (no path: a client)
+            raise QueryError(f"image '{image_id}' is not available", status=404, hint=moved)
         return path
 
     @property

@@ -262,6 +262,11 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
                     len(searcher.captions_without_known_word), captions, searcher.captions_without_known_word[0])
     if searcher.explain_note:
         log.info(searcher.explain_note)
+    if not searcher.images_root.is_dir():  # (the page would show every result without its photo)
+        from itmatch.retrieval.index import moved_folder_hint
+
+        log.warning("the photo folder %s is not there: results will come without their photos; %s",
+                    searcher.images_root, moved_folder_hint(index_dir, searcher.index.manifest))
     log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error
