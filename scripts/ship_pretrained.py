@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.results is None) != (args.row is None):
         parser.error("--results and --row go together")
+    if not args.out_root.is_dir():  # (ship writes a temporary folder there first)
+        parser.error(f"--out-root {args.out_root}: no such folder")
     try:
         row = results_row(args.results, args.row) if args.results else None
         target = ship(args.checkpoint, args.name, root=args.out_root, results=row,

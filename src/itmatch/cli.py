@@ -349,6 +349,12 @@ def _cmd_search(args: argparse.Namespace) -> int:
         raise ConfigError("give either a text QUERY or --image PHOTO", hint="itmatch search INDEX 'a dog' -k 10")
     if args.query is not None:
         check_query(args.query)  # (before the model loads: seconds)
+    elif not args.captions:  # (before the model loads, as the query's check)
+        from itmatch.errors import ConfigError
+
+        raise ConfigError("--image finds captions for a photo: give the captions to rank with --captions FILE",
+                          hint=f"itmatch search {args.index} --image PHOTO --captions CAPTIONS.txt (one caption a "
+                               "line)")
     placement = _placement(args)
     captions = read_captions_file(args.captions) if args.captions else None
     searcher = Searcher(Path(args.index), args.model, captions=captions, shortlist=args.shortlist,
@@ -380,6 +386,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
         if unknown:  # (stderr as well: a reader of the ranked lines sees it)
             print(f"note: not in the model's vocabulary, read as <unk>: {', '.join(unknown)}", file=sys.stderr)
         document = {"query": args.query, "k": args.k, "unknown_words": unknown, "results": results}
+    if args.query is not None and not searcher.ids:  # (said when it was indexed too; a search may come much later)
+        print(f"note: the index {public_id(args.index)} holds no photo (none was found in "
+              f"{public_id(str(searcher.images_root))} when it was indexed): nothing to find", file=sys.stderr)
     if args.json:
         print(json.dumps(document, indent=2))
     else:

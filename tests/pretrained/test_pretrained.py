@@ -107,6 +107,9 @@ def test_nothing_is_shipped_over_the_size_limit_or_over_an_existing_name(trained
     assert ship_main([str(trained), "twice", "--out-root", str(shelf)]) == 1
     assert "already exists" in capsys.readouterr().err
     assert ship_main([str(trained), "Bad Name", "--out-root", str(shelf)]) == 1
+    with pytest.raises(SystemExit) as usage:  # (was a FileNotFoundError traceback from the temporary folder)
+        ship_main([str(trained), "elsewhere", "--out-root", str(shelf / "no-such-folder")])
+    assert usage.value.code == 2 and "no-such-folder: no such folder" in capsys.readouterr().err
 
 
 def test_an_unknown_name_says_where_to_look(shelf, capsys):

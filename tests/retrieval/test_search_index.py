@@ -369,6 +369,25 @@ def test_a_moved_photo_folder_is_said_with_what_to_do_in_search_serve_and_the_ap
     assert summary["images"] == summary["reused"] == 12 and summary["encoded"] == 0
 
 
+def test_searching_an_empty_index_or_a_photo_without_captions_says_so(tiny_search_setup, tmp_path, capsys,
+                                                                     monkeypatch):
+    """A search of an index of no photo printed nothing and exited 0 (the note came once, when it was indexed); --image
+    without --captions loaded the index and the model before saying the captions were needed."""
+    import itmatch.retrieval.search as search_module
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "index"
+    build_index(empty, tiny_search_setup["checkpoint"], out, progress=False)
+    assert main(["search", str(out), "a red circle"]) == 0
+    printed = capsys.readouterr()
+    assert printed.out == "" and f"note: the index {out} holds no photo (none was found in {empty}" in printed.err
+    monkeypatch.setattr(search_module, "Searcher", lambda *a, **k: pytest.fail("loaded before the arguments"))
+    photo = next(tiny_search_setup["photos"].iterdir())
+    assert main(["search", str(out), "--image", str(photo)]) == 2
+    assert "give the captions to rank with --captions FILE" in capsys.readouterr().err
+
+
 def test_a_folder_without_manifest_is_told_what_to_do(tiny_search_setup, photos, tmp_path, capsys):
     """Searching the photo folder itself, a first index that was stopped, or any other folder: each gets its own
     fix (the photo folder's is not "rebuild it with --out PHOTOS --force", which would write the index into it)."""
