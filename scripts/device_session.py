@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -187,8 +188,20 @@ def run_files(row: str, runs: Path = ROOT / RUNS) -> list[tuple[Path, str]]:
     run = runs / row
     if not (run / "best" / "config.json").is_file():
         raise SystemExit(f"no trained run at {run} (a run to carry needs its best/ checkpoint)")
+    if not run_finished(run):  # (its last/ weights are not carried: there it could not be resumed)
+        raise SystemExit(f"{run} has epochs left to train: finish it here first, or let the session train it")
     return [(f, f"itmatch/{RUNS}/{row}/{f.relative_to(run).as_posix()}")
             for f in sorted(run.rglob("*")) if f.is_file() and f.relative_to(run).as_posix() not in FETCH_SKIPS]
+
+
+def run_finished(run: Path) -> bool:
+    """itmatch.engine.train.training_finished, read here without itmatch: this script runs on a bare machine before
+    any wheel is installed (tests/test_device_session.py checks that the two agree)."""
+    if not (run / "last" / "state.json").is_file():
+        return (run / "best").is_dir()
+    state = json.loads((run / "last" / "state.json").read_text(encoding="utf-8"))
+    epochs = json.loads((run / "config.json").read_text(encoding="utf-8"))["train"]["epochs"]
+    return state["epoch"] >= epochs and state.get("batch", 0) == 0
 
 
 def tag_caches() -> list[tuple[Path, str]]:
@@ -256,9 +269,15 @@ def work_copy(_: argparse.Namespace | None = None) -> int:
     """Copy this checkout to DEVICE_ROOT/itmatch, beside shared/ (so that ../shared is found there), over an
     earlier copy: its runs, features and results stay (each call replaces the checkout's own tracked files)."""
     work = DEVICE_ROOT / "itmatch"
-    kept = ["results"] if work.exists() else []  # (docs/results: the rows written there so far)
-    shutil.copytree(ROOT, work, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(".device", ".git", "runs", ".venv", ".ci-venv", *kept))
+    skipped = shutil.ignore_patterns(".device", ".git", "runs", ".venv", ".ci-venv")
+
+    def ignored(folder: str, names: list[str]) -> set[str]:
+        # docs/results: the rows written there so far, kept where the copy has them (a bundle of runs or tags
+        # received first makes DEVICE_ROOT/itmatch without them: the checkout's are copied then)
+        kept = {"results"} if Path(folder) == ROOT / "docs" and (work / "docs" / "results").is_dir() else set()
+        return set(skipped(folder, names)) | kept
+
+    shutil.copytree(ROOT, work, dirs_exist_ok=True, ignore=ignored)
     print(f"working copy: {work}")
     return 0
 
@@ -411,8 +430,25 @@ def poll(args: argparse.Namespace) -> int:
         return 1
     plan = json.loads((logs / "plan.json").read_text())
     deadline = time.time() + args.wait
+    # $OUT holds where things stand at every pass, not only after the wait: a call cut short by the session's device
+    # time (its limit is what is left) still brings back what it had
     while time.time() < deadline and not _all_done(logs, plan["rows"]):
+        _report(logs, work, plan, quiet=True)
         time.sleep(10)
+    _report(logs, work, plan)
+    return 0
+
+
+#: what `poll` brings back besides poll.txt and the results CSVs: one tar (a call returns at most 8 files, named in
+#: letters, digits, '.', '_' and '-': a row's JSON, `scan_ensemble_...+..._seed1.test.json`, would not come back)
+POLLED = "polled.tar"
+
+
+def _report(logs: Path, work: Path, plan: dict[str, Any], quiet: bool = False) -> None:
+    """Where each row stands (printed unless `quiet`) and, under $OUT, poll.txt, the results CSVs and POLLED: each
+    finished study's table and chart and each row's evaluation JSONs (`take FILES_AT` here puts them in place)."""
+    import tarfile
+
     lines = [f"{time.time() - plan['started']:.0f} s since start"]
     for name in ["driver", "extract", *plan["rows"]]:
         log = logs / f"{name}.log"
@@ -422,21 +458,36 @@ def poll(args: argparse.Namespace) -> int:
         epochs = f": {_progress(work / RUNS, name)}" if name in plan["rows"] else ""
         lines.append(f"== {name}{epochs}" + ("".join(f"\n   {t}" for t in tail[-3:]) if tail else " (no log yet)"))
     report = "\n".join(lines)
-    print(report)
+    if not quiet:
+        print(report)
     out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "poll.txt").write_text(report + "\n")
-        studies = [f"docs/results/perturb/flickr8k_gpu_{item.removeprefix(STUDY)}.{ext}"
-                   for item in plan["rows"] if item.startswith(STUDY) for ext in ("csv", "md", "png")]
-        # each row's evaluation JSON: its recall curve, for `bench/flickr8k.py --recall` here; a dev-picked row's
-        # pairs' dev rsums (the evidence of its pick)
-        evaluations = [f"{RUNS}/{item}.{kind}.json" for item in plan["rows"] if not item.startswith(STUDY)
-                       for kind in ("test", "dev_pairs")]
-        for path in [*RESULTS, *studies, *evaluations]:
-            if (work / path).exists():
-                shutil.copyfile(work / path, Path(out) / path.replace("/", "__"))
-    return 0
+    if not out:
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    _write_atomic(Path(out, "poll.txt"), (report + "\n").encode())
+    for path in RESULTS:
+        if (work / path).exists():
+            _write_atomic(Path(out) / path.replace("/", SEP), (work / path).read_bytes())
+    studies = [f"docs/results/perturb/flickr8k_gpu_{item.removeprefix(STUDY)}.{ext}"
+               for item in plan["rows"] if item.startswith(STUDY) for ext in ("csv", "md", "png")]
+    # each row's evaluation JSON: its recall curve, for `bench/flickr8k.py --recall` here; a dev-picked row's
+    # pairs' dev rsums (the evidence of its pick)
+    evaluations = [f"{RUNS}/{item}.{kind}.json" for item in plan["rows"] if not item.startswith(STUDY)
+                   for kind in ("test", "dev_pairs")]
+    present = [path for path in [*studies, *evaluations] if (work / path).exists()]
+    if present:
+        packed = DEVICE_ROOT / POLLED
+        with tarfile.open(packed, "w") as tar:
+            for path in present:
+                tar.add(work / path, arcname=path)
+        _write_atomic(Path(out) / POLLED, packed.read_bytes())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """(a call may end while poll writes: a file is there whole, or as it was)"""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_bytes(data)
+    partial.replace(path)
 
 
 def _all_done(logs: Path, rows: list[str]) -> bool:
@@ -509,6 +560,9 @@ def fetch(args: argparse.Namespace) -> int:
     if not (run / "best" / "config.json").is_file():
         print(f"no trained run at {run} (rows done so far: see `poll`)")
         return 1
+    if not run_finished(run):  # (without its last/ weights it could be resumed nowhere)
+        print(f"{run} has epochs left to train (see `poll`): fetch it once it has finished")
+        return 1
     out = Path(os.environ["OUT"])
     out.mkdir(parents=True, exist_ok=True)
     archive = DEVICE_ROOT / f"{args.row.replace('/', SEP)}.tar"  # (a study's run: perturb__scan_t2i_avg__shuffle)
@@ -527,14 +581,21 @@ def fetch(args: argparse.Namespace) -> int:
 
 
 def take(args: argparse.Namespace) -> int:
-    """(here) The run directories that `fetch` brought back (the pieces in `folder`, a call's files_at) joined and
-    unpacked into `--runs`; an existing run directory is kept unless --force."""
+    """(here) What a call brought back, from `folder` (its files_at): the run directories that `fetch` cut into
+    pieces, joined and unpacked into `--runs`; `poll`'s POLLED (study tables, evaluation JSONs) unpacked into the
+    checkout `--checkout`. An existing run directory or file is kept unless --force. (poll's results CSVs stay in
+    `folder`: their new rows are copied over the checkout's by hand, docs/gpu.md.)"""
     import tarfile
 
     runs = Path(args.runs)
     fetched = dict(all_pieces(piece) for piece in sorted(Path(args.folder).glob(f"*.tar{CHUNK}*-of-*")))
+    polled = Path(args.folder) / POLLED
+    if polled.is_file() and take_polled(polled, Path(args.checkout), args.force):
+        return 1
     if not fetched:
-        print(f"no fetched runs (*.tar{CHUNK}K-of-N) in {args.folder}")
+        if polled.is_file():
+            return 0
+        print(f"no fetched runs (*.tar{CHUNK}K-of-N) and no {POLLED} in {args.folder}")
         return 1
     for stem, parts in fetched.items():
         if not all(part.exists() for part in parts):
@@ -560,6 +621,28 @@ def take(args: argparse.Namespace) -> int:
         joined.unlink()
         print(f"{row}: {runs / row}")
     return 0
+
+
+def take_polled(polled: Path, checkout: Path, force: bool) -> bool:
+    """POLLED's files put in place under `checkout`; True (and nothing written) when one exists there and not `force`,
+    or when a member would land outside docs/results/ and RUNS."""
+    import tarfile
+
+    with tarfile.open(polled) as tar:
+        members = tar.getmembers()
+        outside = [m.name for m in members if not m.isfile()
+                   or not m.name.startswith(("docs/results/", f"{RUNS}/")) or ".." in Path(m.name).parts]
+        if outside:
+            print(f"{polled}: not what poll packs ({', '.join(outside)})")
+            return True
+        existing = [m.name for m in members if (checkout / m.name).exists()]
+        if existing and not force:
+            print(f"{polled}: {', '.join(existing)} exist in {checkout}: move them aside, or --force to replace them")
+            return True
+        tar.extractall(checkout, filter="data")
+    for m in members:
+        print(f"{m.name}: {checkout / m.name}")
+    return False
 
 
 def _row_arguments(parser: argparse.ArgumentParser) -> None:
@@ -620,10 +703,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[],
                    help="passed to bench/gpu.py, e.g. --data runs/data/flickr8k_lite0 --presets scan_t2i_avg")
     p.set_defaults(func=bench)
-    p = sub.add_parser("take", help="(here) join and unpack the runs `fetch` brought back")
+    p = sub.add_parser("take", help="(here) join and unpack the runs `fetch` brought back, and put the tables and "
+                                    "evaluations `poll` brought back in place")
     p.add_argument("folder", help="the call's files_at")
     p.add_argument("--runs", default=str(ROOT / RUNS), help="where the run directories go")
-    p.add_argument("--force", action="store_true", help="replace a run directory that exists")
+    p.add_argument("--checkout", default=str(ROOT), help=f"where {POLLED}'s files go (this checkout)")
+    p.add_argument("--force", action="store_true", help="replace a run directory or a file that exists")
     p.set_defaults(func=take)
     return parser
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import threading
 import time
@@ -175,10 +177,16 @@ def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_it
     evaluation.write_text('{"rsum": 261.2, "recall_curve": {}}')
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
     assert session.main(["poll", "--wait", "0"]) == 0
-    assert (tmp_path / "out" / "runs__flickr8k_gpu__oan.test.json").read_text() == evaluation.read_text()
-    assert not (tmp_path / "out" / "runs__flickr8k_gpu__vsepp.test.json").exists()  # (not evaluated yet)
     assert "== perturb:scan_t2i_avg: nouns 1 epochs, original 3 epochs" in (tmp_path / "out" / "poll.txt").read_text()
-    assert (tmp_path / "out" / "docs__results__perturb__flickr8k_gpu_scan_t2i_avg.csv").read_text() == table.read_text()
+    # what comes back is within a call's limits: at most 8 files, named in letters, digits, '.', '_' and '-'
+    returned = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert returned == ["poll.txt", session.POLLED] and all(re.fullmatch(r"[\w.-]+", n) for n in returned)
+    here = tmp_path / "checkout"
+    assert session.main(["take", str(tmp_path / "out"), "--checkout", str(here), "--runs", str(tmp_path / "r")]) == 0
+    assert (here / "runs" / "flickr8k_gpu" / "oan.test.json").read_text() == evaluation.read_text()
+    assert not (here / "runs" / "flickr8k_gpu" / "vsepp.test.json").exists()  # (not evaluated yet)
+    assert (here / "docs" / "results" / "perturb" / "flickr8k_gpu_scan_t2i_avg.csv").read_text() == table.read_text()
+    assert session.main(["take", str(tmp_path / "out"), "--checkout", str(here), "--runs", str(tmp_path / "r")]) == 1
     with pytest.raises(SystemExit):  # nothing to run is a usage error, not an empty driver
         session.main(["start", "--parallel", "2"])
 
@@ -233,7 +241,7 @@ def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(sessi
     weights and optimizer; an existing run directory is kept unless --force."""
     monkeypatch.setattr(session, "OUT_FILE_LIMIT", 4096)
     run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / "scan_i2t_lse"
-    files = {"config.json": b"{}", "metrics.jsonl": b"{}\n", "best/config.json": b"{}",
+    files = {"config.json": b'{"train": {"epochs": 30}}', "metrics.jsonl": b"{}\n", "best/config.json": b"{}",
              "best/model.safetensors": os.urandom(10_000), "last/state.json": b'{"epoch": 30}',
              "last/model.safetensors": os.urandom(5000), "last/optimizer.pt": os.urandom(5000)}
     for name, data in files.items():
@@ -245,6 +253,10 @@ def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(sessi
     pieces = sorted(out.iterdir())
     assert len(pieces) >= 3 and all(p.stat().st_size <= 4096 for p in pieces)
     assert session.main(["fetch", "oan"]) == 1  # not trained there: said, nothing written
+    (run / "last" / "state.json").write_bytes(b'{"epoch": 12}')
+    assert session.main(["fetch", "scan_i2t_lse"]) == 1  # epochs left: it could be resumed nowhere without last/
+    assert sorted(out.iterdir()) == pieces
+    (run / "last" / "state.json").write_bytes(files["last/state.json"])
 
     here = tmp_path / "runs"
     assert session.main(["take", str(out), "--runs", str(here)]) == 0
@@ -270,10 +282,16 @@ def test_a_trained_run_travels_there_as_fetch_brings_one_back(session, tmp_path)
                  "last/model.safetensors", "last/optimizer.pt", "last/trainer.pt"]:
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(name)
+    (run / "config.json").write_text('{"train": {"epochs": 30}}')
+    (run / "last" / "state.json").write_text('{"epoch": 30, "batch": 0}')
     files = session.run_files("vsepp", tmp_path)
     assert sorted(dest for _, dest in files) == [f"itmatch/runs/flickr8k_gpu/vsepp/{name}" for name in [
         "best/config.json", "best/model.safetensors", "config.json", "last/state.json", "metrics.jsonl"]]
-    assert all(source.read_text() == dest.split("vsepp/", 1)[1] for source, dest in files)
+    assert all(source.read_text() == dest.split("vsepp/", 1)[1] for source, dest in files
+               if not dest.endswith(("/config.json", "state.json")) or "best/" in dest)
+    (run / "last" / "state.json").write_text('{"epoch": 30, "batch": 17}')  # stopped in its last epoch
+    with pytest.raises(SystemExit, match="has epochs left to train"):
+        session.run_files("vsepp", tmp_path)
     (run / "best" / "config.json").unlink()
     with pytest.raises(SystemExit, match="no trained run"):
         session.run_files("vsepp", tmp_path)
@@ -285,7 +303,8 @@ def test_a_studys_finished_run_travels_back_and_there_again_under_its_own_path(s
     monkeypatch.setattr(session, "OUT_FILE_LIMIT", 4096)
     row = "perturb/scan_t2i_avg/shuffle"
     run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / row
-    files = {"config.json": b"{}", "study.json": b"{}", "eval_test_1k.json": b"{}", "best/config.json": b"{}",
+    files = {"config.json": b'{"train": {"epochs": 30}}', "study.json": b"{}", "eval_test_1k.json": b"{}",
+             "best/config.json": b"{}",
              "best/model.safetensors": os.urandom(6000), "last/state.json": b'{"epoch": 30}',
              "last/model.safetensors": os.urandom(5000)}
     for name, data in files.items():
@@ -329,3 +348,37 @@ def test_ship_takes_back_a_package_too_large_to_come_back_and_says_how_to_ship_i
     said = capsys.readouterr().err
     assert "model.safetensors" in said and "`fetch scan_i2t_lse_d960`" in said
     assert "scripts/ship_pretrained.py runs/flickr8k_gpu/scan_i2t_lse_d960/best large-flickr8k" in said
+
+
+def test_the_scripts_reading_of_a_finished_run_is_the_trainers(session, tmp_path):
+    """run_finished reads a run without itmatch (the script runs on a bare machine): it must agree with
+    itmatch.engine.train.training_finished."""
+    from itmatch.engine.train import training_finished
+
+    run = tmp_path / "run"
+    cases = [(None, False, None), (None, True, None), ({"epoch": 30}, True, 30), ({"epoch": 29, "batch": 0}, True, 30),
+             ({"epoch": 30, "batch": 5}, True, 30), ({"epoch": 31, "batch": 0}, False, 30)]
+    for state, best, epochs in cases:
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir()
+        if best:
+            (run / "best").mkdir()
+        if state is not None:
+            (run / "last").mkdir()
+            (run / "last" / "state.json").write_text(json.dumps(state))
+            (run / "config.json").write_text(json.dumps({"train": {"epochs": epochs}}))
+        assert session.run_finished(run) == training_finished(run), (state, best, epochs)
+
+
+def test_the_working_copy_has_the_checkouts_results_when_a_bundle_of_runs_came_first(session, tmp_path):
+    """A bundle of runs or POS tags makes DEVICE_ROOT/itmatch before the first copy: the copy then left docs/results
+    out (kept for rows written there), and a study's table had no folder to be written to."""
+    (session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / "perturb" / "cache").mkdir(parents=True)
+    session.work_copy()
+    work = session.DEVICE_ROOT / "itmatch"
+    assert (work / "docs" / "results" / "flickr8k_gpu.csv").read_text() == (
+        ROOT / "docs" / "results" / "flickr8k_gpu.csv").read_text()
+    (work / "docs" / "results" / "flickr8k_gpu.csv").write_text("rows written there\n")
+    session.work_copy()  # (each later call: the rows written there stay)
+    assert (work / "docs" / "results" / "flickr8k_gpu.csv").read_text() == "rows written there\n"
+    assert not (work / ".git").exists() and (work / "src" / "itmatch" / "engine" / "results.py").is_file()
