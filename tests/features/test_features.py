@@ -647,6 +647,28 @@ def test_other_image_list_is_refused_saying_what_differs(tmp_path):
     assert "--force" in text
 
 
+def test_a_second_extraction_into_the_folder_never_leaves_an_image_in_two_splits(tmp_path, caplog):
+    """The test split of a first extraction was kept beside a second one's training split holding the same photos
+    (extract --splits test after another caption source, or --force over it): a model would have been tested on
+    what it trained on. Refused, naming the photo and the splits; --force drops the earlier split."""
+    images, first = _dataset(tmp_path, n=4)
+    for i in (2, 3):  # img2, img3: the first source's test split
+        first.splits[5 * i:5 * i + 5] = ["test"] * 5
+    out = tmp_path / "out"
+    extract_precomp(images, first, out, batch_size=4, progress=False)
+    _, second = _dataset(tmp_path, n=4)  # another source: all four photos for training
+    with pytest.raises(OverwriteError) as err:
+        extract_precomp(images, second, out, batch_size=4, progress=False)
+    text = str(err.value)
+    assert "keeps split 'test' from an earlier extraction, and it holds 'img2.jpg', which this one puts in 'train'" \
+        in text and "--force to drop the earlier split(s) 'test'" in text
+    assert read_precomp(out, "test").images.shape[0] == 2  # (refused before any work: nothing changed)
+    with caplog.at_level(logging.WARNING, logger="itmatch.features"):
+        meta = extract_precomp(images, second, out, batch_size=4, progress=False, force=True)
+    assert "dropping split test" in caplog.text and list(meta["splits"]) == ["train"]
+    assert not list(out.glob("test_*")) and read_precomp(out, "train").images.shape[0] == 4
+
+
 def test_image_in_two_splits_and_extra_captions_are_reported(tmp_path, caplog):
     images, table = _dataset(tmp_path, n=2)
     table.add("img1.png", "a sixth caption", "train")

@@ -117,6 +117,35 @@ def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: b
                          hint="pass --force to re-extract the split, or write to another --out")
 
 
+def _kept_splits_sharing_images(out_dir: Path, rows: dict[str, tuple[list[str], list[str]]]
+                                ) -> dict[str, tuple[str, str]]:
+    """The splits of out_dir's meta.json that this extraction does not write and that hold an image it puts in a
+    split: {kept split: (an image, the split it goes to now)}. Two extractions into one folder could otherwise
+    leave a dev or test split of images that the new training split holds."""
+    try:
+        kept = [s for s in json.loads((out_dir / META_NAME).read_text(encoding="utf-8")).get("splits", {})
+                if s not in rows]
+    except (OSError, ValueError, AttributeError):
+        return {}
+    now = {image: split for split, (ids, _) in rows.items() for image in ids}
+    clashes = {}
+    for split in kept:
+        try:
+            shared = next((i for i in read_lines(ids_path(out_dir, split)) if i in now), None)
+        except DataError:  # (no ids file: nothing to compare)
+            continue
+        if shared is not None:
+            clashes[split] = (shared, now[shared])
+    return clashes
+
+
+def _drop_split(out_dir: Path, split: str) -> None:
+    """Remove a split's files (features at every scale, captions, ids): --force over a split that shares images."""
+    for path in (features_path(out_dir, split), *(scale_path(out_dir, split, s) for s in STAGE_NAMES),
+                 captions_path(out_dir, split), extra_captions_path(out_dir, split), ids_path(out_dir, split)):
+        path.unlink(missing_ok=True)
+
+
 def _left_out_captions(out_dir: Path, split: str, table: CaptionTable, kept_ids: list[str], per_image: int,
                        keep: bool) -> dict[str, Any]:
     """The captions of the split's rows `kept_ids` that the precomp layout does not hold (`CaptionTable.select`),
@@ -240,6 +269,15 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                             hint=f"{missing_image_hint(images_dir, missing[0])}; or pass --skip-bad-images to "
                                  f"drop them and their captions")
 
+    clashes = _kept_splits_sharing_images(out_dir, rows)
+    if clashes and not force:
+        kept, (image, now) = next(iter(clashes.items()))
+        raise OverwriteError(
+            f"{out_dir} keeps split {kept!r} from an earlier extraction, and it holds {image!r}, which this one puts "
+            f"in {now!r}: a model would be selected or tested on images it trained on", path=ids_path(out_dir, kept),
+            hint=f"extract every split from one caption source (its split lists or split column) into its own --out, "
+                 f"or pass --force to drop the earlier split(s) {', '.join(map(repr, clashes))}")
+
     extras = parse_extract_scales(scales)
     bb = load_backbone(backbone).to(placement.device)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -292,6 +330,13 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             meta = old
     meta.update({"format": "itmatch-precomp", "itmatch_version": _version(), **bmeta})
     meta.setdefault("splits", {})
+    for kept in clashes:  # (--force: refused above otherwise)
+        if dist.is_main():
+            log.warning("dropping split %s of %s: it held %s, which this extraction puts in %s", kept, out_dir,
+                        *clashes[kept])
+            _drop_split(out_dir, kept)
+            meta["splits"].pop(kept, None)
+            write_json_atomic(meta_file, meta)
     # the rows of the caption source read this time that name no usable image: recorded beside the splits
     # (meta.json of the last run describes the last caption source), never only printed
     meta.pop("skipped_captions", None)
