@@ -66,6 +66,7 @@ def test_cli_and_python_call_give_identical_json_and_row(checkpoints, tmp_path, 
     from_api = json.loads((tmp_path / "api.json").read_text())
     assert _without_timings(from_cli) == _without_timings(from_api) == _without_timings(run.metrics)
     assert from_cli["checkpoints"] == [str(p) for p in chosen] and from_cli["n_images"] == 40
+    assert from_cli["precision"] == "fp32"  # (what its scores' ties depend on: docs/gpu.md)
     assert _rows(tmp_path / "cli.csv") == _rows(tmp_path / "api.csv") == [
         {k: v for k, v in run.row.items() if k not in TIMINGS}]
     assert run.row["model"] == "+".join(("scan_t2i_avg", "vsepp")[i] for i in which)

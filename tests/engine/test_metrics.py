@@ -103,6 +103,17 @@ def test_coco_five_fold_average_recomputes_rsum():
                                             for k in (1, 5, 10)))
     with pytest.raises(Exception, match="5000"):
         protocol_folds(split.head(1000), "coco5k")
+    with pytest.warns(UserWarning, match="one fold; COCO's 1K results average all five: --protocol coco1k"):
+        assert protocol_folds(split, "1k")[0].n_images == 1000  # (COCO's testall read as 1K: said)
+
+
+def test_a_score_matrix_of_the_wrong_shape_is_refused_in_both_directions():
+    """text_to_image_ranks ranked a [4, 19] matrix without a word (only image_to_text_ranks checked the shape)."""
+    from itmatch.engine.metrics import image_to_text_ranks, text_to_image_ranks
+
+    for ranks in (image_to_text_ranks, text_to_image_ranks):
+        with pytest.raises(ValueError, match=r"score matrix \(4, 19\) is not \[N, 5N\]"):
+            ranks(torch.zeros(4, 19))
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -119,6 +119,9 @@ def protocol_folds(split: PrecompSplit, protocol: str) -> list[PrecompSplit]:
         if n < 1000:
             raise DataError(f"the 1K protocol needs 1000 images, split {split.split!r} has {n}",
                             path=split.root, hint="use --protocol full for a smaller split")
+        if n == 5000:  # (COCO's testall: its 1K protocol is the mean over five folds, not the first one)
+            warnings.warn(f"--protocol 1k scores the first 1000 of split {split.split!r}'s 5000 images, one fold; "
+                          "COCO's 1K results average all five: --protocol coco1k", stacklevel=2)
         return [split.head(1000)]
     if n != 5000:
         raise DataError(f"the {protocol} protocol needs the 5000-image COCO testall split, found {n} images",
@@ -398,6 +401,7 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test",
                                   progress=progress, rerank=rerank, first_stage=proposer, index=faiss,
                                   resume_dir=resume_dir, prune=prune, precision=placement.precision, curve=True)
     metrics["checkpoints"] = [str(p) for p in checkpoints]
+    metrics["precision"] = placement.precision  # (bf16 scores tie where fp32's do not: docs/gpu.md, "bf16 ...")
     if len({r for _, r in opened}) > 1:
         metrics["data"] = [r for _, r in opened]
     if first_stage:

@@ -32,11 +32,16 @@ def nan_lowest(scores: torch.Tensor) -> torch.Tensor:
     return scores.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
 
 
-def image_to_text_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tensor:
-    """rank of image i = number of non-matching captions scoring >= its best matching caption."""
+def _check_shape(scores: torch.Tensor, per_image: int) -> tuple[int, int]:
     n_img, n_txt = scores.shape
     if n_txt != per_image * n_img:
         raise ValueError(f"score matrix {tuple(scores.shape)} is not [N, {per_image}N]")
+    return n_img, n_txt
+
+
+def image_to_text_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tensor:
+    """rank of image i = number of non-matching captions scoring >= its best matching caption."""
+    n_img, n_txt = _check_shape(scores, per_image)
     scores = nan_lowest(scores)
     owner = torch.arange(n_txt, device=scores.device) // per_image
     positive = owner[None, :] == torch.arange(n_img, device=scores.device)[:, None]
@@ -46,7 +51,7 @@ def image_to_text_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tenso
 
 def text_to_image_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tensor:
     """rank of caption j = number of other images scoring >= its own image."""
-    n_img, n_txt = scores.shape
+    _, n_txt = _check_shape(scores, per_image)
     scores = nan_lowest(scores)
     owner = torch.arange(n_txt, device=scores.device) // per_image
     own = scores[owner, torch.arange(n_txt, device=scores.device)]
