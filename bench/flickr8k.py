@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from itmatch.engine.train import training_finished
+from itmatch.errors import ItmatchError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = "configs/flickr8k/cpu.yaml"
@@ -855,7 +856,9 @@ def main() -> int:
     for row in rows:
         try:
             run_row(row, args.threads, args.train_only, args.eval_ranks, profile)
-        except (subprocess.CalledProcessError, MissingCheckpoint, MissingFeatures) as exc:  # reported at the end
+        # (SystemExit: a row's own refusal, e.g. a run trained with other settings; ItmatchError: e.g. a results CSV's
+        # header): reported at the end, the rows after it still run and the pages are still rendered
+        except (subprocess.CalledProcessError, MissingCheckpoint, MissingFeatures, SystemExit, ItmatchError) as exc:
             print(f"row {row} FAILED: {exc}", file=sys.stderr, flush=True)
             failed.append(row)
     run([sys.executable, "scripts/render_results.py"])

@@ -584,3 +584,27 @@ def test_the_recall_figure_never_draws_a_run_with_epochs_left(bench, tmp_path, m
     monkeypatch.setattr(bench, "run", lambda cmd, ranks=1: pytest.fail(f"ran {cmd}"))
     with pytest.raises(SystemExit, match="vsepp has epochs left to train; finish the row first"):
         bench.recall_figure(["vsepp"], 2, gpu)
+
+
+def test_a_row_that_stops_with_a_message_does_not_stop_the_rows_after_it(bench, monkeypatch, capsys):
+    """A row's own refusal (sys.exit: its run was trained with other settings, its dev pairs are missing) ended the
+    whole bench there: the rows after it did not run and the pages were not rendered."""
+    import sys
+
+    ran, commands = [], []
+
+    def run_row(row, *args, **kwargs):
+        ran.append(row)
+        if row == "vsepp":
+            sys.exit("row vsepp: the run was trained with other settings")
+
+    monkeypatch.setattr(sys, "argv", ["flickr8k.py", "--config", "gpu", "--device", "cpu", "--row", "vsepp",
+                                      "--row", "meanpool"])
+    monkeypatch.setattr(bench, "run_row", run_row)
+    monkeypatch.setattr(bench, "run", lambda cmd, ranks=1: commands.append(cmd))
+    monkeypatch.setattr(bench, "check_rows_resolve", lambda profile: None)
+    assert bench.main() == 1
+    assert ran == ["vsepp", "meanpool"] and commands[-1][-1] == "scripts/render_results.py"
+    err = capsys.readouterr().err
+    assert "row vsepp FAILED: row vsepp: the run was trained with other settings" in err
+    assert "1 row(s) failed: vsepp" in err
