@@ -624,8 +624,9 @@ def take(args: argparse.Namespace) -> int:
 
 
 def take_polled(polled: Path, checkout: Path, force: bool) -> bool:
-    """POLLED's files put in place under `checkout`; True (and nothing written) when one exists there and not `force`,
-    or when a member would land outside docs/results/ and RUNS."""
+    """POLLED's files put in place under `checkout` (those already there with the same bytes left as they are: each
+    poll packs every file done so far); True, and nothing written, when one there differs and not `force`, or when
+    a member would land outside docs/results/ and RUNS."""
     import tarfile
 
     with tarfile.open(polled) as tar:
@@ -635,12 +636,15 @@ def take_polled(polled: Path, checkout: Path, force: bool) -> bool:
         if outside:
             print(f"{polled}: not what poll packs ({', '.join(outside)})")
             return True
-        existing = [m.name for m in members if (checkout / m.name).exists()]
-        if existing and not force:
-            print(f"{polled}: {', '.join(existing)} exist in {checkout}: move them aside, or --force to replace them")
+        new = [m for m in members if not (checkout / m.name).is_file()
+               or (checkout / m.name).read_bytes() != tar.extractfile(m).read()]
+        differing = [m.name for m in new if (checkout / m.name).exists()]
+        if differing and not force:
+            print(f"{polled}: {', '.join(differing)} differ from what {checkout} has: move them aside, or --force to "
+                  "replace them")
             return True
-        tar.extractall(checkout, filter="data")
-    for m in members:
+        tar.extractall(checkout, members=new, filter="data")
+    for m in new:
         print(f"{m.name}: {checkout / m.name}")
     return False
 

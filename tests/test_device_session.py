@@ -186,7 +186,11 @@ def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_it
     assert (here / "runs" / "flickr8k_gpu" / "oan.test.json").read_text() == evaluation.read_text()
     assert not (here / "runs" / "flickr8k_gpu" / "vsepp.test.json").exists()  # (not evaluated yet)
     assert (here / "docs" / "results" / "perturb" / "flickr8k_gpu_scan_t2i_avg.csv").read_text() == table.read_text()
+    # each poll packs every file done so far: taking it again leaves what is there, and refuses only what differs
+    assert session.main(["take", str(tmp_path / "out"), "--checkout", str(here), "--runs", str(tmp_path / "r")]) == 0
+    (here / "runs" / "flickr8k_gpu" / "oan.test.json").write_text('{"rsum": 1.0}')
     assert session.main(["take", str(tmp_path / "out"), "--checkout", str(here), "--runs", str(tmp_path / "r")]) == 1
+    assert (here / "runs" / "flickr8k_gpu" / "oan.test.json").read_text() == '{"rsum": 1.0}'
     with pytest.raises(SystemExit):  # nothing to run is a usage error, not an empty driver
         session.main(["start", "--parallel", "2"])
 

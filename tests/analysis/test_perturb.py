@@ -367,7 +367,8 @@ def test_a_finished_run_with_other_settings_is_refused_before_any_work(tmp_path,
     err = capsys.readouterr().err
     assert "model.embed_size (run: 64, now: 32)" in err and "train.lr (run: 0.002, now: 0.0002)" in err
     assert "vocab_size" not in err and "threads" not in err and "name (" not in err
-    assert "--force" in err and "--out" in err
+    assert f"delete {out / 'shuffle'} to retrain that run" in err  # (--force alone would retrain all seven)
+    assert "--force retrains every run of the study" in err and "--out" in err
     assert not (out / "cache").exists()  # refused before tagging the captions
 
 

@@ -667,6 +667,12 @@ def test_a_second_extraction_into_the_folder_never_leaves_an_image_in_two_splits
         meta = extract_precomp(images, second, out, batch_size=4, progress=False, force=True)
     assert "dropping split test" in caplog.text and list(meta["splits"]) == ["train"]
     assert not list(out.glob("test_*")) and read_precomp(out, "train").images.shape[0] == 4
+    # evaluation splits may share photos (COCO's test is part of its testall): a second one is added beside
+    evaluation = tmp_path / "eval"
+    extract_precomp(images, first, evaluation, batch_size=4, progress=False, splits=["test"])
+    _, wider = _dataset(tmp_path, n=4, split="testall")
+    meta = extract_precomp(images, wider, evaluation, batch_size=4, progress=False)
+    assert sorted(meta["splits"]) == ["test", "testall"]
 
 
 def test_image_in_two_splits_and_extra_captions_are_reported(tmp_path, caplog):

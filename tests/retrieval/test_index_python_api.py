@@ -92,6 +92,7 @@ def test_an_index_of_a_shipped_model_outlives_a_reinstall_and_a_lost_checkpoint_
     with pytest.raises(CheckpointError, match=r"the index's model is gone from .*my-run/best") as err:
         Searcher(tmp_path / "index2")
     assert "--model CKPT" in err.value.hint and "--force" in err.value.hint
+    assert err.value.hint.endswith(f"itmatch index {few_photos} --model CKPT --out {tmp_path / 'index2'} --force")
     assert load_index(tmp_path / "index2").manifest["model"].get("pretrained") is None
 
 

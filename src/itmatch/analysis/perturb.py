@@ -237,7 +237,7 @@ def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> Non
         stored = read_checkpoint_config(saved.parent) if state != "." else read_run_config(run_dir)
     except CheckpointError as exc:
         raise ConfigError(f"cannot read the run's config ({exc.message})", path=saved,
-                          hint="retrain it with --force, or write the study to another --out") from None
+                          hint=_retrain_hint(run_dir)) from None
     differ = run_differences(stored, wanted)
     recorded = _read_study(run_dir / STUDY_FILE)
     if recorded is not None:
@@ -247,8 +247,13 @@ def check_existing_run(run_dir: Path, cfg: Config, study: dict[str, Any]) -> Non
         shown = ", ".join(f"{key} (run: {old!r}, now: {new!r})" for key, (old, new) in differ.items())
         which = {"best": "best", "last": "last", ".": "started"}[state]
         raise OverwriteError(f"the {which} run in {run_dir} was trained with other settings: {shown}",
-                             path=saved, hint="pass --force to retrain it with these settings, or write the "
-                                              "study to another --out")
+                             path=saved, hint=_retrain_hint(run_dir))
+
+
+def _retrain_hint(run_dir: Path) -> str:
+    """How to get past a run the study cannot use: that run alone, or the whole study (--force retrains every run)."""
+    return (f"delete {run_dir} to retrain that run with these settings (--force retrains every run of the study), "
+            "or write the study to another --out")
 
 
 def _read_study(path: Path) -> dict[str, Any] | None:
@@ -291,6 +296,7 @@ def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str
             cached = json.loads(cache.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):
             cached = {}  # (a damaged cache is evaluated again, and rewritten)
+        cached = cached if isinstance(cached, dict) else {}
         if cached.get("checkpoint") == checkpoint and cached.get("n_captions") == len(split.captions):
             return cached["result"], cached["best_epoch"]
     ckpt = load_checkpoint(run_dir / "best")

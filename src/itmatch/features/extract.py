@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from itmatch import distributed as dist
-from itmatch.data.captions import CaptionTable, missing_image_hint
+from itmatch.data.captions import TRAINING_SPLITS, CaptionTable, missing_image_hint
 from itmatch.data.precomp import (
     META_NAME,
     captions_path,
@@ -120,8 +120,9 @@ def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: b
 def _kept_splits_sharing_images(out_dir: Path, rows: dict[str, tuple[list[str], list[str]]]
                                 ) -> dict[str, tuple[str, str]]:
     """The splits of out_dir's meta.json that this extraction does not write and that hold an image it puts in a
-    split: {kept split: (an image, the split it goes to now)}. Two extractions into one folder could otherwise
-    leave a dev or test split of images that the new training split holds."""
+    split on the other side of training (a training split against an evaluation one): {kept split: (an image, the
+    split it goes to now)}. Two extractions into one folder could otherwise leave a dev or test split of images that
+    the new training split holds. (Evaluation splits may share images: COCO's test is part of its testall.)"""
     try:
         kept = [s for s in json.loads((out_dir / META_NAME).read_text(encoding="utf-8")).get("splits", {})
                 if s not in rows]
@@ -130,8 +131,10 @@ def _kept_splits_sharing_images(out_dir: Path, rows: dict[str, tuple[list[str], 
     now = {image: split for split, (ids, _) in rows.items() for image in ids}
     clashes = {}
     for split in kept:
+        training = split in TRAINING_SPLITS
         try:
-            shared = next((i for i in read_lines(ids_path(out_dir, split)) if i in now), None)
+            shared = next((i for i in read_lines(ids_path(out_dir, split))
+                           if i in now and (now[i] in TRAINING_SPLITS) != training), None)
         except DataError:  # (no ids file: nothing to compare)
             continue
         if shared is not None:
@@ -276,7 +279,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             f"{out_dir} keeps split {kept!r} from an earlier extraction, and it holds {image!r}, which this one puts "
             f"in {now!r}: a model would be selected or tested on images it trained on", path=ids_path(out_dir, kept),
             hint=f"extract every split from one caption source (its split lists or split column) into its own --out, "
-                 f"or pass --force to drop the earlier split(s) {', '.join(map(repr, clashes))}")
+                 f"or pass --force to drop the earlier split(s) {', '.join(map(repr, clashes))} (it also extracts "
+                 "this command's splits again from scratch)")
 
     extras = parse_extract_scales(scales)
     bb = load_backbone(backbone).to(placement.device)

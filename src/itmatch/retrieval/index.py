@@ -101,6 +101,17 @@ def moved_folder_hint(index_dir: Path | str, manifest: dict[str, Any]) -> str:
             f"or serve it from there (itmatch serve {index_dir} --images NEW_FOLDER)")
 
 
+def own_model_advice(built: dict[str, Any]) -> str:
+    """What to load instead of a refused model: the index's own checkpoint, unless the index now loads a shipped model
+    by its name (its recorded path gone): then that name's weights are what changed (itmatch updated), and only a
+    rebuild works."""
+    name = pretrained_name(built)
+    if name and not Path(built.get("checkpoint") or "").exists():
+        return (f"the shipped {name} it was built with has other weights in this itmatch (installed since), so the "
+                "index must be rebuilt for it")
+    return f"use the index's own model {name or built.get('checkpoint')}"
+
+
 def pretrained_name(model: dict[str, Any]) -> str | None:
     """The shipped model an index's model identity is of, by name: as recorded, or for an index written before it
     was, from a checkpoint path that ends in itmatch/pretrained/<name>; None for a checkpoint of the user's."""
@@ -275,9 +286,10 @@ class ImageIndex:
         if name and name in (models := shipped()):
             return models[name].path
         raise CheckpointError(f"the index's model is gone from {recorded}" + (
-            f" (the shipped {name}, which this itmatch does not ship)" if name else ""), path=self.root / MANIFEST,
+            f" (and this itmatch ships no model named {name!r})" if name else ""), path=self.root / MANIFEST,
             hint="pass the checkpoint it was built with where it is now (--model CKPT; from Python, checkpoint=), "
-                 f"or index the photos again with a model at hand: {index_command(self.root, self.manifest)} --force")
+                 "or index the photos again with a model at hand: "
+                 f"{index_command(self.root, {**self.manifest, 'model': {}})} --force")
 
     def check_model(self, identity: dict[str, Any]) -> None:
         """Refuse a model other than the one the index was built with."""
@@ -296,8 +308,7 @@ class ImageIndex:
                 f"{identity.get('preset') or identity.get('arch')} from {identity.get('checkpoint')}, "
                 f"weights {identity.get('weights_hash', '')[:12]}",
                 path=self.root / MANIFEST,
-                hint=f"use the index's own model {pretrained_name(built) or built.get('checkpoint')}, or rebuild the "
-                     "index for this "
+                hint=f"{own_model_advice(built)}, or rebuild the index for this "
                      f"model: {index_command(self.root, {**self.manifest, 'model': identity})} --force")
 
 
