@@ -84,6 +84,20 @@ def test_an_index_of_a_shipped_model_outlives_a_reinstall_and_a_lost_checkpoint_
     (tmp_path / "index" / MANIFEST).write_text(json.dumps(manifest))
     assert str(old) in manifest["model"]["checkpoint"]
     assert Searcher(tmp_path / "index").search("a red circle", k=3) == expected
+    # an itmatch that ships other weights under that name: only a rebuild works, and the hint says so
+    from safetensors.torch import load_file, save_file
+
+    from itmatch.engine.checkpoint import _write_manifest
+
+    shutil.rmtree(tmp_path / "new-venv")
+    newer = install("newer-venv") / "tiny-scan"
+    weights = load_file(newer / "model.safetensors")
+    first = next(iter(weights))
+    save_file({**weights, first: weights[first] + 0.01}, newer / "model.safetensors")
+    _write_manifest(newer)
+    with pytest.raises(CheckpointError, match="the index was built with another model") as refused:
+        Searcher(tmp_path / "index")
+    assert "the shipped tiny-scan it was built with has other weights in this itmatch" in refused.value.hint
 
     mine = tmp_path / "my-run" / "best"  # a checkpoint of the user's, moved away after indexing
     shutil.copytree(tiny_search_setup["checkpoint"], mine)
