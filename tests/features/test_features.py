@@ -233,6 +233,10 @@ def test_extract_is_deterministic_and_resumes_identically(tmp_path):
     state = json.loads((resumed / "train.progress.json").read_text())
     assert state["done"] == 4 and state["n_images"] == 7
     assert (resumed / "train_ims.npy.partial").exists()
+    # a reader says to rerun the command (it said "no features for split 'train'": a first run has no meta.json yet)
+    with pytest.raises(DataError, match="its first extraction did not finish") as err:
+        read_precomp(resumed, "train")
+    assert "rerun the same `itmatch extract` command; it resumes" in err.value.hint
 
     # what a kill between an atomic write's temporary file and its rename leaves (the random-kill test found
     # one): the resumed run's cleanup removes it, and nothing else

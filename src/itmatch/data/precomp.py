@@ -84,6 +84,10 @@ def split_manifest(root: Path, split: str) -> dict | None:
     directories not written by the extractor (hand-made or SCAN's own precomp files)."""
     data = read_meta(root)
     if data is None:
+        if not (root / META_NAME).exists() and progress_path(root, split).exists():  # (hand-made data has none)
+            raise DataError(f"split {split!r} is being extracted, or its first extraction did not finish",
+                            path=progress_path(root, split), hint="rerun the same `itmatch extract` command; it "
+                                                                  "resumes")
         return None
     meta = root / META_NAME
     splits = data.get("splits")
