@@ -476,11 +476,11 @@ def _report(logs: Path, work: Path, plan: dict[str, Any], quiet: bool = False) -
                    for kind in ("test", "dev_pairs")]
     present = [path for path in [*studies, *evaluations] if (work / path).exists()]
     if present:
-        packed = DEVICE_ROOT / POLLED
+        packed = Path(out) / f"{POLLED}.partial"  # (renamed whole, as _write_atomic does)
         with tarfile.open(packed, "w") as tar:
             for path in present:
                 tar.add(work / path, arcname=path)
-        _write_atomic(Path(out) / POLLED, packed.read_bytes())
+        packed.replace(Path(out) / POLLED)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

@@ -340,18 +340,15 @@ def _cmd_index(args: argparse.Namespace) -> int:
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
+    from itmatch.errors import ConfigError
     from itmatch.retrieval.names import public_id
     from itmatch.retrieval.search import Searcher, check_query, read_captions_file
 
     if (args.query is None) == (args.image is None):
-        from itmatch.errors import ConfigError
-
         raise ConfigError("give either a text QUERY or --image PHOTO", hint="itmatch search INDEX 'a dog' -k 10")
     if args.query is not None:
         check_query(args.query)  # (before the model loads: seconds)
     elif not args.captions:  # (before the model loads, as the query's check)
-        from itmatch.errors import ConfigError
-
         raise ConfigError("--image finds captions for a photo: give the captions to rank with --captions FILE",
                           hint=f"itmatch search {args.index} --image PHOTO --captions CAPTIONS.txt (one caption a "
                                "line)")

@@ -123,14 +123,15 @@ def pretrained_name(model: dict[str, Any]) -> str | None:
 
 def model_identity(checkpoint: Path | str, backbone: str) -> dict[str, Any]:
     """What an index's encodings depend on (the model config, the backbone and the weights) and what its
-    queries are encoded with (the vocabulary); a shipped model's name too (`indexed_checkpoint`)."""
+    queries are encoded with (the vocabulary); a shipped model's name too (`ImageIndex.checkpoint`)."""
     from itmatch.pretrained import PRETRAINED_DIR
 
     checkpoint = Path(checkpoint)
     config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
     canonical = json.dumps({"model": config["model"], "backbone": backbone}, sort_keys=True)
-    shipped = checkpoint.resolve().parent == PRETRAINED_DIR.resolve()
-    return {"checkpoint": str(checkpoint.resolve()), **({"pretrained": checkpoint.resolve().name} if shipped else {}),
+    where = checkpoint.resolve()
+    shipped = where.parent == PRETRAINED_DIR.resolve()
+    return {"checkpoint": str(where), **({"pretrained": where.name} if shipped else {}),
             "arch": config["model"]["arch"],
             "preset": config.get("preset", ""), "backbone": backbone,
             "config_hash": hashlib.sha256(canonical.encode()).hexdigest(),
@@ -167,17 +168,20 @@ def scan_images(root: Path, exclude: Path | None = None) -> list[str]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith(".")
                              and (exclude is None or (here / d).resolve() != exclude))
         for name in filenames:
-            if not name.startswith(".") and Path(name).suffix.lower() not in IMAGE_SUFFIXES:
-                unread[Path(name).suffix.lower() or "(no extension)"] += 1
-            elif not name.startswith("."):
-                rel = (here / name).relative_to(root).as_posix()
-                # a link to a file outside the folder: the service never serves such files
-                # (Searcher.image_path), so indexing it would give results that cannot be shown
-                target = (here / name).resolve()
-                if target.is_relative_to(real_root):
-                    found.append(rel)
-                else:
-                    outside.append((rel, target))
+            if name.startswith("."):
+                continue
+            suffix = Path(name).suffix.lower()
+            if suffix not in IMAGE_SUFFIXES:
+                unread[suffix or "(no extension)"] += 1
+                continue
+            rel = (here / name).relative_to(root).as_posix()
+            # a link to a file outside the folder: the service never serves such files
+            # (Searcher.image_path), so indexing it would give results that cannot be shown
+            target = (here / name).resolve()
+            if target.is_relative_to(real_root):
+                found.append(rel)
+            else:
+                outside.append((rel, target))
     if outside:
         # (a folder of links into a photo library is common: name the folder to index instead, unless the links
         # point into trees that share only the filesystem's root)
