@@ -526,7 +526,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--backbone", default="lite0", help="lite0 (7x7, default) or lite2 (9x9)")
     s.add_argument("--splits", nargs="*", default=None, help="splits to extract (default: all)")
     s.add_argument("--batch-size", type=positive_int, default=8, help="images per forward pass (8 is fastest on CPU)")
-    s.add_argument("--skip-bad-images", action="store_true", help="report and drop unreadable images")
+    s.add_argument("--skip-bad-images", action="store_true",
+                   help="report and drop missing or unreadable images with their captions (default: refuse)")
     s.add_argument("--scales", default=None, metavar="LIST",
                    help="also cache the backbone's finer stage maps for multi-scale models (SAVE), e.g. "
                         "c3,c4,c5: writes {split}_ims_c3.npy, {split}_ims_c4.npy beside {split}_ims.npy (c5)")

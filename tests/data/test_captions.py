@@ -78,6 +78,7 @@ def test_flickr8k_bogus_id_reported_and_skipped(tmp_path: Path) -> None:
     assert table.skipped[0].startswith(f"{token}:6: ")
     assert "x.jpg.1" in table.skipped[0] and "no split" in table.skipped[0]
     assert table.skipped[-1].startswith(f"{token}:10: ")
+    assert table.missing_images == {}  # (in no split: no split shrinks)
 
 
 def test_flickr8k_without_image_folder_skips_images_in_no_split(tmp_path: Path) -> None:
@@ -94,6 +95,7 @@ def test_flickr8k_image_of_a_split_missing_on_disk_is_skipped(tmp_path: Path) ->
         table = read_flickr8k(root, images_dir=root / "images")
     assert list(table.grouped()) == ["a.jpg"]
     assert "train split" in table.skipped[0] and "b.jpg" in table.skipped[0]
+    assert table.missing_images == {"train": ["b.jpg"]}  # once, for its five rows
 
 
 @pytest.mark.parametrize(("bad", "words"), [
@@ -198,6 +200,7 @@ def test_karpathy_directory_autodetect_and_missing_images(tmp_path: Path) -> Non
         table = read_captions(tmp_path, images_dir=tmp_path / "images")
     assert list(table.grouped()) == ["a.jpg"]
     assert "images[1]" in table.skipped[0] and "b.jpg" in table.skipped[0]
+    assert table.missing_images == {"test": ["b.jpg"]}
 
 
 def test_karpathy_invalid_json_has_line_and_column(tmp_path: Path) -> None:
@@ -256,6 +259,11 @@ def test_coco_groups_in_image_order_and_skips_unknown_ids(tmp_path: Path) -> Non
     assert table.captions == ["seven one", "three one", "three two too"]
     assert set(table.splits) == {"dev"}
     assert len(table.skipped) == 1 and "annotations[2]" in table.skipped[0] and "99" in table.skipped[0]
+    assert table.missing_images == {}  # (an unknown id is not a photo missing from a split)
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "COCO_val2014_7.jpg").write_bytes(b"")
+    with pytest.warns(SkippedRowsWarning):
+        assert read_captions(path, images_dir=tmp_path / "imgs").missing_images == {"dev": ["COCO_val2014_3.jpg"]}
 
 
 def test_coco_explicit_split_and_name_inference(tmp_path: Path) -> None:
@@ -355,6 +363,9 @@ def test_csv_missing_images_skipped(tmp_path: Path) -> None:
         table = read_csv(path, images_dir=tmp_path / "imgs")
     assert table.captions == ["one"]
     assert table.skipped[0].startswith(f"{path}:3: ")
+    assert table.missing_images == {}  # (no split column, no default: no split shrinks)
+    with pytest.warns(SkippedRowsWarning):
+        assert read_csv(path, images_dir=tmp_path / "imgs", default_split="dev").missing_images == {"dev": ["b.jpg"]}
 
 
 

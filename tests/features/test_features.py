@@ -736,7 +736,10 @@ def test_skipped_caption_rows_are_recorded_in_meta(tmp_path):
     with pytest.warns(SkippedRowsWarning):
         table = read_captions(csv, images_dir=images)
     out = tmp_path / "out"
-    meta = extract_precomp(images, table, out, batch_size=4, progress=False)
+    with pytest.raises(DataError, match=r"1 of 3 images of split 'train' named in .*mine.csv are not in") as err:
+        extract_precomp(images, table, out, batch_size=4, progress=False)  # (a photo of the split is missing)
+    assert "--skip-bad-images" in err.value.hint and not out.exists()
+    meta = extract_precomp(images, table, out, batch_size=4, progress=False, skip_bad_images=True)
     assert meta["skipped_captions"] == [f"{csv}:12: skipped caption of 'gone.jpg': image not found in {images}"]
     assert json.loads((out / "meta.json").read_text())["skipped_captions"] == meta["skipped_captions"]
     # the row removed: every split is kept as it was, and meta.json says no row is skipped any more
@@ -782,9 +785,15 @@ def test_cli_names_each_skipped_row_once_and_prints_counts_of_the_lists_meta_jso
     rows += ["img0.jpg,caption 0 of 0,train\n", "img0.jpg,a sixth caption,train\n", "gone.jpg,a lost one,train\n"]
     csv = tmp_path / "mine.csv"
     csv.write_text("image,caption,split\n" + "".join(rows), encoding="utf-8")
+    # the split lost a photo: refused (it used to shrink with exit status 0), nothing written
+    assert main(["extract", str(images), str(csv), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    refused = capsys.readouterr().err
+    assert "1 of 3 images of split 'train'" in refused and "--skip-bad-images" in refused
+    assert not (tmp_path / "out").exists()
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")
-        assert main(["extract", str(images), str(csv), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+        assert main(["extract", str(images), str(csv), "--out", str(tmp_path / "out"), "--quiet",
+                     "--skip-bad-images"]) == 0
     shown = capsys.readouterr()
     assert shown.err.count("gone.jpg") == 1 and not [w for w in raised if "gone.jpg" in str(w.message)]
     printed = json.loads(shown.out)

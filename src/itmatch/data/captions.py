@@ -58,6 +58,9 @@ class CaptionTable:
     source: str = ""
     # Problems that were reported and skipped (e.g. a caption naming a missing image).
     skipped: list[str] = field(default_factory=list)
+    # Of those, the images that a split names but that are not in the images folder, per split (in the order
+    # met): the table no longer holds them, so extraction would shrink that split unsaid; it refuses instead.
+    missing_images: dict[str, list[str]] = field(default_factory=dict)
     # Where each row comes from, so that an error about an image can point at its rows: its line in a text
     # source, its entry in a JSON one ("images[3].sentences[0]"), None when unknown; `location` joins it with
     # `source`. Not "source:line" per row: the path repeated on Karpathy COCO's 616k rows cost 70 MB.
@@ -377,6 +380,7 @@ class _Builder:
         self.groups: OrderedDict[str, list[tuple[str, str, int | str | None]]] = OrderedDict()
         self.skipped: list[str] = []
         self.first_missing: str | None = None  # the first image name not found in images_dir
+        self.missing_images: dict[str, list[str]] = {}  # split -> images of it not found in images_dir
         self.first_seen: dict[str, tuple[str, str]] = {}  # image id -> (split, where its first row is)
 
     def add(self, image_id: str, caption: str, split: str, *, line: int | None = None, entry: str = "") -> None:
@@ -390,12 +394,17 @@ class _Builder:
                             hint=SPLIT_LEAK_HINT)
         self.groups.setdefault(image_id, []).append((caption, split, line if line is not None else entry or None))
 
-    def skip(self, where: str, message: str, missing: str | None = None) -> None:
+    def skip(self, where: str, message: str, missing: str | None = None, split: str = "") -> None:
         """Report and drop a row; `missing`: the image name it gives, when the reason is that the image
-        file is not there (the first one is matched against the folder for the error's fix)."""
+        file is not there (the first one is matched against the folder for the error's fix), and `split`
+        the split the source puts that image in ("" for none)."""
         self.skipped.append(f"{where}: {message}")
         if missing is not None and self.first_missing is None:
             self.first_missing = missing
+        if missing is not None and split:
+            images = self.missing_images.setdefault(split, [])
+            if missing not in images:
+                images.append(missing)
 
     def table(self) -> CaptionTable:
         if self.skipped and not self.groups:  # nothing left to use: an error, not a warning and an empty table
@@ -405,7 +414,8 @@ class _Builder:
                          "images are there")
             raise DataError(f"all {len(self.skipped)} caption row(s) were skipped, none is left: {shown}",
                             path=self.source, hint=hint)
-        table = CaptionTable(source=str(self.source), skipped=list(self.skipped))
+        table = CaptionTable(source=str(self.source), skipped=list(self.skipped),
+                             missing_images={split: list(ids) for split, ids in self.missing_images.items()})
         for image_id, rows in self.groups.items():
             for caption, split, location in rows:
                 table.add(image_id, caption, split, location)
@@ -504,7 +514,7 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
         if not on_disk(image):
             where = "in no split file and" if split is None else f"in the {split} split but"
             builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is {where} "
-                                             f"not in {images_dir}", missing=image)
+                                             f"not in {images_dir}", missing=image, split=split or "")
             continue
         builder.add(image, caption, split or "", line=lineno)
     return builder.table()
@@ -611,7 +621,8 @@ def _karpathy_from_json(data: object, path: Path, *, images_dir: Path | None) ->
         seen.add(image_id)
         if not on_disk(image_id):
             builder.skip(_where(path, loc), f"skipped {len(sentences)} caption(s) of {image_id!r}: "
-                                            f"image not found in {images_dir}", missing=image_id)
+                                            f"image not found in {images_dir}", missing=image_id,
+                         split=KARPATHY_SPLITS[raw_split])
             continue
         for j, sentence in enumerate(sentences):
             sloc = f"{loc}.sentences[{j}]"
@@ -681,7 +692,7 @@ def _coco_from_json(data: object, path: Path, *, images_dir: Path | None, split:
             continue
         if not on_disk(file_of[image]):
             builder.skip(_where(path, loc), f"skipped caption of {file_of[image]!r}: "
-                                            f"image not found in {images_dir}", missing=file_of[image])
+                                            f"image not found in {images_dir}", missing=file_of[image], split=split)
             continue
         per_image.setdefault(image, []).append((caption, loc))
     for image, file_name in file_of.items():
@@ -755,7 +766,8 @@ def read_csv(source: str | Path, *, images_dir: Path | None = None, default_spli
                                          "(dev is the validation split)")
                 if not on_disk(image):
                     builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: "
-                                                     f"image not found in {images_dir}", missing=image)
+                                                     f"image not found in {images_dir}", missing=image,
+                                 split=split or default_split)
                     continue
                 builder.add(image, caption, split or default_split, line=lineno)
         except csv.Error as exc:

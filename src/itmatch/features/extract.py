@@ -203,6 +203,24 @@ def parse_extract_scales(spec: str | list[str] | None) -> tuple[str, ...]:
     return tuple(s for s in STAGE_NAMES[:-1] if s in names)
 
 
+def _refuse_images_the_reader_dropped(table: CaptionTable, images_dir: Path, splits: list[str] | None,
+                                      skip_bad_images: bool) -> None:
+    """A caption reader given the images folder drops the rows of a photo that is not there
+    (`table.missing_images`); without `skip_bad_images` a split that lost photos that way is refused as one
+    whose photos are missing here would be: a test split of 998 images would otherwise be evaluated, and
+    compared with 1000-image results, with exit status 0."""
+    lost = {split: ids for split, ids in table.missing_images.items() if ids and (splits is None or split in splits)}
+    if not lost or skip_bad_images:
+        return
+    split, ids = next(iter(lost.items()))
+    kept = len(table.grouped(split)) if split in table.split_names() else 0
+    source = table.source or "the caption table"
+    raise DataError(f"{len(ids)} of {len(ids) + kept} images of split {split!r} named in {source} are not in "
+                    f"{images_dir}, e.g. {ids[0]!r}", path=images_dir / ids[0],
+                    hint=f"{missing_image_hint(images_dir, ids[0])}; or pass --skip-bad-images to drop them and "
+                         "their captions (meta.json lists them under skipped_captions)")
+
+
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
                     extra_captions: str = "drop", rehash: bool = False,
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
@@ -227,7 +245,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     "drop" (reported, listed with their text in meta.json) or "keep" (written to `{split}_extra_caps.tsv`;
     training pairs them with their image, evaluation keeps the protocol's 5 per image).
     The caption rows the reader skipped (`table.skipped`, e.g. naming a photo that is not there) are
-    listed in meta.json `skipped_captions`.
+    listed in meta.json `skipped_captions`; photos of a split the reader dropped because they are not in
+    `images_dir` (`table.missing_images`) are refused as missing ones are, unless `skip_bad_images`.
     A split an earlier run completed is checked against its sources (docs/reliability.md): images
     whose size and mtime are unchanged are trusted without reading them, unless `rehash`.
     Under torchrun every rank calls this with the same arguments and extracts a share of the images
@@ -248,6 +267,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
         raise DataError("images folder not found", path=images_dir,
                         hint="pass the folder that holds the image files named in the caption source")
     table.check_disjoint_splits()  # the readers name the lines; this catches tables built in code
+    _refuse_images_the_reader_dropped(table, images_dir, splits, skip_bad_images)
     available = [s for s in table.split_names() if s]
     if splits is None:
         splits = available
