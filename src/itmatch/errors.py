@@ -39,6 +39,10 @@ class OverwriteError(ItmatchError):
     """The output exists and --force was not given."""
 
 
+class TrainingError(ItmatchError):
+    """Training cannot go on: its loss stopped being a number (diverged)."""
+
+
 class UnknownWordsWarning(UserWarning):
     """A query has words the model's vocabulary does not know (read as <unk>; their meaning is lost)."""
 

@@ -380,13 +380,19 @@ def weight_mismatch(expected: Mapping[str, torch.Tensor],
 
 
 def load_optimizer_state(path: str | Path, optimizer: torch.optim.Optimizer) -> None:
+    """Load the optimizer's running state (Adam's moments, its step counts) saved at `path` into `optimizer`,
+    keeping the settings it was built with: torch would restore every saved group setting, so a resume with
+    --set train.weight_decay=... or train.backbone_lr_scale=... would be recorded and silently not applied."""
     file = Path(path) / OPTIMIZER
     if not file.is_file():
         raise CheckpointError("optimizer state missing; cannot resume exactly", path=file)
+    configured = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     try:
         optimizer.load_state_dict(safe_torch_load(file))
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"optimizer state does not fit this model ({exc})", path=file) from None
+    for group, settings in zip(optimizer.param_groups, configured, strict=True):
+        group.update(settings)
 
 
 def load_trainer_state(path: str | Path) -> dict[str, Any]:

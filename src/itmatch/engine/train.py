@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from itmatch import distributed as dist
-from itmatch.config import Config, flatten, get_key, locate, update
+from itmatch.config import MOVED_KEYS, Config, flatten, get_key, locate, update
 from itmatch.data.datasets import (
     CaptionTransform,
     LengthBucketSampler,
@@ -54,7 +54,7 @@ from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.inputs import data_backbone, fill_image_dims, open_split
 from itmatch.engine.resident import resident_images
 from itmatch.engine.vocabulary import apply_word_vectors, check_min_word_count, make_vocab, report_vocabulary
-from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError, TrainingError
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
 from itmatch.models.losses import triplet_loss
@@ -122,9 +122,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    # (a run resumed on another machine kind: the GPU generators start from the seed instead)
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+    if not torch.cuda.is_available():
+        return
+    if "cuda" in state and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
+    else:  # a run resumed on another machine kind: the GPU generators start from the run's seed (the CPU
+        # generator's, restored above), not from torch's fixed default, which every seed would share
+        torch.cuda.manual_seed_all(torch.initial_seed())
 
 
 def epoch_batches(cfg: Config, lengths: list[int], n_captions: int, epoch: int) -> list[list[int]]:
@@ -304,12 +308,18 @@ def prepare_data(cfg: Config, vocab: AnyVocab | None) -> tuple[PrecompSplit, Pre
     return train, val, vocab
 
 
-# the settings epoch_batches builds an epoch's batches from (with the training captions themselves)
-BATCH_ORDER_KEYS = ("train.batch_size", "train.seed", "train.bucket_by_length")
+# the settings epoch_batches builds an epoch's batches from (with the training captions themselves), and
+# max_batches, which cuts that list: a run stopped mid-epoch resumes past batches of the same list
+BATCH_ORDER_KEYS = ("train.batch_size", "train.seed", "train.bucket_by_length", "train.max_batches")
 
 # what `itmatch train --resume --set KEY=VALUE` may change: the schedule and where the data is; anything
 # else (model, loss, data.vocab) made the checkpoint's weights and optimizer state what they are
 RESUME_KEYS = ("train.", "data.path", "data.images")
+# of those, the ones that made the optimizer state itself: its kind (Adam's moments are not Adadelta's) and
+# which parameters it holds (a backbone that starts or stops training)
+RESUME_FIXED_KEYS = ("train.optimizer", "train.finetune_backbone")
+# and the ones best/ was chosen by: an epoch scored on more dev images, or re-ranked, has another scale of rsum
+SELECTION_KEYS = ("train.val_images", "train.val_rerank", "train.val_prune")
 
 
 #: the data keys that are paths (data.* has settings too, e.g. data.min_word_count)
@@ -328,15 +338,25 @@ def apply_resume_overrides(cfg: Config, overrides: dict[str, Any]) -> list[str]:
     checkpoint's value is accepted whatever its key, so the command that started a run, re-run with --resume
     (as a job scheduler does), continues it."""
     wanted = update(copy.deepcopy(cfg), overrides)
-    changed = [k for k in flatten(overrides) if not _same_setting(k, get_key(cfg, k), get_key(wanted, k))]
-    refused = [k for k in changed if not k.startswith(RESUME_KEYS)]
+    keys = [MOVED_KEYS.get(k, k) for k in flatten(overrides)]  # (an old key name is read at its new place)
+    changed = [k for k in keys if not _same_setting(k, get_key(cfg, k), get_key(wanted, k))]
+    refused = [k for k in changed if not k.startswith(RESUME_KEYS) or k in RESUME_FIXED_KEYS]
     if refused:
         raise ConfigError(f"{', '.join(f'{k}={get_key(wanted, k)!r}' for k in refused)}: cannot change when resuming "
                           f"(the checkpoint has {', '.join(f'{k}={get_key(cfg, k)!r}' for k in refused)}); its weights "
                           f"and optimizer state were made with it",
-                          hint="on --resume only train.* (e.g. train.epochs), data.path and data.images can be "
-                               "changed; to change the model start a new run from these weights with "
+                          hint="on --resume only train.* (e.g. train.epochs; not train.optimizer or "
+                               "train.finetune_backbone), data.path and data.images can be changed; to change the "
+                               "model or its optimizer start a new run from these weights with "
                                "--set train.init_from=RUN/last")
+    reselecting = [k for k in changed if k in SELECTION_KEYS]
+    if reselecting:
+        raise ConfigError(f"{', '.join(f'{k}={get_key(wanted, k)!r}' for k in reselecting)}: cannot change when "
+                          f"resuming (the run has {', '.join(f'{k}={get_key(cfg, k)!r}' for k in reselecting)}); its "
+                          "best/ epoch was chosen by the dev rsum it gives, which the later epochs would not be "
+                          "compared with fairly",
+                          hint="resume with the run's validation settings; to validate otherwise start a new run "
+                               "from these weights with --set train.init_from=RUN/last")
     update(cfg, overrides)
     return changed
 
@@ -405,6 +425,31 @@ def _resuming(run_dir: Path) -> Iterator[None]:
         raise CheckpointError(exc.message, path=exc.path, line=exc.line, hint=(exc.hint or "") + instead) from None
 
 
+def adopt_newer_best(state: dict[str, Any], best: dict[str, Any]) -> None:
+    """A run killed after an epoch saved best/ and before it saved last/ redoes that epoch from last/, whose state
+    does not know that best/: take its rsum and epoch, so that the redone epoch (which on a GPU may score
+    otherwise) replaces best/ only when it beats it, and the run reports the epoch best/ holds."""
+    if int(best.get("best_epoch", -1)) > int(state.get("best_epoch", -1)):
+        state.update({k: best[k] for k in ("best_rsum", "best_epoch", "best_result") if k in best})
+
+
+def _saved_settings(run_dir: Path, overrides: dict[str, Any]) -> Config | None:
+    """The config a run resumes with, as its config.json says (written at every start and resume) with the
+    command's `overrides`, read before the checkpoint is: its device, precision and torchrun backend place the
+    process before anything else runs. None for a run without one (the checks below say what is wrong), or with
+    one that cannot be read beside a last/ checkpoint (whose own config the resume reads)."""
+    if not (run_dir / "config.json").is_file():
+        return None
+    try:
+        cfg = read_run_config(run_dir)
+    except CheckpointError:
+        if (run_dir / "last").exists():
+            return None
+        raise
+    apply_resume_overrides(cfg, overrides)
+    return cfg
+
+
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
           transform: CaptionTransform | None = None, progress: bool = True, device: str | None = None,
           precision: str | None = None, resume_overrides: dict[str, Any] | None = None,
@@ -423,6 +468,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     wrapped in DistributedDataParallel, every global batch is split across the ranks, validation is
     sharded, and only rank 0 writes to `run_dir`."""
     run_dir = Path(run_dir)
+    if resume:  # the run's own settings say where, in what precision and over which backend it trains
+        cfg = _saved_settings(run_dir, resume_overrides or {}) or cfg
     placement = resolve_placement(cfg, device, precision)  # (before any work)
     distributed = dist.init_from_env(cfg.train.backend, placement.device.type)
     main = dist.is_main()
@@ -439,10 +486,16 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         if not saved.is_file():
             raise OverwriteError("nothing to resume: no last checkpoint", path=last,
                                  hint="start a new run without --resume")
-        # Killed before its first checkpoint: start the same run again from its saved config.
-        cfg = read_run_config(run_dir)
+        best = run_dir / "best"
+        if best.exists():  # (last/ deleted by hand, or a run of an older itmatch): restarting would delete it
+            raise OverwriteError(f"{run_dir} has a best/ checkpoint but no last/: it cannot be resumed (last/ holds "
+                                 "the optimizer state and how far the run got)", path=last,
+                                 hint=f"train on from its best weights in a new run: --set train.init_from={best} "
+                                      "--out NEW_RUN; or start this run over with --force (without --resume), "
+                                      "which deletes best/")
+        # Killed before its first checkpoint: start the same run again from its saved config (`cfg` and
+        # `placement` are already its own, above).
         resume, force = False, True
-        apply_resume_overrides(cfg, resume_overrides or {})
     if resume:  # a finished run says so before its weights and data are loaded
         with _resuming(run_dir):
             finished = finished_run(run_dir, resume_overrides or {}, trust_modified)
@@ -455,14 +508,15 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         with _resuming(run_dir):
             ckpt = load_checkpoint(last, trust_modified=trust_modified)
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
+        adopt_newer_best(state, read_state(run_dir / "best"))
         changed = apply_resume_overrides(cfg, resume_overrides or {})
         reordering = [key for key in BATCH_ORDER_KEYS if key in changed]
         if reordering and state["batch"]:
             # the epoch's batch list is rebuilt with the new setting and its first `batch` entries skipped as
             # done: they are not the captions already seen, so some would be used twice in the epoch, others never
             raise ConfigError(f"{run_dir} stopped in the middle of epoch {state['epoch'] + 1} (batch "
-                              f"{state['batch']}): {', '.join(reordering)} changes the order of an epoch's "
-                              "batches, so it changes only at an epoch's end",
+                              f"{state['batch']}): {', '.join(reordering)} changes an epoch's list of batches "
+                              "(their order or number), so it changes only at an epoch's end",
                               hint=f"resume without changing {', '.join(reordering)}; change it on a run that "
                                    "stopped at an epoch's end (train.checkpoint_every=0 saves only there)")
         if "data.path" not in changed:
@@ -595,6 +649,16 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 batch = resident.fill(batch)
             with placement.arithmetic():  # (fp32: no autocast at all)
                 loss = step(batch, hardest)
+            value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks average
+            if not math.isfinite(value):  # stop before the step: it would write NaN into every weight
+                lower = f"train.lr={cfg.train.lr / 10:g}"
+                again = (f"train on from its last checkpoint with a lower learning rate: itmatch train --out {run_dir} "
+                         f"--resume --set {lower}" if last.exists() else
+                         f"start it again with a lower learning rate ({lower}, with --force)")
+                raise TrainingError(
+                    f"the loss is {value} at epoch {epoch + 1}, batch {b + 1} (step {state['step'] + 1}): training "
+                    "diverged; nothing was saved after it", path=run_dir,
+                    hint=f"{again}; or clip the gradients (train.grad_clip, e.g. 2)")
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # (scale, unscale_, step, update: plain calls unless fp16)
             if cfg.train.grad_clip > 0:
@@ -603,7 +667,6 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             scaler.step(optimizer)
             scaler.update()
             state["step"] += 1
-            value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks averaged
             running += value
             bar.set_postfix(loss=f"{value:.2f}", lr=f"{lr:.1e}", hard=hardest)
             bar.update()
