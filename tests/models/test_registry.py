@@ -58,6 +58,14 @@ def test_every_preset_says_which_paper_row_it_reproduces():
                                                f"ASA + ms2{frozen}")
     assert PAPER_ROWS["save_nosa_t2i_lse"] == f"SAVE Tables 4, 6 (t-i LSE): no-SA{frozen}"
     assert PAPER_ROWS["save_dsa_ft"].startswith("SAVE Tables 4, 5 (i-t AVG): DSA, end to end as the paper trains it")
+    # SAVE's MS-COCO rows: SCAN's COCO schedule and lambdas (they trained on Flickr30K's, i-t LSE with lambda 5)
+    assert PAPER_ROWS["save_asa_ms2_both_coco"] == ("SAVE Table 2 (MS-COCO, i-t AVG + t-i LSE averaged, footnote 1): "
+                                                    f"ASA + ms2{frozen}")
+    assert PAPER_ROWS["save_asa_ms3_coco"].startswith("this toolkit's: save_asa_ms3 (i-t AVG)")  # (no COCO row)
+    coco = preset_config("save_asa_ms2_both_coco")
+    assert (coco.train.epochs, coco.train.lr, coco.train.lr_update) == (20, 5e-4, 10)
+    assert (coco.model.scan.i2t_lambda_lse, coco.model.scan.lambda_lse, coco.model.direction) == (20.0, 6.0, "both")
+    assert preset_config("save_asa_ms2_both").model.scan.i2t_lambda_lse == 5.0
     assert PAPER_ROWS["oan_no_intra_attn"] == "OAN Table 2: No intra-modal attention"
     assert PAPER_ROWS["sman_im"] == "SMAN Table III: SMAN-IM"
     assert PAPER_ROWS["mmca_alpha0"].startswith("MMCA Table 6: alpha = 0")

@@ -13,7 +13,7 @@ from itmatch.models.encoders import RNNTextEncoder
 from itmatch.models.registry import Arch, Preset, register_arch, register_presets
 from itmatch.models.save.config import SaveConfig
 from itmatch.models.save.encoder import Borrowed, MultiScaleSelfAttention, SaveImageEncoder, parse_scales
-from itmatch.models.scan import F30K_SCHEDULE, SCAN_LAMBDAS, scan_head, two_way_lambdas
+from itmatch.models.scan import COCO_SCHEDULE, F30K_SCHEDULE, SCAN_LAMBDAS, scan_head, two_way_lambdas
 
 __all__ = ["MultiScaleSelfAttention", "SaveConfig", "SaveImageEncoder", "parse_scales"]
 
@@ -94,6 +94,14 @@ PAPER_TABLES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
                                "save_asa_ms2": "ASA-ms2", "save_asa_ms3": "ASA-ms3", "save_nl_ms2": "NL-ms2"}),
     "Table 6": (("i2t_lse", "i2t_avg", "t2i_lse", "t2i_avg"), {"save_nosa": "no-SA", "save_nosa_ms2": "no-SA-ms2"}),
 }
+# The same for MS-COCO (`_coco` presets): Table 2 (footnote 1's averaged scores, 1K and 5K), Tables 4 and 5's
+# MS-COCO 5K halves (Table 5 has no ASA-ms3 there, Table 6 is Flickr30K only)
+COCO_TABLES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
+    "Table 2": (("both",), {"save_dsa": "DSA", "save_asa": "ASA", "save_asa_ms2": "ASA + ms2"}),
+    "Table 4": (("i2t_avg", "t2i_lse"), {"save_nosa": "no-SA", "save_dsa": "DSA", "save_asa": "ASA"}),
+    "Table 5": (("i2t_avg",), {"save_dsa": "DSA", "save_dsa_ms2": "DSA-ms2", "save_asa": "ASA",
+                               "save_asa_ms2": "ASA-ms2", "save_nl_ms2": "NL-ms2"}),
+}
 SETTING_NAMES = {"i2t_avg": "i-t AVG", "t2i_lse": "t-i LSE", "t2i_avg": "t-i AVG", "i2t_lse": "i-t LSE",
                  "both": "i-t AVG + t-i LSE averaged, footnote 1"}
 # setting -> the variants the paper reports in it: Table 1 (footnote 1: i-t and t-i scores averaged), Table 4's t-i
@@ -103,30 +111,30 @@ PAPER_SETTINGS = {setting: tuple(dict.fromkeys(name for settings, rows in PAPER_
                   for setting in SETTINGS}
 
 
-def paper_row(name: str, setting: str = "i2t_avg", end_to_end: bool = False) -> str:
-    """The tables reporting variant `name` in `setting`, and its row, e.g. "SAVE Tables 4, 5 (i-t AVG): DSA, CNN
-    frozen (the paper trains it end to end)": every row of the paper is trained end to end (section 3.5.3), the
-    presets on cached maps are not; "" where no table reports it."""
-    tables = {table: rows[name] for table, (settings, rows) in PAPER_TABLES.items()
-              if setting in settings and name in rows}
-    if not tables:
-        return ""
-    numbers = ", ".join(table.split()[1] for table in tables)
+def paper_row(name: str, setting: str = "i2t_avg", end_to_end: bool = False, dataset: str = "f30k") -> str:
+    """The tables reporting variant `name` in `setting` on `dataset` ("f30k" or "coco"), and its row, e.g. "SAVE
+    Tables 4, 5 (i-t AVG): DSA, CNN frozen (the paper trains it end to end)": every row of the paper is trained end
+    to end (section 3.5.3), the presets on cached maps are not; for a row no table reports, "this toolkit's: ..."
+    (a COCO twin of a Flickr30K-only row), or "" (a Flickr30K variant of no table: only settings that have one
+    are presets)."""
     how = ("end to end as the paper trains it, the CNN fine-tuned at lr / 10" if end_to_end
            else "CNN frozen (the paper trains it end to end)")
-    return (f"SAVE Table{'s' if len(tables) > 1 else ''} {numbers} ({SETTING_NAMES[setting]}): "
+    coco = dataset == "coco"
+    tables = {table: rows[name] for table, (settings, rows) in (COCO_TABLES if coco else PAPER_TABLES).items()
+              if setting in settings and name in rows}
+    if not tables:
+        return f"this toolkit's: {name} ({SETTING_NAMES[setting]}), {how}, with COCO's schedule and lambdas" \
+            if coco else ""
+    numbers = ", ".join(table.split()[1] for table in tables)
+    where = "MS-COCO, " if coco else ""
+    return (f"SAVE Table{'s' if len(tables) > 1 else ''} {numbers} ({where}{SETTING_NAMES[setting]}): "
             f"{next(iter(tables.values()))}, {how}")
 
 
-@register_presets
-def save_presets() -> dict[str, Preset]:
-    """SAVE Tables 4-6 in the i-t AVG setting (self-attention variants on c5, fusion of c4+c5 / c3+c4+c5,
-    NL-ms2), and the rows the paper reports in its other settings (PAPER_SETTINGS: `save_dsa_both` for Table 1's
-    averaged i-t/t-i scores, footnote 1; `save_dsa_t2i_lse`, ...); the paper gives no schedule beyond SCAN's "same
-    settings": F30K's. Both directions' lambdas are set (SCAN Table 1): t-i in model.scan.lambda_*, i-t in
-    model.scan.i2t_lambda_*, so t-i scores with 9 / 6, not with the i-t 4 / 5."""
-    i2t = {f"i2t_{k}": v for k, v in SCAN_LAMBDAS[("f30k", "i2t")].items()}
-    model = {"arch": "save", "direction": "i2t", "pool": "avg", "scan": {**SCAN_LAMBDAS[("f30k", "t2i")], **i2t}}
+def _save_presets(dataset: str, schedule: dict[str, Any]) -> dict[str, Preset]:
+    """The presets of `dataset` (its SCAN lambdas and `schedule`), by their Flickr30K names."""
+    i2t = {f"i2t_{k}": v for k, v in SCAN_LAMBDAS[(dataset, "i2t")].items()}
+    model = {"arch": "save", "direction": "i2t", "pool": "avg", "scan": {**SCAN_LAMBDAS[(dataset, "t2i")], **i2t}}
     variants = {
         "save_nosa": {"attention": "none", "scales": "c5"},
         "save_dsa": {"attention": "dsa", "scales": "c5"},
@@ -147,14 +155,31 @@ def save_presets() -> dict[str, Preset]:
         "save_dsa_ms2": {"attention": "dsa", "scales": "c4,c5", "scale_norm": "layernorm"},
         "save_nosa_ms2": {"attention": "none", "scales": "c4,c5", "scale_norm": "layernorm"},
     }
-    presets = {name: {"model": {**model, "save": save}, "train": F30K_SCHEDULE,
-                      "paper": paper_row(name.removesuffix("_ft"), end_to_end=name.endswith("_ft"))}
+    presets = {name: {"model": {**model, "save": save}, "train": schedule,
+                      "paper": paper_row(name.removesuffix("_ft"), end_to_end=name.endswith("_ft"), dataset=dataset)}
                for name, save in variants.items()}
     for setting, names in PAPER_SETTINGS.items():
         for name in names:
             base, change = presets[name]["model"], SETTINGS[setting]
             scan = {**base["scan"], **change.get("scan", {})}
-            presets[f"{name}_{setting}"] = {"model": {**base, **change, "scan": scan}, "train": F30K_SCHEDULE,
-                                            "paper": paper_row(name, setting)}
+            presets[f"{name}_{setting}"] = {"model": {**base, **change, "scan": scan}, "train": schedule,
+                                            "paper": paper_row(name, setting, dataset=dataset)}
+    return presets
+
+
+@register_presets
+def save_presets() -> dict[str, Preset]:
+    """SAVE Tables 4-6 in the i-t AVG setting (self-attention variants on c5, fusion of c4+c5 / c3+c4+c5,
+    NL-ms2), and the rows the paper reports in its other settings (PAPER_SETTINGS: `save_dsa_both` for Table 1's
+    averaged i-t/t-i scores, footnote 1; `save_dsa_t2i_lse`, ...), each with a `_coco` twin. The paper trains
+    "under exactly the same experimental settings" as SCAN (Table 2's note): SCAN's Flickr30K schedule and lambdas,
+    and for the twins its COCO ones (20 epochs at 5e-4, i-t LSE lambda 20). Both directions' lambdas are set (SCAN
+    Tables 1, 2): t-i in model.scan.lambda_*, i-t in model.scan.i2t_lambda_*, so t-i scores with 9 / 6, not with the
+    i-t 4 / 5."""
+    presets: dict[str, Preset] = {}
+    for dataset, schedule in (("f30k", F30K_SCHEDULE), ("coco", COCO_SCHEDULE)):
+        suffix = "" if dataset == "f30k" else "_coco"
+        for name, preset in _save_presets(dataset, schedule).items():
+            presets[f"{name}{suffix}"] = preset
     return presets
 
