@@ -58,6 +58,7 @@ def _bad_values(kind: str, validator) -> list[str]:
         return out + ([str(validator.high + 1)] if validator.high is not None else [])
     return {"float": ["0", "-1", "nan", "inf", "lots"],
             "host": ["no such host!"],
+            "allowed_host": ["photos.lan:8000", "http://photos.lan", "*photos", "no such host!", ""],
             "existing_dir": ["{missing}", "{file}", ""],
             "checkpoint_ref": ["{missing}", "{file}", ""],
             "device": ["gpu", "cuda:x", "cuda:-1", ""],
@@ -68,7 +69,7 @@ def _bad_values(kind: str, validator) -> list[str]:
 
 GOOD = {"existing_dir": "{dir}", "checkpoint_ref": "{dir}", "device": "cpu",
         "existing_file": "{file}", "output_dir": "{new}", "output_file": "{new}.json",
-        "int": None, "float": "1", "host": "127.0.0.1", None: "x"}
+        "int": None, "float": "1", "host": "127.0.0.1", "allowed_host": "photos.lan", None: "x"}
 
 
 def _argv(verb: str, tested: str | None = None, value: str | None = None) -> list[str]:

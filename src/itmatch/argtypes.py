@@ -8,6 +8,8 @@ argument of every verb and feed it values just outside its range (tests/test_cli
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ipaddress
 import math
 import os
 import re
@@ -21,6 +23,9 @@ Validator = Callable[[str], Any]
 DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$", re.IGNORECASE)
 #: the form of a shipped model's name (itmatch.pretrained.NAME)
 PRETRAINED_NAME = re.compile(r"^[a-z0-9][a-z0-9_.+-]*$")
+#: a DNS name: dot-separated labels of letters, digits, '-' and '_' (not at a label's ends), a final dot allowed
+HOST_FORMS = "a name (photos.local), an address (192.168.1.5, ::1), *.example.com or *, without a scheme or a port"
+HOST_NAME = re.compile(r"^(?:[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\.)*[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\.?$")
 
 
 def _named(kind: str, **attrs: Any) -> Callable[[Validator], Validator]:
@@ -75,6 +80,22 @@ def host(text: str) -> str:
         raise argparse.ArgumentTypeError(f"cannot resolve host {text!r} ({exc}); "
                                          "use an address such as 127.0.0.1 or 0.0.0.0") from None
     return text
+
+
+@_named("allowed_host")
+def allowed_host(text: str) -> str:
+    """A name the server may be reached by, as a browser writes it in the Host header (Starlette's
+    TrustedHostMiddleware pattern): a host name, an IP address (IPv6 with or without its brackets),
+    `*.example.com` (its sub-domains) or `*` (any name). Lower-cased; an IPv6 address in brackets, the Host form."""
+    name = text.strip().lower()
+    if name == "*":
+        return name
+    with contextlib.suppress(ValueError):
+        address = ipaddress.ip_address(name[1:-1] if name.startswith("[") and name.endswith("]") else name)
+        return f"[{address}]" if address.version == 6 else str(address)
+    if not HOST_NAME.match(name.removeprefix("*.")):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a host name as a browser sends it: give {HOST_FORMS}")
+    return name
 
 
 def _given(text: str) -> Path:

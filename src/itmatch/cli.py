@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from itmatch.argtypes import (
+    allowed_host,
     checkpoint_ref,
     device_name,
     existing_dir,
@@ -379,6 +380,9 @@ def _cmd_search(args: argparse.Namespace) -> int:
             else:
                 print(f"note: {gone} of these {len(hits)} photos are no longer where they were indexed (moved or "
                       f"deleted); update the index: {index_command(args.index, manifest)}", file=sys.stderr)
+        if 0 < args.shortlist < min(args.k, len(searcher.ids)):  # (fewer results than asked for, said why)
+            print(f"note: --shortlist {args.shortlist} ranks only the first stage's top {args.shortlist} photos: "
+                  f"-k {args.k} returns {len(hits)} (raise --shortlist to get more)", file=sys.stderr)
         unknown = searcher.unknown_words(args.query)
         if unknown:  # (stderr as well: a reader of the ranked lines sees it)
             print(f"note: not in the model's vocabulary, read as <unk>: {', '.join(unknown)}", file=sys.stderr)
@@ -413,7 +417,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     placement = _placement(args)
     serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
           images_dir=args.images, log_level=args.log_level, shortlist=args.shortlist, shortlist_index=args.faiss,
-          device=str(placement.device), precision=placement.precision, trust_modified=args.trust_modified)
+          device=str(placement.device), precision=placement.precision, trust_modified=args.trust_modified,
+          allowed_hosts=args.allowed_hosts)
     return 0
 
 
@@ -712,8 +717,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="HTTP API and web page over an index (needs the `serve` extra)")
     s.add_argument("index", type=existing_dir, help="index directory written by `itmatch index`")
-    s.add_argument("--host", type=host, default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--host", type=host, default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1, this machine only; 0.0.0.0 or :: every interface: "
+                        "there is no authentication, anyone who reaches it sees every indexed photo)")
     s.add_argument("--port", type=port, default=8000, help="port, 1-65535 (default 8000)")
+    s.add_argument("--allowed-host", dest="allowed_hosts", type=allowed_host, action="append", default=[],
+                   metavar="NAME",
+                   help="a host name the server may be reached by (repeatable; *.example.com its sub-domains, * any). "
+                        "Always answered: localhost, 127.0.0.1, [::1] and --host; with --host 0.0.0.0 or :: and no "
+                        "--allowed-host, any name")
     s.add_argument("--model", type=checkpoint_ref,
                    help="checkpoint or pretrained name (default: the one the index was built with; must be the same)")
     s.add_argument("--captions", type=existing_file,

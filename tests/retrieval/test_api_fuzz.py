@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import negative_data_rejection  # noqa: E
 
 from itmatch.retrieval.index import build_index  # noqa: E402
 from itmatch.retrieval.search import MAX_K, Searcher, read_captions_file  # noqa: E402
-from itmatch.retrieval.service import MAX_JSON_BYTES, SafeJSONResponse, create_app  # noqa: E402
+from itmatch.retrieval.service import LOCAL_HOSTS, MAX_JSON_BYTES, SafeJSONResponse, create_app  # noqa: E402
 
 REQUESTS = int(os.environ.get("ITMATCH_API_FUZZ_REQUESTS", "5000"))
 UPLOAD_LIMIT = 200_000
@@ -37,7 +37,8 @@ def app(tiny_search_setup, tmp_path_factory):
     out = tmp_path_factory.mktemp("api-fuzz") / "index"
     build_index(tiny_search_setup["photos"], tiny_search_setup["checkpoint"], out, progress=False)
     searcher = Searcher(out, captions=read_captions_file(tiny_search_setup["captions"]))
-    return create_app(searcher, max_upload_bytes=UPLOAD_LIMIT)
+    # (TestClient and schemathesis' ASGI calls send the host name "testserver")
+    return create_app(searcher, max_upload_bytes=UPLOAD_LIMIT, allowed_hosts=[*LOCAL_HOSTS, "testserver"])
 
 
 @pytest.fixture(scope="module")

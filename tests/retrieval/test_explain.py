@@ -93,7 +93,7 @@ def test_oan_explain_over_http_is_a_map_not_a_500(oan_searcher):
 
     from itmatch.retrieval.service import create_app
 
-    client = TestClient(create_app(oan_searcher), raise_server_exceptions=False)
+    client = TestClient(create_app(oan_searcher), raise_server_exceptions=False, base_url="http://localhost")
     resp = client.get("/api/explain", params={"q": "a red circle", "id": oan_searcher.ids[0]})
     assert resp.status_code == 200, resp.text
     data = resp.json()
@@ -114,7 +114,7 @@ def test_a_shipped_model_without_word_attention_says_so_in_health_and_explain_is
     from itmatch.retrieval.service import create_app
 
     searcher = Searcher(shipped_vsepp_index)
-    client = TestClient(create_app(searcher), raise_server_exceptions=False)
+    client = TestClient(create_app(searcher), raise_server_exceptions=False, base_url="http://localhost")
     health = client.get("/health").json()
     assert health["explain"] is False and health["model"]["preset"] == "vsepp"
     assert health["explain_note"] == searcher.explain_note and "(vsepp)" in health["explain_note"]

@@ -216,3 +216,44 @@ def test_an_index_opened_with_a_model_of_another_backbone_says_another_model(few
     trained on lite2 features ... leave backbone unset" answered first, about an argument the user never gave."""
     with pytest.raises(CheckpointError, match="the index was built with another model"):
         Searcher(few_index, "mmca_alpha0_lite2-flickr8k")
+
+
+def test_copies_of_an_unreadable_photo_are_all_skipped_in_a_first_index_and_an_update(tiny_search_setup, few_photos,
+                                                                                      tmp_path, caplog):
+    """Two empty .jpg files (one content) crashed `itmatch index` with KeyError: 'features' (a first index) or the
+    content's sha256 (an update): each content is decoded once, from its first file, and only that file was left
+    out. Every file of a content that cannot be decoded is skipped now, for the same reason, and listed."""
+    out = tmp_path / "index"
+    for name in ("IMG_1.jpg", "IMG_2.jpg"):
+        (few_photos / name).write_bytes(b"")
+    with caplog.at_level(logging.WARNING, logger="itmatch.retrieval"):
+        first = build_index(few_photos, tiny_search_setup["checkpoint"], out, progress=False)
+    assert first["images"] == len(Searcher(out).ids) == 3 and first["encoded"] == 3
+    assert [s["id"] for s in first["skipped"]] == ["IMG_1.jpg", "IMG_2.jpg"]
+    assert first["skipped"][0]["reason"] == first["skipped"][1]["reason"]
+    assert json.loads((out / MANIFEST).read_text())["skipped"] == first["skipped"]
+    assert "skipping IMG_2.jpg: " in caplog.text and "(the same content as IMG_1.jpg)" in caplog.text
+    # an update: two copies of another unreadable content, one in a sub-folder
+    (few_photos / "sub").mkdir()
+    for path in (few_photos / "x1.jpg", few_photos / "sub" / "x2.png"):
+        path.write_bytes(b"\xff\xd8 not really a jpeg")
+    update = build_index(few_photos, tiny_search_setup["checkpoint"], out, progress=False)
+    assert update["images"] == len(Searcher(out).ids) == 3 and update["encoded"] == 0
+    assert [s["id"] for s in update["skipped"]] == ["IMG_1.jpg", "IMG_2.jpg", "sub/x2.png", "x1.jpg"]
+
+
+def test_index_out_dot_writes_into_the_folder_it_is_run_in(tiny_search_setup, few_photos, tmp_path, monkeypatch):
+    """`itmatch index PHOTOS --out .` in a new, empty folder was refused ("exists and is not an index") and left
+    `..lock` in it: the lock is named after the folder, and Path('.').name is ''."""
+    from itmatch.cli import main
+
+    here = tmp_path / "idx"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    argv = ["index", str(few_photos), "--model", str(tiny_search_setup["checkpoint"]), "--out", ".", "--quiet"]
+    assert main(argv) == 0
+    assert len(Searcher(here).ids) == 3 and not [p.name for p in here.iterdir() if p.name.endswith(".lock")]
+    assert main(argv) == 0  # (an update in place)
+    monkeypatch.chdir(tmp_path)  # (another spelling of the same folder takes the same lock)
+    assert build_index(few_photos, tiny_search_setup["checkpoint"], "idx/", progress=False)["reused"] == 3
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".lock")) == [".idx.lock"]

@@ -16,6 +16,8 @@ from itmatch.retrieval.index import build_index  # noqa: E402
 from itmatch.retrieval.search import MAX_QUERY_CHARS, Searcher, read_captions_file  # noqa: E402
 from itmatch.retrieval.service import create_app  # noqa: E402
 
+LOCAL = "http://localhost"  # (the server answers only to this machine's names: TestClient's own is "testserver")
+
 
 @pytest.fixture(scope="module")
 def searcher(tiny_search_setup, tmp_path_factory):
@@ -26,7 +28,7 @@ def searcher(tiny_search_setup, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(searcher):
-    return TestClient(create_app(searcher, max_upload_bytes=200_000))
+    return TestClient(create_app(searcher, max_upload_bytes=200_000), base_url=LOCAL)
 
 
 def _error(resp, status):
@@ -83,7 +85,8 @@ def test_every_search_answers_with_the_words_it_could_not_read(client, searcher,
     # photo -> captions: a caption without a known word is never ranked, and is counted
     collection = Searcher(searcher.index.root, captions=["zzz qqq xxx", "a red qwzx circle", "a blue square"])
     photo = (tiny_search_setup["photos"] / "test_00005.png").read_bytes()
-    data = TestClient(create_app(collection)).post("/api/search/image", params={"k": 3}, content=photo).json()
+    data = TestClient(create_app(collection), base_url=LOCAL).post("/api/search/image", params={"k": 3},
+                                                                   content=photo).json()
     assert data["captions_without_known_word"] == 1
     assert {r["caption"]: r["unknown_words"] for r in data["results"]} == {"a red qwzx circle": ["qwzx"],
                                                                           "a blue square": []}
@@ -147,7 +150,7 @@ def test_a_query_of_bytes_that_are_not_utf8_is_told_so(client):
 
 
 def test_bomb_under_the_byte_limit_is_refused_before_decoding(searcher):
-    big = TestClient(create_app(searcher))  # default 10 MB upload limit
+    big = TestClient(create_app(searcher), base_url=LOCAL)  # default 10 MB upload limit
     _error(big.post("/api/search/image", content=_png((12000, 12000))), 413)
 
 
@@ -165,7 +168,7 @@ def test_a_photo_answers_head_as_get_without_the_body(client):
 
 
 def test_metrics_count_requests_and_latency(searcher):
-    c = TestClient(create_app(searcher))
+    c = TestClient(create_app(searcher), base_url=LOCAL)
     for _ in range(3):
         c.get("/api/search", params={"q": "a red circle"})
     c.get("/api/search", params={"q": ""})
@@ -200,3 +203,135 @@ def test_a_port_in_use_is_said_before_the_model_loads(tiny_search_setup, tmp_pat
         busy.listen()
         with pytest.raises(ConfigError, match=rf"cannot listen on 127.0.0.1:{busy.getsockname()[1]}: Address already"):
             service.serve(tmp_path, port=busy.getsockname()[1])
+
+
+def test_a_photo_over_the_limits_is_refused_with_how_to_send_it(client):
+    """A 413 said only what was too large; a photo straight from a camera is over 10 MB or 40 Mpx."""
+    for body in (b"\x00" * 300_000, _png((9000, 9000))):  # over this app's 200 kB; 81 Mpx in ~80 kB
+        assert "resize the photo" in _error(client.post("/api/search/image", content=body), 413)["hint"]
+    too_long = b'{"q": "red", "k": 3}' + b" " * (64 * 1024)
+    assert "at most 300 characters" in _error(client.post("/api/search", content=too_long), 413)["hint"]
+
+
+def test_no_id_is_answered_with_the_way_of_the_route_it_came_to(client):
+    """GET /api/images/ (no id) was told to "pass id=", the parameter of /api/explain only."""
+    assert _error(client.get("/api/images/"), 400)["hint"] == "give an image id as returned by the search"
+    assert _error(client.get("/api/explain", params={"q": "red"}), 400)["hint"].startswith("pass id=")
+
+
+def test_only_this_machines_names_and_the_allowed_ones_are_answered(searcher, caplog):
+    """DNS rebinding: a web page of evil.example, once its name resolves to 127.0.0.1, reached the server as
+    `Host: evil.example` and read every answer (searches, photos) from the visitor's browser. Such a request is
+    refused (400) and logged with the way to allow a name that is the server's own."""
+    app = create_app(searcher)
+    for name in ("localhost", "127.0.0.1", "[::1]"):
+        assert TestClient(app, base_url=f"http://{name}:8000").get("/health").status_code == 200
+    evil = TestClient(app, base_url="http://evil.example:8000")
+    with caplog.at_level("WARNING", logger="itmatch.retrieval.service"):
+        for url in ("/api/search?q=red", "/api/images/test_00000.png", "/", "/metrics"):
+            assert evil.get(url).status_code == 400
+    assert "refused the host name 'evil.example:8000'" in caplog.text and "--allowed-host NAME" in caplog.text
+    assert TestClient(app).get("/health").status_code == 400  # (TestClient's own name, "testserver")
+    lan = create_app(searcher, allowed_hosts=["photos.lan", "::1"])
+    assert TestClient(lan, base_url="http://photos.lan:8000").get("/health").status_code == 200
+    assert TestClient(lan, base_url="http://[::1]:8000").get("/health").status_code == 200
+    assert TestClient(lan, base_url="http://localhost").get("/health").status_code == 400  # only the names given
+    assert TestClient(create_app(searcher, allowed_hosts=["*"]), base_url="http://evil.example").get(
+        "/health").status_code == 200
+
+
+@pytest.mark.parametrize(("host", "allowed", "answered"), [
+    ("127.0.0.1", [], ["localhost", "127.0.0.1", "[::1]"]),
+    ("::1", [], ["localhost", "127.0.0.1", "[::1]"]),
+    ("192.168.1.5", [], ["localhost", "127.0.0.1", "[::1]", "192.168.1.5"]),
+    ("fe80::1", [], ["localhost", "127.0.0.1", "[::1]", "[fe80::1]"]),
+    ("192.168.1.5", ["Photos.LAN", "*.home.arpa"], ["localhost", "127.0.0.1", "[::1]", "192.168.1.5", "photos.lan",
+                                                    "*.home.arpa"]),
+    ("0.0.0.0", [], ["*"]),  # every interface: the names the network knows the machine by are not known here
+    ("::", [], ["*"]),
+    ("0.0.0.0", ["photos.lan"], ["localhost", "127.0.0.1", "[::1]", "photos.lan"]),
+    ("127.0.0.1", ["*"], ["*"]),
+])
+def test_the_host_names_answered_follow_host_and_allowed_host(host, allowed, answered):
+    from itmatch.retrieval.service import trusted_hosts
+
+    assert trusted_hosts(host, allowed) == answered
+
+
+def test_serve_answers_the_names_of_its_host_and_says_it_has_no_authentication(searcher, monkeypatch, caplog):
+    import uvicorn
+
+    from itmatch.errors import ConfigError
+    from itmatch.retrieval.service import serve
+
+    served = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: served.append(self.config.app))
+    with caplog.at_level("INFO", logger="itmatch.retrieval.service"):
+        serve(searcher.index.root, host="0.0.0.0", port=0, allowed_hosts=["photos.lan"])
+    assert "no authentication: anyone who can reach this machine" in caplog.text
+    assert "answering requests for the host names localhost, 127.0.0.1, [::1], photos.lan" in caplog.text
+    assert TestClient(served[-1], base_url="http://photos.lan").get("/health").status_code == 200
+    assert TestClient(served[-1], base_url="http://evil.example").get("/health").status_code == 400
+    caplog.clear()
+    with caplog.at_level("INFO", logger="itmatch.retrieval.service"):
+        serve(searcher.index.root, host="127.0.0.1", port=0)
+    assert "no authentication" not in caplog.text  # (this machine only)
+    with pytest.raises(ConfigError, match="allowed host 'photos.lan:8000' is not a host name"):
+        serve(searcher.index.root, port=0, allowed_hosts=["photos.lan:8000"])
+
+
+def test_an_address_of_another_machine_is_told_to_take_one_of_this_one(searcher, monkeypatch, caplog):
+    """`itmatch serve --host 8.8.8.8` was told to "pass another --port"; and an IPv6 URL was printed unbracketed."""
+    import uvicorn
+
+    from itmatch.errors import ConfigError
+    from itmatch.retrieval import service
+
+    with pytest.raises(ConfigError, match=r"cannot listen on 192\.0\.2\.1:8000: Cannot assign") as refused:
+        service.listen("192.0.2.1", 8000)  # (TEST-NET-1: never an address of this machine)
+    assert "--host 127.0.0.1" in refused.value.hint and "--host 0.0.0.0" in refused.value.hint
+    try:
+        service.listen("::1", 0).close()
+    except (OSError, ConfigError):
+        pytest.skip("no IPv6 loopback here")
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: sockets[0].close())
+    with caplog.at_level("INFO", logger="itmatch.retrieval.service"):
+        service.serve(searcher.index.root, host="::1", port=0)
+    port = int(caplog.text.split("on http://[::1]:")[1].split("/")[0])
+    assert port > 0  # (the port the system chose for --port 0, not 0)
+    assert "no authentication" not in caplog.text  # (::1 is this machine only)
+
+
+@pytest.mark.parametrize("route", ["text", "photo"])
+def test_model_work_leaves_the_server_free_to_answer_other_requests(searcher, route):
+    """POST /api/search and /api/search/image ran decoding, the CNN and scoring on the event loop: while one ran,
+    /health and every photo file waited for it."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from conftest import serving
+
+    started, release = threading.Event(), threading.Event()
+
+    def busy(*args, **kwargs):  # the model's work, held until /health has answered
+        started.set()
+        release.wait(30)
+        return []
+
+    name = "search" if route == "text" else "search_image"
+    setattr(searcher, name, busy)
+    try:
+        with serving(create_app(searcher)) as base, ThreadPoolExecutor(1) as pool:
+            post = (lambda: httpx.post(base + "/api/search", json={"q": "red"}, timeout=60)) if route == "text" else (
+                lambda: httpx.post(base + "/api/search/image", content=_png((32, 32)), timeout=60))
+            answer = pool.submit(post)
+            assert started.wait(30)
+            try:
+                assert httpx.get(base + "/health", timeout=5).status_code == 200  # (timed out while it worked)
+            finally:
+                release.set()
+            assert answer.result().status_code == 200
+    finally:
+        release.set()
+        delattr(searcher, name)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -267,3 +268,58 @@ def test_a_model_with_attention_maps_shows_no_note_and_its_results_open(server, 
     assert page.locator("#results .result.no-explain").count() == 0
     page.locator("#results .result").nth(0).click()
     page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)
+
+
+def _api_ids(server: str, query: str, k: int) -> list[str]:
+    url = f"{server}/api/search?q={urllib.parse.quote(query)}&k={k}"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return [hit["id"] for hit in json.load(resp)["results"]]
+
+
+def test_a_late_answer_to_an_older_search_is_dropped(server, page):
+    """A slow search answered after a newer one drew its results over the newer ones, under the newer query (which
+    explain then asked about, with photos the query had not found)."""
+    held = []
+
+    def hold_the_first(route):  # the first search's answer comes last
+        if "qwzx" in route.request.url:
+            held.append(route)
+        else:
+            route.continue_()
+
+    page.route("**/api/search?*", hold_the_first)
+    page.goto(server + "/")
+    page.fill("#q", "a large red qwzx circle")
+    page.press("#q", "Enter")
+    while not held:
+        page.wait_for_timeout(50)
+    newer = "a small blue square on the left"
+    _search(page, newer)
+    with page.expect_response(lambda response: "qwzx" in response.url):
+        held[0].continue_()
+    page.evaluate("new Promise(done => setTimeout(done, 300))")  # (time for the page to handle that answer)
+    assert page.locator("#results .id").all_text_contents() == _api_ids(server, newer, 12)
+    assert page.locator("#unknown-words").is_hidden()  # (the older query's unknown word is not shown)
+    page.locator("#results .result").nth(0).click()
+    page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)
+    assert page.locator("#explain-title").inner_text().startswith(f"\u201c{newer}\u201d")
+    assert not page.errors, page.errors
+
+
+def test_a_photo_deleted_since_indexing_shows_a_note_in_its_place(tiny_search_setup, page, tmp_path):
+    """A photo deleted after indexing is still ranked; its card showed a broken image."""
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for p in sorted(tiny_search_setup["photos"].iterdir())[:3]:
+        shutil.copy(p, photos / p.name)
+    with _server(photos, tiny_search_setup["checkpoint"], tmp_path / "index") as base:
+        (photos / "test_00001.png").unlink()
+        page.goto(base + "/")
+        page.fill("#q", "a red circle")
+        page.press("#q", "Enter")
+        page.wait_for_selector("#results .missing-photo", timeout=20_000)
+        card = page.locator("#results .result", has=page.locator(".missing-photo"))
+        assert card.count() == 1 and card.locator(".id").inner_text() == "test_00001.png"
+        assert "deleted or moved since it was indexed" in card.locator(".missing-photo").inner_text()
+        assert page.locator("#results img").count() == 2
+        assert not page.errors, page.errors

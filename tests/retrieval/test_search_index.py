@@ -180,17 +180,22 @@ def test_search_ranks_by_the_models_scores(tiny_search_setup, tmp_path):
         searcher.search("red", k=0)
 
 
+def _vsepp(setup, folder):
+    """An untrained VSE++ checkpoint with the test model's vocabulary (a model with a global embedding)."""
+    scan = load_checkpoint(setup["checkpoint"])
+    cfg = copy.deepcopy(scan.config)
+    cfg.model.arch, cfg.preset = "vsepp", "vsepp"
+    torch.manual_seed(0)
+    save_checkpoint(folder / "vsepp", build_model(cfg.model).eval(), cfg, scan.vocab)
+    return folder / "vsepp"
+
+
 def test_first_stage_shortlist_reranks_the_top_n(tiny_search_setup, tmp_path, capsys):
     """shortlist=N: only the FAISS top N by the global embedding are scored. For VSE++ the head's score is
     that embedding's cosine, so the shortlist's ranking is the exhaustive one cut at N."""
     pytest.importorskip("faiss", reason="faiss-cpu (the `index` extra) is not installed")
-    scan = load_checkpoint(tiny_search_setup["checkpoint"])
-    cfg = copy.deepcopy(scan.config)
-    cfg.model.arch, cfg.preset = "vsepp", "vsepp"
-    torch.manual_seed(0)
-    save_checkpoint(tmp_path / "vsepp", build_model(cfg.model).eval(), cfg, scan.vocab)
     out = tmp_path / "index"
-    build_index(tiny_search_setup["photos"], tmp_path / "vsepp", out, progress=False)
+    build_index(tiny_search_setup["photos"], _vsepp(tiny_search_setup, tmp_path), out, progress=False)
     exhaustive, short = Searcher(out), Searcher(out, shortlist=5)
     query = "a large red circle in the center"
     full = exhaustive.search(query, k=12)
@@ -205,9 +210,13 @@ def test_first_stage_shortlist_reranks_the_top_n(tiny_search_setup, tmp_path, ca
     _build(tiny_search_setup, tiny_search_setup["photos"], scan_index)
     with pytest.raises(ConfigError, match="no global embedding"):
         Searcher(scan_index, shortlist=5)  # SCAN has none: exhaustive only
-    # the CLI flag
+    # the CLI flag; fewer results than -k asks for are said (they were not)
     assert main(["search", str(out), query, "-k", "10", "--shortlist", "3", "--json"]) == 0
-    assert [r["id"] for r in json.loads(capsys.readouterr().out)["results"]] == [h.id for h in full[:3]]
+    printed = capsys.readouterr()
+    assert [r["id"] for r in json.loads(printed.out)["results"]] == [h.id for h in full[:3]]
+    assert "note: --shortlist 3 ranks only the first stage's top 3 photos: -k 10 returns 3" in printed.err
+    assert main(["search", str(out), query, "-k", "3", "--shortlist", "3"]) == 0
+    assert "--shortlist" not in capsys.readouterr().err
     assert main(["search", str(scan_index), query, "--shortlist", "3"]) == 2
     assert "no global embedding" in capsys.readouterr().err
 
@@ -335,6 +344,26 @@ def test_search_notes_results_whose_photo_is_gone_since_indexing(tiny_search_set
             f"itmatch index {photos} --model {tiny_search_setup['checkpoint']} --out {out}") in printed.err
 
 
+def test_the_api_says_what_to_do_about_a_photo_deleted_since_indexing(tiny_search_setup, photos, tmp_path):
+    """GET /api/images/ID of a photo deleted after indexing said "not available" with no hint; the page showed a
+    broken image (tests/retrieval/test_search_browser.py: a placeholder now)."""
+    pytest.importorskip("fastapi", reason="the `serve` extra (fastapi) is not installed")
+    pytest.importorskip("httpx", reason="fastapi's TestClient needs httpx (dev extra)")
+    from fastapi.testclient import TestClient
+
+    from itmatch.retrieval.service import create_app
+
+    out = tmp_path / "index"
+    _build(tiny_search_setup, photos, out)
+    (photos / "test_00002.png").unlink()
+    client = TestClient(create_app(Searcher(out)), base_url="http://localhost")
+    error = client.get("/api/images/test_00002.png").json()["error"]
+    assert error["status"] == 404 and error["message"] == "image 'test_00002.png' is not available"
+    assert "deleted or moved on the server since the index was made" in error["hint"]
+    assert "`itmatch index PHOTOS --model MODEL --out INDEX` again, then restart `itmatch serve`" in error["hint"]
+    assert str(photos) not in error["hint"]  # (the server's paths are not a client's business)
+
+
 def test_a_moved_photo_folder_is_said_with_what_to_do_in_search_serve_and_the_api(tiny_search_setup, photos,
                                                                                   tmp_path, capsys, caplog,
                                                                                   monkeypatch):
@@ -356,7 +385,7 @@ def test_a_moved_photo_folder_is_said_with_what_to_do_in_search_serve_and_the_ap
     assert f"note: the photo folder {photos} is not there; if it moved, index it where it is (itmatch index " \
            f"NEW_FOLDER --model {tiny_search_setup['checkpoint']} --out {out} --force" in err
     assert f"itmatch serve {out} --images NEW_FOLDER" in err
-    client = TestClient(create_app(Searcher(out)), raise_server_exceptions=False)
+    client = TestClient(create_app(Searcher(out)), raise_server_exceptions=False, base_url="http://localhost")
     url = client.get("/api/search", params={"q": "a red circle", "k": 1}).json()["results"][0]["url"]
     answer = client.get(url)
     assert answer.status_code == 404 and "--images NEW_FOLDER" in answer.json()["error"]["hint"]
@@ -386,6 +415,25 @@ def test_searching_an_empty_index_or_a_photo_without_captions_says_so(tiny_searc
     photo = next(tiny_search_setup["photos"].iterdir())
     assert main(["search", str(out), "--image", str(photo)]) == 2
     assert "give the captions to rank with --captions FILE" in capsys.readouterr().err
+
+
+def test_an_empty_index_searched_with_a_shortlist_says_it_holds_no_photo(tiny_search_setup, tmp_path, capsys):
+    """`--shortlist` over an index of no photo failed to build the first stage ("index vectors must be a non-empty
+    [N, D] array") instead of saying that the index is empty."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "index"
+    build_index(empty, _vsepp(tiny_search_setup, tmp_path), out, progress=False)
+    assert Searcher(out, shortlist=5).search("a red circle") == []
+    assert main(["search", str(out), "a red circle", "--shortlist", "3"]) == 0
+    assert f"note: the index {out} holds no photo" in capsys.readouterr().err
+
+
+def test_a_captions_file_with_a_byte_order_mark_reads_its_first_caption_plainly(tmp_path):
+    """Windows Notepad starts a UTF-8 file with U+FEFF: it became part of the first caption's first word."""
+    captions = tmp_path / "captions.txt"
+    captions.write_bytes("a red circle\r\na blue square\n".encode("utf-8-sig"))
+    assert read_captions_file(captions) == ["a red circle", "a blue square"]
 
 
 def test_a_folder_without_manifest_is_told_what_to_do(tiny_search_setup, photos, tmp_path, capsys):
@@ -576,7 +624,7 @@ def test_sman_index_search_and_serve_from_the_cli(tiny_search_setup, tmp_path, c
 
     from itmatch.retrieval.service import create_app
 
-    client = TestClient(create_app(Searcher(out)))
+    client = TestClient(create_app(Searcher(out)), base_url="http://localhost")
     served = client.get("/api/search", params={"q": "a red circle", "k": 3}).json()["results"]
     assert [r["id"] for r in served] == [r["id"] for r in results]
     assert client.get("/api/explain", params={"q": "a red circle", "id": served[0]["id"]}).status_code == 409

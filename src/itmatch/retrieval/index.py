@@ -459,8 +459,11 @@ def index_lock(out_dir: Path):
     """Held while an index is written (`.NAME.lock` beside it): a second `itmatch index` on the same --out, which
     would otherwise write beside the first and leave only its own photos in the manifest, stops at once. Under
     torchrun rank 0 holds it for the group."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    lock = FileLock(out_dir.parent / f".{out_dir.name}.lock")
+    # resolved: `--out .` has no name (the lock would be `./..lock`, inside the index folder, which is then no
+    # longer empty), and two spellings of one folder (`idx`, `./idx/`, a link to it) share one lock
+    where = out_dir.resolve()
+    where.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(where.parent / f".{where.name}.lock")
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -647,9 +650,8 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
 
     encoded = {t["sha256"] for t in todo}
     encoded_count = len(encoded) - len(skipped)  # the files that failed to decode were not encoded
-    bad = {s["id"] for s in skipped}
-    records = [r for r in records if r["id"] not in bad]
-    skipped = unreadable + skipped
+    records, undecodable = _drop_undecodable(records, skipped)
+    skipped = unreadable + undecodable
     old_ids = {e["id"]: e["sha256"] for e in old["images"]} if old is not None else {}
     now_ids = {r["id"]: r["sha256"] for r in records}
     added, removed, renamed = _compare_ids(old_ids, now_ids)
@@ -685,6 +687,24 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
     write_json_atomic(out_dir / MANIFEST, manifest)  # the commit point
     _cleanup(out_dir, manifest)
     return dist.broadcast_object({**summary, "seconds": round(time.perf_counter() - started, 2)})
+
+
+def _drop_undecodable(records: list[dict], failed: list[dict[str, str]]) -> tuple[list[dict], list[dict[str, str]]]:
+    """`records` less every file whose content failed to decode, and those files as skipped entries (id, reason).
+    Only the first file of each content is decoded (`todo` holds each sha256 once), so its copies (two empty
+    .jpg files, say) fail with it: dropped by id alone, a copy would stay in the index with no encoding to store."""
+    sha_of = {r["id"]: r["sha256"] for r in records}
+    failures = {sha_of[f["id"]]: (f["id"], f["reason"]) for f in failed}  # content -> (the file decoded, why)
+    kept, skipped = [], []
+    for r in records:
+        if r["sha256"] not in failures:
+            kept.append(r)
+            continue
+        decoded, reason = failures[r["sha256"]]
+        if r["id"] != decoded:  # (the decoded one was named as it failed)
+            log.warning("skipping %s: %s (the same content as %s)", public_id(r["id"]), reason, public_id(decoded))
+        skipped.append({"id": r["id"], "reason": reason})
+    return kept, skipped
 
 
 def _hash_files(images_dir: Path, paths: list[str], progress: bool, old: dict[str, Any] | None

@@ -32,6 +32,8 @@ from itmatch.retrieval.matcher import WORD_ATTENTION_MODELS
 from itmatch.retrieval.names import public_id
 
 IMAGE_FORMATS = frozenset({"JPEG", "PNG", "GIF", "BMP", "WEBP", "TIFF", "MPO"})
+#: the way past the upload's limits (the model sees 224 x 224 pixels: a smaller photo loses nothing)
+RESIZE = "resize the photo (e.g. to 1600 pixels on its longest side) or save it as JPEG, and send it again"
 
 
 class QueryError(ItmatchError):
@@ -89,7 +91,7 @@ def open_upload(data: bytes, max_bytes: int = MAX_UPLOAD_BYTES, max_pixels: int 
     if not data:
         raise QueryError("empty upload", status=400, hint="send the photo's bytes as the request body")
     if len(data) > max_bytes:
-        raise QueryError(f"upload of {len(data)} bytes exceeds the limit of {max_bytes}", status=413)
+        raise QueryError(f"upload of {len(data)} bytes exceeds the limit of {max_bytes}", status=413, hint=RESIZE)
     formats = "send a JPEG, PNG, GIF, BMP, WebP or TIFF photo"
 
     def admit(im: Image.Image) -> None:
@@ -97,7 +99,8 @@ def open_upload(data: bytes, max_bytes: int = MAX_UPLOAD_BYTES, max_pixels: int 
             raise QueryError(f"unsupported image format {im.format}", status=415, hint=formats)
         w, h = im.size
         if w * h > max_pixels:
-            raise QueryError(f"image of {w}x{h} pixels exceeds the limit of {max_pixels} pixels", status=413)
+            raise QueryError(f"image of {w}x{h} pixels exceeds the limit of {max_pixels} pixels", status=413,
+                             hint=RESIZE)
 
     try:
         with warnings.catch_warnings():
@@ -116,8 +119,8 @@ def open_upload(data: bytes, max_bytes: int = MAX_UPLOAD_BYTES, max_pixels: int 
 def read_captions_file(path: Path | str) -> list[str]:
     """A caption collection for image-to-text search: one caption per line (blank lines ignored)."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+    try:  # utf-8-sig: a byte-order mark (Windows Notepad writes one) is not part of the first caption
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"cannot read captions ({exc})", path=path, hint="a UTF-8 text file, one caption a line"
                         ) from None
@@ -202,7 +205,8 @@ class Searcher:
             if self.images.vector is None:
                 raise ConfigError(f"the {self.index.manifest['model']['arch']} model has no global embedding for a "
                                   "first-stage shortlist", hint="search exhaustively (shortlist 0)")
-            self.first_stage = FirstStageIndex(shortlist_index).build(self.images.vector)
+            if self.ids:  # (an index of no photo has nothing to shortlist: a search finds nothing, and says why)
+                self.first_stage = FirstStageIndex(shortlist_index).build(self.images.vector)
         self.captions = list(captions or [])
         self._caption_emb: TextEmb | None = None
         coverage = [self.vocab.coverage(c) for c in self.captions]
@@ -295,8 +299,8 @@ class Searcher:
         QueryError 400/404."""
         if image_id in self.position:  # before the checks: `C:x.png` or `\\x.png` may be real names
             return self.position[image_id]
-        if not image_id:
-            raise QueryError("no image id given", status=400, hint="pass id=, an id as returned by the search")
+        if not image_id:  # (the explain route names its own parameter: service.py)
+            raise QueryError("no image id given", status=400, hint="give an image id as returned by the search")
         if (image_id.startswith(("/", "\\")) or ".." in Path(image_id).parts
                 or re.match(r"^[A-Za-z]:", image_id)):  # absolute, parent, or a Windows drive
             raise QueryError(f"invalid image id '{public_id(image_id)}'", status=400,
@@ -309,13 +313,13 @@ class Searcher:
         return self.images_root / self.paths[self.row_of(image_id)]
 
     def image_path(self, image_id: str) -> Path:
-        """The file of an indexed image, resolved inside the photo folder (never outside it)."""
+        """The file of an indexed image, resolved inside the photo folder (never outside it); QueryError 404 with
+        what to do on the server when it is not there (no server path in it: the message is a client's)."""
         root = self.images_root.resolve()
         path = self.path_of(image_id).resolve()
         if not path.is_relative_to(root) or not path.is_file():
-            moved = None if root.is_dir() else ("the index's photo folder is not there on the server: serve the "
-                                               "index with --images NEW_FOLDER where it moved")  # (no path: a client)
-            raise QueryError(f"image '{image_id}' is not available", status=404, hint=moved)
+            raise QueryError(f"image '{image_id}' is not available", status=404,
+                             hint=_unavailable_hint(root, path))
         return path
 
     @property
@@ -355,6 +359,17 @@ class Searcher:
                                             if not k]),
                 "words": [{"word": w, "known": kn, "weights": m.tolist()}
                           for w, kn, m in zip(attention.tokens, attention.known, attention.maps, strict=True)]}
+
+
+def _unavailable_hint(root: Path, path: Path) -> str:
+    """What to do on the server about an indexed photo whose file (`path`, resolved) is not served from `root`."""
+    if not root.is_dir():
+        return ("the index's photo folder is not there on the server: serve the index with --images NEW_FOLDER "
+                "where it moved")
+    if not path.is_relative_to(root):  # (a link replaced since indexing: `itmatch index` leaves such links out)
+        return "its file on the server is now a link that leads out of the photo folder, which is never served"
+    return ("its file was deleted or moved on the server since the index was made: run `itmatch index PHOTOS "
+            "--model MODEL --out INDEX` again, then restart `itmatch serve`")
 
 
 def _distinct(words: Sequence[str]) -> list[str]:

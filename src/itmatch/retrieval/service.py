@@ -4,11 +4,16 @@
     GET /api/explain (per-word attention), GET /health, GET /metrics, GET / (the page: itmatch/retrieval/web/)
 
 Every bad input is a 4xx with a JSON body {"error": {"status", "message", "hint"}}, and the process keeps
-serving. Routes, answers and errors: docs/search.md, 'HTTP API'.
+serving. Routes, answers and errors: docs/search.md, 'HTTP API'. There is no authentication; requests are answered
+only under the host names of `trusted_hosts` (TrustedHostMiddleware), so that a web page of another site cannot
+read the photos by pointing a name of its own at this machine (DNS rebinding): docs/search.md, 'Who can reach it'.
 """
 
 from __future__ import annotations
 
+import argparse
+import errno
+import ipaddress
 import json
 import logging
 import socket
@@ -16,6 +21,7 @@ import sys
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -24,11 +30,15 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from itmatch.argtypes import HOST_FORMS, allowed_host
 from itmatch.errors import ConfigError
 from itmatch.retrieval.limits import MAX_K, MAX_QUERY_CHARS, MAX_UPLOAD_BYTES
 from itmatch.retrieval.search import (
+    RESIZE,
     QueryError,
     Searcher,
     check_k,
@@ -40,6 +50,11 @@ log = logging.getLogger("itmatch.retrieval.service")
 WEB_DIR = Path(__file__).parent / "web"
 LATENCY_WINDOW = 2048  # latencies kept per route for the percentiles
 MAX_JSON_BYTES = 64 * 1024  # a POST /api/search body: a 300-character query, even all \uXXXX escapes, is < 2 kB
+JSON_HINT = f'a query is at most {MAX_QUERY_CHARS} characters: send {{"q": "a dog jumping", "k": 10}}'
+#: the names a browser on this machine reaches the server by: answered whatever --host is
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+#: --host values that listen on every interface of the machine
+ALL_INTERFACES = ("0.0.0.0", "::", "")
 
 
 class Metrics:
@@ -100,17 +115,17 @@ class SafeJSONResponse(JSONResponse):
             return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it exceeds `limit` bytes (declared or streamed), so an
-    absurd body is never held in memory whole."""
+async def read_body(request: Request, limit: int, hint: str | None = None) -> bytes:
+    """The request body, refused with 413 (and `hint`, how to send less) as soon as it exceeds `limit` bytes
+    (declared or streamed), so an absurd body is never held in memory whole."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise QueryError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413)
+        raise QueryError(f"request body of {declared} bytes exceeds the limit of {limit}", status=413, hint=hint)
     data = bytearray()
     async for part in request.stream():  # bounded even when the length is not declared
         data += part
         if len(data) > limit:
-            raise QueryError(f"request body exceeds the limit of {limit} bytes", status=413)
+            raise QueryError(f"request body exceeds the limit of {limit} bytes", status=413, hint=hint)
     return bytes(data)
 
 
@@ -151,12 +166,45 @@ def image_url(image_id: str) -> str:
     return "/api/images/" + quote(image_id)
 
 
-def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> FastAPI:
-    """The FastAPI app over a loaded `Searcher` (tests use it with TestClient, `serve` with uvicorn)."""
+def url_host(host: str) -> str:
+    """An address as a URL and a Host header write it: an IPv6 address in brackets (http://[::1]:8000/)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def trusted_hosts(host: str, allowed: Sequence[str] = ()) -> list[str]:
+    """The Host header values a server listening on `host` answers to: this machine's own names (LOCAL_HOSTS),
+    `host` itself and the `allowed` names (--allowed-host); any name ("*") when it listens on every interface
+    (0.0.0.0, ::) and no `allowed` name narrows that, as the machine's names on the network are not known here."""
+    if not allowed and host in ALL_INTERFACES:
+        return ["*"]
+    hosts = _host_patterns([*LOCAL_HOSTS, *(() if host in ALL_INTERFACES else (host,)), *allowed])
+    return ["*"] if "*" in hosts else hosts
+
+
+def _host_patterns(hosts: Sequence[str]) -> list[str]:
+    """`hosts` as TrustedHostMiddleware matches them (lower case, IPv6 in brackets, each once), or ConfigError."""
+    patterns = []
+    for name in hosts:
+        try:
+            patterns.append(allowed_host(name))
+        except argparse.ArgumentTypeError:
+            raise ConfigError(f"allowed host {str(name)[:80]!r} is not a host name as a browser sends it",
+                              hint=f"give {HOST_FORMS} (--allowed-host NAME; from Python, allowed_hosts=[...])"
+                              ) from None
+    return list(dict.fromkeys(patterns))
+
+
+def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES,
+               allowed_hosts: Sequence[str] = LOCAL_HOSTS) -> FastAPI:
+    """The FastAPI app over a loaded `Searcher` (tests use it with TestClient, `serve` with uvicorn).
+    `allowed_hosts`: the Host header values it answers (`trusted_hosts`; "*" any); others get 400."""
     app = FastAPI(title="itmatch search", docs_url="/api/docs", openapi_url="/api/openapi.json",
                   default_response_class=SafeJSONResponse)
     metrics = Metrics()
     app.state.searcher, app.state.metrics = searcher, metrics
+    hosts = _host_patterns(allowed_hosts)
+    # (added before `measure`, so inside it: a refused request is counted and logged there)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=hosts, www_redirect=False)
 
     @app.middleware("http")
     async def measure(request: Request, call_next):
@@ -165,6 +213,10 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
         route = request.scope.get("route")
         name = getattr(route, "path", None) or ("/static" if request.url.path.startswith("/static/") else "other")
         metrics.record(f"{request.method} {name}", response.status_code, time.perf_counter() - start)
+        if route is None and response.status_code == 400:  # (every other 400 is a route's: only the host check)
+            log.warning("%s %s -> 400: refused the host name %r (answered: %s); if the server is reached by that "
+                        "name, restart it with --allowed-host NAME (the name without its port)", request.method,
+                        request.url.path, request.headers.get("host", ""), ", ".join(hosts))
         return response
 
     @app.exception_handler(QueryError)
@@ -210,16 +262,22 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
                k: int = Query(10, ge=1, le=MAX_K, description="results")):
         return hits(q, k)
 
+    # The two POST routes are `async` to read their bodies as they stream in (read_body's limit); their model work
+    # (decoding, the CNN, scoring, waiting for the Searcher's lock) runs on the thread pool, as the `def` routes'
+    # does: on the event loop it would hold up every other request, /health and photo files included.
     @app.post("/api/search", openapi_extra={"requestBody": SEARCH_BODY})
     async def search_json(request: Request):
-        query, k = parse_search_body(await read_body(request, MAX_JSON_BYTES))
-        return hits(query, k)
+        query, k = parse_search_body(await read_body(request, MAX_JSON_BYTES, hint=JSON_HINT))
+        return await run_in_threadpool(hits, query, k)
+
+    def captions_of(data: bytes, k: int) -> dict[str, Any]:
+        image = open_upload(data, max_upload_bytes)
+        return {"k": k, "captions_without_known_word": len(searcher.captions_without_known_word),
+                "results": searcher.search_image(image, k)}
 
     @app.post("/api/search/image", openapi_extra={"requestBody": IMAGE_BODY})
     async def search_image(request: Request, k: int = Query(10, ge=1, le=MAX_K, description="results")):
-        image = open_upload(await read_body(request, max_upload_bytes), max_upload_bytes)
-        return {"k": k, "captions_without_known_word": len(searcher.captions_without_known_word),
-                "results": searcher.search_image(image, k)}
+        return await run_in_threadpool(captions_of, await read_body(request, max_upload_bytes, hint=RESIZE), k)
 
     # HEAD too: a browser or a link checker asks whether a photo is there without fetching it (out of the schema,
     # where one function under two methods would have one operation id twice)
@@ -230,6 +288,8 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
 
     @app.get("/api/explain")
     def explain(q: str = Query("", description="text query"), id: str = Query("", description="image id")):
+        if not id:
+            raise QueryError("no image id given", status=400, hint="pass id=, an id as returned by the search")
         return {**searcher.explain(q, id), "url": image_url(id)}  # a deep link opens it without a search
 
     @app.get("/", include_in_schema=False)
@@ -247,11 +307,14 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES) -> 
 def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpoint: str | Path | None = None,
           captions: str | Path | None = None, images_dir: str | Path | None = None,
           log_level: str = "info", shortlist: int = 0, shortlist_index: str = "flat",
-          device: str = "cpu", precision: str = "fp32", trust_modified: bool = False) -> None:
+          device: str = "cpu", precision: str = "fp32", trust_modified: bool = False,
+          allowed_hosts: Sequence[str] = ()) -> None:
     """Load the index (refusing a corrupt one or another model's), then serve until interrupted.
-    `shortlist` N > 0: text queries re-rank the first stage's top N photos (Searcher)."""
+    `shortlist` N > 0: text queries re-rank the first stage's top N photos (Searcher).
+    `allowed_hosts`: host names the server answers to besides this machine's own and `host` (`trusted_hosts`)."""
     import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    hosts = trusted_hosts(host, allowed_hosts)  # (a bad name is said before anything is loaded)
     listening = listen(host, port)  # first: a port in use is said at once, not after the model has loaded
     searcher = Searcher(index_dir, checkpoint, images_dir=images_dir,
                         captions=read_captions_file(captions) if captions else None, shortlist=shortlist,
@@ -267,11 +330,39 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
 
         log.warning("the photo folder %s is not there: results will come without their photos; %s",
                     searcher.images_root, moved_folder_hint(index_dir, searcher.index.manifest))
-    log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, host, port)
+    if 0 < shortlist < min(MAX_K, len(searcher.ids)):  # (the page asks for up to 48)
+        log.info("--shortlist %d: a text search returns at most %d photos, whatever k it asks for", shortlist,
+                 shortlist)
+    bound = listening.getsockname()[1]  # (the port itself when --port 0 let the system choose)
+    log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, url_host(host), bound)
+    _log_exposure(host, bound, hosts)
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error
-    config = uvicorn.Config(create_app(searcher), host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    config = uvicorn.Config(create_app(searcher, allowed_hosts=hosts), host=host, port=port, log_level=log_level,
+                            timeout_keep_alive=30)
     uvicorn.Server(config).run(sockets=[listening])
+
+
+def _log_exposure(host: str, port: int, hosts: list[str]) -> None:
+    """Say who can reach the server (it has no authentication) and under which names it answers."""
+    if not _loopback(host):
+        log.warning("the server has no authentication: anyone who can reach this machine on port %d can search the "
+                    "index and fetch every indexed photo (serve on --host 127.0.0.1 to keep it to this machine)", port)
+    if hosts == ["*"]:
+        log.info("answering requests under any host name (--allowed-host NAME answers only NAME and this "
+                 "machine's own names, against web pages that reach the server under a name of theirs)")
+    else:
+        log.info("answering requests for the host names %s (--allowed-host NAME adds one)", ", ".join(hosts))
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is an address (or the name) of this machine only, which no other machine reaches."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: whatever it resolves to, others may reach it
+        return False
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -284,7 +375,17 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}",
-                          hint="pass another --port, or stop what listens there") from None
+        raise ConfigError(f"cannot listen on {url_host(host)}:{port}: {exc.strerror or exc}",
+                          hint=_listen_hint(exc.errno)) from None
     sock.set_inheritable(True)
     return sock
+
+
+def _listen_hint(code: int | None) -> str:
+    """What to change when the socket cannot be bound, by the system's reason (errno)."""
+    if code == errno.EADDRNOTAVAIL:  # (an address of another machine, or of an interface that is down)
+        return ("--host must be an address of this machine: pass --host 127.0.0.1 (this machine only) or --host "
+                "0.0.0.0 (every interface, reachable from the network)")
+    if code == errno.EACCES:
+        return "ports below 1024 need administrator rights: pass --port 8000 (or another above 1023)"
+    return "pass another --port, or stop what listens there"

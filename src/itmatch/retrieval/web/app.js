@@ -5,7 +5,11 @@
 "use strict";
 
 const $ = (sel) => document.querySelector(sel);
+// The query whose results are shown (explain asks about it): set when they are drawn, not when it is sent.
 let lastQuery = "";
+// Searches sent so far: an answer to any but the latest is dropped, since a slow search answered after a newer,
+// faster one would otherwise replace the newer results under the newer query.
+let searches = 0;
 // Whether the index's model has per-word attention maps (/health's "explain"): a VSE++, MMCA or SMAN model has
 // none, so its results open nothing and the page says why once, instead of an error on every click. Results are
 // drawn only once it is known (modelReady, below): a search typed before /health answers waits for it.
@@ -24,7 +28,7 @@ async function getJSON(url, options) {
 }
 
 async function search(query, k) {
-  lastQuery = query;
+  const mine = ++searches;
   $("#explain").hidden = true;
   $("#captions").hidden = true;
   renderUnknownWords([]);
@@ -32,10 +36,13 @@ async function search(query, k) {
   try {
     const data = await getJSON("/api/search?q=" + encodeURIComponent(query) + "&k=" + k);
     await modelReady;
+    if (mine !== searches) return;  // out of date: a newer search was sent meanwhile
+    lastQuery = query;
     renderResults(data.results);
     renderUnknownWords(data.unknown_words || []);
     setStatus(data.results.length + " results in " + data.took_ms + " ms");
   } catch (e) {
+    if (mine !== searches) return;
     $("#results").replaceChildren();
     setStatus(e.message);
   }
@@ -67,6 +74,8 @@ function renderResults(results) {
     img.src = hit.url;
     img.alt = hit.id;
     img.loading = "lazy";
+    // a photo deleted or moved since indexing is still ranked (its encoding is in the index): say so in its place
+    img.addEventListener("error", () => img.replaceWith(missingPhoto()), { once: true });
     const meta = document.createElement("div");
     meta.className = "meta";
     meta.innerHTML = '<span class="rank"></span><span class="id"></span><span class="score"></span>';
@@ -84,6 +93,13 @@ function renderResults(results) {
     }
     grid.append(card);
   }
+}
+
+function missingPhoto() {
+  const box = document.createElement("div");
+  box.className = "missing-photo";
+  box.textContent = "photo not available (deleted or moved since it was indexed)";
+  return box;
 }
 
 // A perceptual-ish blue -> cyan -> yellow -> red ramp for weights scaled to 0..1.
@@ -233,7 +249,7 @@ async function openFromLocation() {
   if (!query) return;
   $("#q").value = query;
   await search(query, $("#k").value);
-  if (!id) return;
+  if (!id || lastQuery !== query) return;  // (no results drawn: the search's error stays on the page)
   if (canExplain) await explain(id);  // the photo need not be among the results
   else setLocation(query, null);  // a link that promises a map this model cannot draw is not kept
 }
