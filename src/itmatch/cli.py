@@ -340,6 +340,12 @@ def _cmd_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_images_argument(s: argparse.ArgumentParser) -> None:
+    """--images of search and serve: where the indexed photos are now, when their folder moved."""
+    s.add_argument("--images", type=existing_dir,
+                   help="photo folder, if it moved since indexing (default: the indexed one)")
+
+
 def _cmd_search(args: argparse.Namespace) -> int:
     from itmatch.errors import ConfigError
     from itmatch.retrieval.names import public_id
@@ -355,7 +361,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
                                "line)")
     placement = _placement(args)
     captions = read_captions_file(args.captions) if args.captions else None
-    searcher = Searcher(Path(args.index), args.model, captions=captions, shortlist=args.shortlist,
+    searcher = Searcher(Path(args.index), args.model, images_dir=args.images, captions=captions,
+                        shortlist=args.shortlist,
                         shortlist_index=args.faiss, device=placement.device, precision=placement.precision,
                         trust_modified=args.trust_modified)
     # --json prints one document shaped as the HTTP API's answer (docs/search.md), with escaped paths for urls
@@ -710,6 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help="print one JSON document, shaped as the HTTP API's answer: the query (or image), k, the "
                         "query's unknown words (or the captions without a known word) and the results")
+    _add_images_argument(s)
     _add_shortlist_arguments(s)
     _add_device_arguments(s, "auto")
     _add_trust_argument(s)
@@ -730,8 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint or pretrained name (default: the one the index was built with; must be the same)")
     s.add_argument("--captions", type=existing_file,
                    help="caption collection for image-to-text search, one caption a line")
-    s.add_argument("--images", type=existing_dir,
-                   help="photo folder, if it moved since indexing (default: the indexed one)")
+    _add_images_argument(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (info logs every request)")
     _add_shortlist_arguments(s)

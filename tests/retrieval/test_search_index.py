@@ -384,7 +384,11 @@ def test_a_moved_photo_folder_is_said_with_what_to_do_in_search_serve_and_the_ap
     err = capsys.readouterr().err
     assert f"note: the photo folder {photos} is not there; if it moved, index it where it is (itmatch index " \
            f"NEW_FOLDER --model {tiny_search_setup['checkpoint']} --out {out} --force" in err
-    assert f"itmatch serve {out} --images NEW_FOLDER" in err
+    assert f"itmatch search {out} QUERY --images NEW_FOLDER" in err
+    # search from the folder where the photos are now: their paths, and no note (it printed the old paths)
+    assert main(["search", str(out), "a red circle", "-k", "3", "--images", str(moved)]) == 0
+    shown = capsys.readouterr()
+    assert str(moved) in shown.out and str(photos) + "/" not in shown.out and "note:" not in shown.err
     client = TestClient(create_app(Searcher(out)), raise_server_exceptions=False, base_url="http://localhost")
     url = client.get("/api/search", params={"q": "a red circle", "k": 1}).json()["results"][0]["url"]
     answer = client.get(url)

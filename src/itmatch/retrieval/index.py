@@ -98,7 +98,8 @@ def moved_folder_hint(index_dir: Path | str, manifest: dict[str, Any]) -> str:
     it has encoded are reused, by content), or serve it from there."""
     index_again = index_command(index_dir, {**manifest, "images_root": "NEW_FOLDER"})
     return (f"if it moved, index it where it is ({index_again} --force: photos already encoded are not encoded again), "
-            f"or serve it from there (itmatch serve {index_dir} --images NEW_FOLDER)")
+            f"or search or serve it from there (itmatch search {index_dir} QUERY --images NEW_FOLDER, or itmatch "
+            f"serve ... --images NEW_FOLDER)")
 
 
 def own_model_advice(built: dict[str, Any]) -> str:
