@@ -16,6 +16,25 @@ def test_treebank_lowercase_tokenization():
     assert tokenize("A dog's toy, isn't it?") == ["a", "dog", "'s", "toy", ",", "is", "n't", "it", "?"]
 
 
+def test_typographic_quotes_dashes_and_full_width_letters_read_as_the_captions_ascii():
+    """A phone types "doesn’t": it read as "doesn", "’", "t", three unknown words; "ｄｏｇ" was unknown."""
+    assert tokenize("a dog that doesn\u2019t swim") == tokenize("a dog that doesn't swim")
+    assert tokenize("a man\u2019s hat") == ["a", "man", "'s", "hat"]
+    assert tokenize("a t\u2013shirt, \u201cblue\u201d") == tokenize('a t-shirt, "blue"')
+    assert tokenize("\uff24\uff4f\uff47") == ["dog"]
+
+
+def test_a_full_stop_left_on_a_known_word_inside_a_text_is_taken_off():
+    """"a black dog. a white cat" read "dog." as <unk> (the Treebank step splits sentences only with a sentence
+    splitter); an abbreviation the vocabulary knows stays whole."""
+    vocab = Vocab(["a", "black", "dog", ".", "white", "cat", "st.", "walk"])
+    assert vocab.words("a black dog. a white cat") == ["a", "black", "dog", ".", "a", "white", "cat"]
+    assert vocab.coverage("a black dog. a white cat").known == (True,) * 7
+    assert vocab.words("walk down st. james") == ["walk", "down", "st.", "james"]  # (known as it is)
+    assert vocab.words("a zebra. a dog") == ["a", "zebra.", "a", "dog"]  # (unknown either way: kept whole)
+    assert vocab.encode("a black dog. a white cat") == vocab.encode("a black dog . a white cat")
+
+
 def test_min_count_on_training_captions_and_special_ids():
     caps = ["a red ball"] * 4 + ["a blue ball"] * 3
     vocab = build_vocab(caps)

@@ -123,3 +123,19 @@ def test_a_best_saved_after_the_last_checkpoint_is_adopted_on_resume():
     assert state["best_epoch"] == 4
     adopt_newer_best(state, {})  # no best/ yet
     assert state["best_epoch"] == 4
+
+
+def test_a_run_from_another_runs_weights_takes_its_vocabulary_kind_and_refuses_another_vocabulary(tmp_path):
+    """train.init_from with `--set model.arch=mmca` (data.tokenizer word by default) trained from the checkpoint's
+    WordPiece and saved checkpoints that no load accepted; a data.vocab beside init_from was ignored unsaid."""
+    from itmatch.data.vocab import Vocab
+    from itmatch.engine.vocabulary import take_init_vocabulary
+
+    cfg = resolve_config("vsepp", {"train": {"init_from": str(tmp_path / "run" / "best")},
+                                   "data": {"tokenizer": "wordpiece"}})
+    take_init_vocabulary(cfg, Vocab(["a", "dog"]))
+    assert cfg.data.tokenizer == "word"
+    cfg.data.vocab = str(tmp_path / "vocab.json")
+    with pytest.raises(ConfigError, match="data.vocab=.* has no effect: the run keeps the vocabulary of "
+                                          "train.init_from"):
+        take_init_vocabulary(cfg, Vocab(["a", "dog"]))

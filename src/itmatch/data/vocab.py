@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import unicodedata
 import warnings
 from collections import Counter
 from collections.abc import Iterable
@@ -33,9 +34,18 @@ def _word_tokenizer() -> NLTKWordTokenizer:
     return NLTKWordTokenizer()
 
 
+# The typographic quotes and dashes a phone or a word processor types where the benchmarks' captions have ASCII ones
+# ("doesn’t", "a man’s hat", "t–shirt"): read as those, they tokenize as the training captions did ("does", "n't").
+TYPOGRAPHIC = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201b": "'", "\u2032": "'",
+                             "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u2013": "-", "\u2014": "-"})
+
+
 def tokenize(caption: str) -> list[str]:
-    """Lower-case Treebank tokens of one caption."""
-    return _word_tokenizer().tokenize(caption.lower())
+    """Lower-case Treebank tokens of one caption, read in Unicode's compatibility form (NFKC: full-width letters,
+    ligatures) with typographic quotes and dashes as ASCII ones (TYPOGRAPHIC). Flickr8K's captions are ASCII, so
+    they tokenize as before."""
+    text = unicodedata.normalize("NFKC", caption).translate(TYPOGRAPHIC)
+    return _word_tokenizer().tokenize(text.lower())
 
 
 def is_word(token: str) -> bool:
@@ -84,13 +94,25 @@ class Vocab:
     def __call__(self, word: str) -> int:
         return self.word2idx.get(word, self.word2idx[UNK])
 
+    def words(self, text: str) -> list[str]:
+        """`tokenize(text)`, with a full stop the Treebank tokenizer leaves on a word inside a text taken off when the
+        vocabulary knows the word without it and not with it: "a black dog. a white cat" reads "dog", "." (it splits
+        sentences only with a sentence splitter, and "dog." is <unk>), while "st." or "u.s." stay as they are."""
+        words: list[str] = []
+        for word in tokenize(text):
+            if len(word) > 1 and word.endswith(".") and word not in self.word2idx and word[:-1] in self.word2idx:
+                words += [word[:-1], "."]
+            else:
+                words.append(word)
+        return words
+
     def encode(self, caption: str) -> list[int]:
         """Token ids with <start> and <end>, which SCAN treats as real time steps."""
-        return [self.word2idx[START], *(self(w) for w in tokenize(caption)), self.word2idx[END]]
+        return [self.word2idx[START], *(self(w) for w in self.words(caption)), self.word2idx[END]]
 
     def coverage(self, text: str) -> WordCoverage:
         """The text's tokens and which of them the vocabulary knows (the others are encoded as <unk>)."""
-        words = tokenize(text)
+        words = self.words(text)
         return WordCoverage(tuple(words), tuple(w in self.word2idx for w in words))
 
     def to_json(self) -> dict:
@@ -177,6 +199,9 @@ class WordPieceVocab:
         from itmatch.features.text_backbone import load_pretrained_tokenizer
 
         tokenizer_json, model_max = load_pretrained_tokenizer(model_dir)
+        if max_length > model_max:  # (the encoder has no position beyond: a longer caption crashed it)
+            raise ConfigError(f"model.mmca.max_tokens={max_length} exceeds the {model_max} positions of the text "
+                              f"encoder {model_dir}", hint=f"set model.mmca.max_tokens to at most {model_max} (0: all)")
         return cls(tokenizer_json, max_length or model_max, source=str(model_dir))
 
     def __len__(self) -> int:

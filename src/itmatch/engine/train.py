@@ -53,7 +53,13 @@ from itmatch.engine.checkpoint import (
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.inputs import data_backbone, fill_image_dims, open_split
 from itmatch.engine.resident import resident_images
-from itmatch.engine.vocabulary import apply_word_vectors, check_min_word_count, make_vocab, report_vocabulary
+from itmatch.engine.vocabulary import (
+    apply_word_vectors,
+    check_min_word_count,
+    make_vocab,
+    report_vocabulary,
+    take_init_vocabulary,
+)
 from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError, TrainingError
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
@@ -539,6 +545,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         # a run started from another's weights keeps that run's vocabulary (its word embedding rows)
         init = (load_checkpoint(cfg.train.init_from, expect_arch=cfg.model.arch, trust_modified=trust_modified)
                 if cfg.train.init_from else None)
+        if init is not None:
+            take_init_vocabulary(cfg, init.vocab)
         read_pixels_for_finetuning(cfg)
         train_split, val_split, vocab = prepare_data(cfg, init.vocab if init else None)
         model = build_model(cfg.model)

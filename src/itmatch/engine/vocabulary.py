@@ -55,6 +55,22 @@ def vocabulary_source(cfg: Config) -> str:
     return f"the training captions' words seen at least {times} (data.min_word_count)"
 
 
+def take_init_vocabulary(cfg: Config, init_vocab: AnyVocab) -> None:
+    """A run started from another's weights (train.init_from) keeps that run's vocabulary, its word embedding rows:
+    data.vocab beside it would be ignored unsaid, so it is refused, and data.tokenizer becomes that vocabulary's
+    kind (a run of `--set model.arch=mmca`, whose default is `word`, from an MMCA checkpoint's WordPiece trained, and
+    then every checkpoint it saved was refused: "the vocabulary is a 'wordpiece' tokenizer but data.tokenizer is
+    'word'")."""
+    if cfg.data.vocab:
+        raise ConfigError(f"data.vocab={cfg.data.vocab} has no effect: the run keeps the vocabulary of "
+                          f"train.init_from ({cfg.train.init_from}), whose word embedding rows it starts from",
+                          hint="drop data.vocab (or train.init_from, to train from scratch with that vocabulary)")
+    kind = "word" if isinstance(init_vocab, Vocab) else "wordpiece"
+    if cfg.data.tokenizer != kind:
+        log.info("data.tokenizer=%s: the vocabulary of train.init_from (%s) is %s", kind, cfg.train.init_from, kind)
+        cfg.data.tokenizer = kind
+
+
 def check_min_word_count(cfg: Config) -> None:
     """data.min_word_count set where no vocabulary is built from the training captions would do nothing: said."""
     if not builds_vocab(cfg) and cfg.data.min_word_count != DataConfig.min_word_count:
@@ -86,11 +102,13 @@ def report_vocabulary(cfg: Config, vocab: AnyVocab, captions: list[str], progres
     log.info(text)
     if progress:  # (where the epoch lines go; the CLI configures no logging handler)
         tqdm.write(text)
-    if builds_vocab(cfg) and report["unknown_percent"] > UNKNOWN_WARNING and cfg.data.min_word_count > 1:
+    # (N = 1 is not offered: no training word is then read as <unk>, so its embedding never trains, and every word
+    # a query has that the captions lack reads as that untrained vector)
+    if builds_vocab(cfg) and report["unknown_percent"] > UNKNOWN_WARNING and cfg.data.min_word_count > 2:
         log.warning("%.1f%% of the training captions' words are read as unknown by a vocabulary of the words seen at "
                      "least %d times (SCAN's threshold, for 30,000+ captions): a small dataset keeps more of its words "
-                     "with --set data.min_word_count=N, N < %d", report["unknown_percent"], cfg.data.min_word_count,
-                     cfg.data.min_word_count)
+                     "with --set data.min_word_count=N, 2 <= N < %d (at 1 the <unk> embedding never trains)",
+                     report["unknown_percent"], cfg.data.min_word_count, cfg.data.min_word_count)
     return {"vocabulary": {"size": len(vocab), "source": source, "captions": len(captions),
                            "captions_read": len(captions[::step]), **report}}
 

@@ -65,6 +65,13 @@ def test_wordpiece_ids_match_transformers(vocab, tmp_path):
         load_vocab(tmp_path / "vocab.json", "word")
 
 
+def test_more_tokens_than_the_encoder_has_positions_is_refused():
+    """max_tokens 1000 was accepted, and a caption of 602 pieces then crashed MiniLM (512 positions)."""
+    with pytest.raises(ConfigError, match="max_tokens=1000 exceeds the 512 positions"):
+        WordPieceVocab.from_pretrained("all-MiniLM-L6-v2", 1000)
+    assert WordPieceVocab.from_pretrained("all-MiniLM-L6-v2", 512).max_length == 512
+
+
 def test_long_captions_are_truncated_and_counted():
     tokenizer_json, _ = load_pretrained_tokenizer("all-MiniLM-L6-v2")
     short = WordPieceVocab(tokenizer_json, max_length=6)
