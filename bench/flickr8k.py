@@ -317,17 +317,12 @@ def ensure_features(data: str, profile: Profile = CPU) -> None:
     driver) that read the same features take turns: one extracts, the others then find the features complete (the
     extractor itself does not guard a folder against a second writer). Features missing where the photos or the
     captions are missing too raise MissingFeatures, naming what is missing and the command that makes them."""
-    from filelock import FileLock
-
     if data not in FEATURES:
         return
     complete, options = FEATURES[data]
     batch = ["--batch-size", "128"] if profile.device and not profile.on_cpu else []
     extract = ["itmatch", "extract", IMAGES, CAPTIONS, "--out", data, *options, *batch]
-    lock = ROOT / Path(data).with_name(f".{Path(data).name}.lock")
-    if not DRY_RUN:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.nullcontext() if DRY_RUN else FileLock(lock):
+    with contextlib.nullcontext() if DRY_RUN else folder_lock(data, "extracted"):
         absent = [f"{split}_{complete}" for split in ("train", "dev", "test")
                   if not (ROOT / data / f"{split}_{complete}").exists()]
         if not absent:
@@ -509,22 +504,28 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
 
 
 @contextlib.contextmanager
-def run_lock(member: str, profile: Profile) -> Iterator[None]:
-    """A lock on RUNS/<member> held while the run trains: a second bench (or a row beside it) says so and waits."""
+def folder_lock(folder: str, doing: str) -> Iterator[None]:
+    """A lock on `folder` (a file `.<name>.lock` beside it, under ROOT) held while it is `doing` (being trained,
+    extracted): a second bench, or a row beside it, says so and waits."""
     from filelock import FileLock, Timeout
 
-    path = ROOT / profile.runs / f".{member}.lock"
+    path = ROOT / Path(folder).with_name(f".{Path(folder).name}.lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(path)
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        print(f"{profile.runs}/{member} is being trained by another process; waiting for it", flush=True)
+        print(f"{folder} is being {doing} by another process; waiting for it", flush=True)
         lock.acquire()
     try:
         yield
     finally:
         lock.release()
+
+
+def run_lock(member: str, profile: Profile) -> contextlib.AbstractContextManager[None]:
+    """The lock on RUNS/<member> held while the run trains."""
+    return folder_lock(f"{profile.runs}/{member}", "trained")
 
 
 def on_cpu(profile: Profile) -> list[str]:
