@@ -64,11 +64,12 @@ def _bad_values(kind: str, validator) -> list[str]:
             "device": ["gpu", "cuda:x", "cuda:-1", ""],
             "existing_file": ["{missing}", "{dir}", "{file}\x00"],
             "output_dir": ["{file}", "{file}/sub"],
-            "output_file": ["{dir}", "{file}/metrics.json"]}[kind]
+            "output_file": ["{dir}", "{file}/metrics.json"],
+            "figure_file": ["{dir}", "{file}/fig.png", "{new}.xyz", "{new}"]}[kind]
 
 
 GOOD = {"existing_dir": "{dir}", "checkpoint_ref": "{dir}", "device": "cpu",
-        "existing_file": "{file}", "output_dir": "{new}", "output_file": "{new}.json",
+        "existing_file": "{file}", "output_dir": "{new}", "output_file": "{new}.json", "figure_file": "{new}.svg",
         "int": None, "float": "1", "host": "127.0.0.1", "allowed_host": "photos.lan", None: "x"}
 
 

@@ -27,7 +27,7 @@ BENCH = re.compile(r"bench/flickr8k\.py(?=\s|$)")
 # scripts/device_session.py's verbs that run rows; docs/gpu.md's queue writes them without the script's name
 DEVICE = re.compile(r"(?:device_session\.py |^)((?:kickoff|start) --)")
 # Validators of paths (they would stat the docs' placeholders, PHOTOS or RUN/best); every other type stays.
-PATH_KINDS = {"existing_dir", "existing_file", "checkpoint_ref", "output_dir", "output_file"}
+PATH_KINDS = {"existing_dir", "existing_file", "checkpoint_ref", "output_dir", "output_file", "figure_file"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from itmatch.errors import ConfigError
+from itmatch.io import figure_format
+
 Validator = Callable[[str], Any]
 DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$", re.IGNORECASE)
 #: the form of a shipped model's name (itmatch.pretrained.NAME)
@@ -195,4 +198,16 @@ def output_file(text: str) -> str:
                                          ) from None
     os.close(handle)
     os.unlink(probe)
+    return text
+
+
+@_named("figure_file")
+def figure_file(text: str) -> str:
+    """An output file for a figure (output_file) whose suffix names a format it can be written in (.png, .svg,
+    .pdf, ...: itmatch.io.FIGURE_FORMATS): r.svg held PNG bytes before, whatever its name said."""
+    output_file(text)
+    try:
+        figure_format(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{text}: {exc.message}; {exc.hint}") from None
     return text

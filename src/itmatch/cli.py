@@ -19,6 +19,7 @@ from itmatch.argtypes import (
     device_name,
     existing_dir,
     existing_file,
+    figure_file,
     host,
     int_in,
     non_negative_int,
@@ -28,7 +29,7 @@ from itmatch.argtypes import (
     positive_float,
     positive_int,
 )
-from itmatch.errors import ItmatchError
+from itmatch.errors import ConfigError, ItmatchError
 from itmatch.retrieval.limits import MAX_K
 
 split_size = int_in(0, 99999)  # synth: image file names have five digits
@@ -239,12 +240,43 @@ def _cmd_tags(args: argparse.Namespace) -> int:
     return 0
 
 
+#: how `analyze recall` takes labels beside its files (its --labels help and its error without files)
+LABELS_ORDER = ("put the files first (itmatch analyze recall A.json B.json --labels a b --out recall.png), or end "
+                "the labels with -- and the files last (... --labels a b -- A.json B.json: no option is read after --)")
+
+
+def _recall_inputs(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """`analyze recall`'s files and labels. --labels takes every word after it, so `--labels a b A.json B.json`
+    leaves no file behind it (argparse then said only "the following arguments are required: evaluations"): as
+    each file has one label, the first half of its words are the labels and the rest the files. Anything else
+    without a file is refused, saying where the files go."""
+    files, labels = args.evaluations, args.labels
+    if files:
+        return files, labels
+    if not labels:
+        raise ConfigError("no evaluation files given", hint="pass the files `itmatch evaluate --json` wrote: "
+                                                            "itmatch analyze recall A.json B.json --out recall.png")
+    half, rest = divmod(len(labels), 2)
+    if rest:
+        raise ConfigError(f"no evaluation files given: --labels took every word after it as a label "
+                          f"({' '.join(labels)}), and {len(labels)} words cannot be one label per file",
+                          hint=LABELS_ORDER)
+    try:
+        files = [existing_file(word) for word in labels[half:]]
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(f"no evaluation files given: the words after --labels were read as labels, then as many "
+                          f"files ({' '.join(labels[:half])} | {' '.join(labels[half:])}), but {exc}",
+                          hint=LABELS_ORDER) from None
+    return files, labels[:half]
+
+
 def _cmd_recall(args: argparse.Namespace) -> int:
     from itmatch.analysis.recall import curve_table, plot_recall_curves, read_evaluations
     from itmatch.errors import refuse_overwrite
 
+    files, labels = _recall_inputs(args)
     refuse_overwrite(args.out, args.force)
-    evaluations = read_evaluations(args.evaluations, args.labels)
+    evaluations = read_evaluations(files, labels)
     plot_recall_curves(evaluations, args.out, args.title or "")
     print(curve_table(evaluations))
     print(f"wrote {args.out}")
@@ -647,11 +679,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_arguments(a, "train.device, auto")
     a.set_defaults(func=_cmd_analyze, resume=False)
     a = analyses.add_parser("recall", help="recall curves (R@1 ... R@100, both directions) of evaluations side by "
-                            "side, from `itmatch evaluate --json` files")
-    a.add_argument("evaluations", nargs="+", type=existing_file,
-                   help="evaluation files written by `itmatch evaluate --json` (one split and protocol)")
-    a.add_argument("--out", type=output_file, required=True, help="the figure (PNG)")
-    a.add_argument("--labels", nargs="+", help="one name per file (default: the file names)")
+                            "side, from `itmatch evaluate --json` files",
+                            usage="%(prog)s evaluations [evaluations ...] --out FIGURE [--labels LABEL [LABEL ...]] "
+                                  "[--title TITLE] [--force]")
+    # (files: "*", not "+", so that files --labels took are found by _recall_inputs, not an argparse error)
+    a.add_argument("evaluations", nargs="*", type=existing_file,
+                   help="evaluation files written by `itmatch evaluate --json` (one split and protocol; at least one)")
+    a.add_argument("--out", type=figure_file, required=True, metavar="FIGURE",
+                   help="the figure, in the format its suffix names (.png, .svg, .pdf, .jpg, ...)")
+    a.add_argument("--labels", nargs="+", metavar="LABEL",
+                   help="one name per file, in the files' order (default: the file names); " + LABELS_ORDER)
     a.add_argument("--title", help="the figure's title (default: the split, protocol and number of images)")
     a.add_argument("--force", action="store_true", help="replace an existing figure")
     a.set_defaults(func=_cmd_recall)
@@ -660,7 +697,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("model", type=checkpoint_ref, help="checkpoint directory (RUN/best) or a shipped model's name")
     a.add_argument("photo", type=existing_file, help="the photo (JPEG, PNG, ...)")
     a.add_argument("caption", help="the caption whose words' attention is drawn")
-    a.add_argument("--out", type=output_file, required=True, help="the figure (PNG)")
+    a.add_argument("--out", type=figure_file, required=True, metavar="FIGURE",
+                   help="the figure, in the format its suffix names (.png, .svg, .pdf, .jpg, ...)")
     a.add_argument("--title", help="the figure's title (default: the score and what the maps are normalised over)")
     a.add_argument("--force", action="store_true", help="replace an existing figure")
     _add_device_arguments(a, "auto")

@@ -13,6 +13,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from itmatch.errors import ConfigError
+
+#: what a figure's file name may end in -> the format matplotlib's savefig writes for it: the picture formats its
+#: Agg backend writes everywhere (not pgf, which needs LaTeX, nor raw RGBA bytes, which no viewer opens)
+FIGURE_FORMATS = {".png": "png", ".svg": "svg", ".svgz": "svgz", ".pdf": "pdf", ".eps": "eps", ".ps": "ps",
+                  ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp", ".tif": "tiff", ".tiff": "tiff"}
+
 
 def _writer() -> str:
     """The host and process writing a temporary file, in its name: a later writer of the same file can then
@@ -81,6 +88,24 @@ def write_with(path: str | Path, writer: Callable[[Path], None]) -> None:
     """Atomically write `path` with a function that writes to a given temporary path."""
     with atomic_path(path) as tmp:
         writer(tmp)
+
+
+def figure_format(path: str | Path) -> str:
+    """The format a figure written to `path` takes, named by its suffix (r.svg: SVG); a ConfigError for a suffix
+    of no picture format (or none), before a figure is drawn: a file's bytes must be what its name says."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in FIGURE_FORMATS:
+        said = f"ends in {suffix!r}" if suffix else "has no suffix"
+        raise ConfigError(f"the figure's file name {said}, which names no picture format it can be written in",
+                          path=path, hint=f"end it in one of {', '.join(FIGURE_FORMATS)} (e.g. fig.png, fig.svg)")
+    return FIGURE_FORMATS[suffix]
+
+
+def write_figure(path: str | Path, figure: Any, **savefig: Any) -> None:
+    """Atomically write a matplotlib figure to `path` in the format its suffix names (figure_format), with
+    savefig's other arguments (dpi=...)."""
+    fmt = figure_format(path)
+    write_with(path, lambda tmp: figure.savefig(tmp, format=fmt, **savefig))
 
 
 def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:

@@ -39,3 +39,30 @@ def test_attention_figure_shows_the_maps_the_search_page_explains(tiny_search_se
 
     assert main(["analyze", "attention", checkpoint, str(photo), "a circle", "--out", str(figure)]) != 0
     assert "--force" in capsys.readouterr().err
+
+
+def test_the_figure_is_written_in_the_format_its_name_says(tmp_path, capsys):
+    """fig.svg held PNG bytes, whatever its name said: now the suffix names the format, or is refused before any
+    work (by the CLI before the model is loaded)."""
+    from itmatch.analysis.attention import plot_word_attention
+    from itmatch.errors import ConfigError
+    from itmatch.retrieval.matcher import WordAttention
+
+    maps = np.random.default_rng(0).random((3, 7, 7)).astype(np.float32)
+    attention = WordAttention(tokens=["<start>", "dog", "<end>"], known=[True, True, True], maps=maps,
+                              normalised_over="regions", score=0.5)
+    photo = Image.new("RGB", (64, 48), (10, 20, 30))
+    for name, start in (("fig.svg", b"<?xml"), ("fig.pdf", b"%PDF"), ("fig.JPEG", b"\xff\xd8\xff"),
+                        ("fig.webp", b"RIFF"), ("fig.png", b"\x89PNG")):
+        plot_word_attention(photo, attention, tmp_path / name)
+        assert (tmp_path / name).read_bytes().startswith(start), name
+    with pytest.raises(ConfigError, match="ends in '.bmp', which names no picture format") as err:
+        plot_word_attention(photo, attention, tmp_path / "fig.bmp")
+    assert ".svg" in err.value.hint and not (tmp_path / "fig.bmp").exists()
+    photo.save(tmp_path / "photo.png")
+    (tmp_path / "empty").mkdir()  # (no checkpoint in it: loading one would fail otherwise)
+    with pytest.raises(SystemExit) as stop:
+        main(["analyze", "attention", str(tmp_path / "empty"), str(tmp_path / "photo.png"), "a dog", "--out",
+              str(tmp_path / "fig.bmp")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "argument --out" in err and "names no picture format" in err

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-from itmatch.analysis.curves import CURVES, figure_path, render_curve_views
+from itmatch.analysis.curves import CURVES, NAME_LIMIT, figure_path, render_curve_views, run_style, stale_figures
 from itmatch.engine.results import HISTORY_HEADER, view_pages, write_rows
 from itmatch.errors import DataError
 
@@ -72,3 +73,60 @@ def test_committed_curves_views_are_filled_and_their_figures_exist():
             assert f"({png.relative_to(page.parent).as_posix()})" in match.group(0), (
                 f"the curves view in {page} is stale: run python scripts/render_results.py")
     assert found
+
+
+# runs of a view of many: each name as long as the bench's (flickr8k_gpu's mmca_alpha0_lite2_seed1)
+MANY = [f"{family}_alpha0_lite2_seed{seed}" for family in ("vsepp", "scan_t2i_avg", "oan", "mmca", "save_dsa",
+                                                           "sman", "meanpool") for seed in (0, 1)]
+
+
+def test_a_view_of_many_runs_gets_a_short_stable_name_and_a_short_one_keeps_its_own(tmp_path):
+    """A view of 14 runs was named by all of them: with the atomic writer's `.{name}.{host}-{pid}.{random}.partial`
+    the name passed 255 bytes (OSError: File name too long) and render_results stopped halfway."""
+    history = tmp_path / "hist.csv"
+    png = figure_path(history, MANY)
+    assert len(png.name.encode()) <= NAME_LIMIT and png.parent == tmp_path
+    assert png.name.startswith("hist__vsepp_alpha0_lite2_seed0__") and "__14_runs_" in png.name
+    assert figure_path(history, list(MANY)) == png  # stable: the same runs, the same name
+    assert figure_path(history, MANY[:-1]) != png and figure_path(history, MANY[::-1]) != png
+    assert figure_path(history, ["a", "b"]).name == "hist__a__b.png"  # (committed figures keep their names)
+    from itmatch.io import write_with
+
+    write_with(png, lambda tmp: tmp.write_bytes(b"x"))  # (through the atomic writer's temporary name)
+    assert png.read_bytes() == b"x"
+
+
+def test_runs_past_ten_keep_distinct_styles():
+    """Past 10 runs the colour cycle came back: the 11th run was drawn as the 1st."""
+    styles = [(s["color"], str(s["linestyle"])) for s in map(run_style, range(40))]
+    assert len(set(styles)) == 40
+    assert run_style(0) == {"color": "C0", "linestyle": "-"} and run_style(10)["color"] == "C0"
+
+
+def test_render_results_draws_a_view_of_many_runs_and_removes_figures_no_view_draws(tmp_path, capsys):
+    """scripts/render_results.py on a docs tree: a view of 14 runs is drawn (it failed with "File name too long"
+    after rewriting some pages), and a figure of the view's former runs is removed, saying so; files not named
+    as curve figures stay."""
+    page, results = _page(tmp_path, f"<!-- curves: hist {' '.join(MANY)} -->")
+    (tmp_path / "README.md").write_text("# readme\n", encoding="utf-8")
+    training = results / "training"
+    _history(training / "hist.csv", {run: [100.0 + i, 120.0 + i, 130.0 + i] for i, run in enumerate(MANY)})
+    _history(training / "other.csv", {"x": [1.0, 2.0]})
+    stale = [training / "hist__vsepp_alpha0_lite2_seed0__oan.png", training / "other__x.png"]
+    kept = [training / "notes.png", training / "hist.png", training / "histo__x.png", training / "hist__x.svg"]
+    for path in stale + kept:
+        path.write_bytes(b"old")
+    assert stale_figures(results, []) == sorted(stale)
+    load_script("scripts/render_results.py").render(tmp_path / "docs")
+    printed = capsys.readouterr().out
+    png = figure_path(training / "hist.csv", MANY)
+    assert png.read_bytes().startswith(b"\x89PNG") and f"drew {png}" in printed
+    assert f"(results/training/{png.name})" in page.read_text(encoding="utf-8")
+    for path in stale:
+        assert not path.exists() and f"removed {path} (no curves view draws it any more)" in printed
+    assert all(path.read_bytes() == b"old" for path in kept)
+    assert sorted(p.name for p in training.glob("*.png")) == sorted([png.name, "notes.png", "hist.png",
+                                                                     "histo__x.png"])
+    load_script("scripts/render_results.py").render(tmp_path / "docs")  # again: nothing drawn or removed
+    again = capsys.readouterr().out
+    assert "drew " not in again and "removed " not in again

@@ -81,3 +81,45 @@ def test_a_two_stage_evaluation_says_where_its_curve_is_the_first_stages():
 
     assert _legend("mmca_rerank20", {"rsum": 250.04, "rerank": 20}) == "mmca_rerank20 (rsum 250.0, top 20 re-ranked)"
     assert _legend("vsepp", {"rsum": 245.9}) == "vsepp (rsum 245.9)"
+
+
+def test_labels_before_the_files_are_one_per_file(evaluations, tmp_path, capsys):
+    """`--labels a b A.json B.json` took the files as labels, then failed with argparse's "the following
+    arguments are required: evaluations": one label per file makes the first half labels, the rest files."""
+    files = [str(evaluations["short"]), str(evaluations["longer"])]
+    out = tmp_path / "recall.png"
+    for argv in (["--labels", "1 epoch", "3 epochs", *files, "--out", str(out)],
+                 ["--out", str(out), "--labels", "1 epoch", "3 epochs", "--", *files]):
+        assert main(["analyze", "recall", "--force", *argv]) == 0
+        printed = capsys.readouterr().out
+        assert "| 1 epoch | image → text |" in printed and "| 3 epochs | text → image |" in printed
+    # words that cannot be one label per file, or labels without files, say where the files go
+    for argv, said in ((["--labels", "a", *files], "--labels took every word after it as a label"),
+                       (["--labels", "a", "b"], "read as labels, then as many files (a | b), but b does not")):
+        assert main(["analyze", "recall", *argv, "--out", str(tmp_path / "other.png")]) == 2
+        err = capsys.readouterr().err
+        assert "no evaluation files given" in err and said in err and "--labels a b -- A.json B.json" in err
+    assert main(["analyze", "recall", "--out", str(tmp_path / "other.png")]) == 2
+    assert "no evaluation files given" in capsys.readouterr().err
+    assert not (tmp_path / "other.png").exists()
+
+
+def test_the_out_suffix_names_the_figures_format(evaluations, tmp_path, capsys):
+    """r.svg held PNG bytes: the figure is written in the format its name says, or refused before any work."""
+    from itmatch.analysis.recall import plot_recall_curves, read_evaluations
+    from itmatch.errors import ConfigError
+
+    files = [str(evaluations["short"]), str(evaluations["longer"])]
+    for name, start in (("r.svg", b"<?xml"), ("r.PDF", b"%PDF"), ("r.jpg", b"\xff\xd8\xff"), ("r.png", b"\x89PNG")):
+        assert main(["analyze", "recall", *files, "--out", str(tmp_path / name)]) == 0
+        assert (tmp_path / name).read_bytes().startswith(start), name
+    capsys.readouterr()
+    for name in ("r.xyz", "r"):
+        with pytest.raises(SystemExit) as stop:
+            main(["analyze", "recall", *files, "--out", str(tmp_path / name)])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and "argument --out" in err and "names no picture format" in err and ".svg" in err
+        assert not (tmp_path / name).exists()
+    with pytest.raises(ConfigError, match="ends in '.bmp'"):
+        plot_recall_curves(read_evaluations(files), tmp_path / "r.bmp")
+    assert not (tmp_path / "r.bmp").exists()

@@ -4,6 +4,7 @@ refused before any work, and load(backbone=) against the backbone the model was 
 
 from __future__ import annotations
 
+import copy
 import io
 
 import numpy as np
@@ -155,7 +156,8 @@ def test_a_real_photo_path_alone(shipped):
 
 @pytest.fixture(scope="module")
 def scan(tmp_path_factory) -> ImageTextMatcher:
-    """An untrained SCAN t-i model of 2 x 2 grids of 32-d features (attention needs no training)."""
+    """An untrained SCAN t-i model of 4 regions of 32-d features of no known extractor (data.backbone empty, as a
+    converted checkpoint's; attention needs no training)."""
     root = tmp_path_factory.mktemp("scan")
     data = make_precomp(root / "precomp", sizes=(("train", 40), ("dev", 8)), k=4)
     cfg = resolve_config("scan_t2i_avg", {"data": {"path": str(data)}, "model": {"embed_size": 16, "word_dim": 16}})
@@ -165,11 +167,23 @@ def scan(tmp_path_factory) -> ImageTextMatcher:
     return ImageTextMatcher(load_checkpoint(root / "ckpt"))
 
 
-def test_word_attention_refuses_several_images(scan):
+@pytest.fixture(scope="module")
+def scan_lite0(scan, tmp_path_factory) -> ImageTextMatcher:
+    """The same untrained SCAN t-i model, of Lite0's 7 x 7 grid cells (1280-d): its data.backbone says so."""
+    root = tmp_path_factory.mktemp("scan_lite0")
+    cfg = copy.deepcopy(scan.checkpoint.config)
+    cfg.data.backbone, cfg.model.img_dim = "lite0", 1280
+    torch.manual_seed(0)
+    save_checkpoint(root / "ckpt", build_model(cfg.model), cfg, scan.vocab)
+    return ImageTextMatcher(load_checkpoint(root / "ckpt"))
+
+
+def test_word_attention_refuses_several_images(scan_lite0):
     """An embedding of several images was read as its first image, silently."""
-    feats = np.random.default_rng(2).standard_normal((3, 4, 32)).astype(np.float32)
+    scan = scan_lite0
+    feats = np.random.default_rng(2).standard_normal((3, 49, 1280)).astype(np.float32)
     one = scan.word_attention(scan.encode_images(feats[:1]), "a red circle")
-    assert one.tokens == ["<start>", "a", "red", "circle", "<end>"] and one.maps.shape == (5, 2, 2)
+    assert one.tokens == ["<start>", "a", "red", "circle", "<end>"] and one.maps.shape == (5, 7, 7)
     assert scan.word_attention(feats[0], "a red circle").score == pytest.approx(one.score, abs=1e-6)
     with pytest.raises(DataError, match="word_attention takes one image, got an embedding of 3 images") as err:
         scan.word_attention(scan.encode_images(feats), "a red circle")
@@ -178,6 +192,27 @@ def test_word_attention_refuses_several_images(scan):
         scan.word_attention(feats, "a red circle")
     with pytest.raises(DataError, match="takes one caption"):
         scan.word_attention(feats[0], ["a red circle"])
+
+
+def test_word_attention_draws_no_map_over_regions_that_are_not_grid_cells(scan, scan_lite0):
+    """A checkpoint of features of an unknown extractor (data.backbone "", e.g. `itmatch convert` of an original
+    SCAN checkpoint) given 36 bottom-up boxes drew them as a 6 x 6 grid: any square count passed."""
+    rng = np.random.default_rng(3)
+    for k in (36, 4):
+        with pytest.raises(DataError, match=f"the image's {k} regions are not grid cells") as err:
+            scan.word_attention(rng.standard_normal((k, 32)).astype(np.float32), "a red circle")
+        assert "no spatial map" in str(err.value) and "pass the photo itself" in err.value.hint
+    # a backbone named at load says whose cells the features are (an index of photos read through it)
+    named = ImageTextMatcher(scan.checkpoint, backbone="lite0")
+    assert named.word_attention(rng.standard_normal((49, 32)).astype(np.float32), "a red circle").maps.shape == (
+        5, 7, 7)
+    with pytest.raises(DataError, match="36 regions, not the 7 x 7 grid cells of the lite0 backbone"):
+        named.word_attention(rng.standard_normal((36, 32)).astype(np.float32), "a red circle")
+    # an embedding of another count than the grid the model was trained on (the features check cannot see it)
+    with torch.inference_mode():
+        emb = scan_lite0.model.encode_images(torch.rand(1, 36, 1280))
+    with pytest.raises(DataError, match="36 regions, not the 7 x 7 grid cells of the lite0 backbone"):
+        scan_lite0.word_attention(emb, "a red circle")
 
 
 # -- 5. precomputed features against the model ------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from itmatch.io import write_with
+from itmatch.io import figure_format, write_figure
 from itmatch.retrieval.matcher import WordAttention
 
 COLUMNS = 6  # panels a row: the photo, then one per time step
@@ -39,7 +39,9 @@ def attention_table(attention: WordAttention) -> str:
 
 def plot_word_attention(photo: Image.Image, attention: WordAttention, path: str | Path, title: str = "") -> None:
     """The photo, then one panel per time step: its weights (bilinear between cell centres) over the photo, each
-    scaled to its own maximum (display only; attention_table prints the weights)."""
+    scaled to its own maximum (display only; attention_table prints the weights). Written in the format the
+    path's suffix names (.png, .svg, .pdf, ...: itmatch.io.FIGURE_FORMATS; another is refused before drawing)."""
+    figure_format(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,5 +70,5 @@ def plot_word_attention(photo: Image.Image, attention: WordAttention, path: str 
                           f"{attention.maps.shape[1]} x {attention.maps.shape[2]} cells "
                           f"(normalised over {attention.normalised_over})", fontsize=10)
     fig.tight_layout()
-    write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    write_figure(path, fig, dpi=110)
     plt.close(fig)

@@ -3,24 +3,62 @@
 A page names the runs in a view, `<!-- curves: flickr8k_gpu vsepp vsepp_warmup -->` ... `<!-- curves: end -->`;
 `scripts/render_results.py` draws them from docs/results/training/<csv>.csv (the bench's copy of each run's
 metrics.jsonl) into one figure beside that CSV and puts the figure's link between the two comments. A curve shows
-what a table of epochs hides: a stall, a late climb, one run overtaking another.
+what a table of epochs hides: a stall, a late climb, one run overtaking another. A figure that no view draws any
+more (its runs changed) is removed by the same script (`stale_figures`).
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import io
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from itmatch.engine.results import HISTORY_HEADER, read_rows, view_csv, view_pattern
 
 CURVES = view_pattern("curves")  # (its `rows` are the runs drawn)
+#: the longest figure name (bytes) kept whole: the atomic writer's temporary file beside it adds
+#: `.{name}.{host}-{pid}.{random}.partial`, up to about 90 bytes more, and a file system's names stop at 255
+NAME_LIMIT = 150
+#: line styles, one per cycle of the 10 colours: past 10 runs a colour comes back, in another style
+LINE_STYLES = ("-", "--", "-.", (0, (5, 1, 1, 1, 1, 1)))
 
 
 def figure_path(history: Path, runs: list[str]) -> Path:
-    """Where the figure of `runs` from training history `history` is written: beside it, named by both."""
-    return history.with_name(f"{history.stem}__{'__'.join(runs)}.png")
+    """Where the figure of `runs` from training history `history` is written: beside it, named by both,
+    `<history>__<run>__<run>.png`. A name over NAME_LIMIT bytes (a view of many runs, which failed to write:
+    "File name too long") keeps the runs that fit and ends in the number of runs and a hash of their list, so
+    that the same runs keep one name and other runs get another."""
+    name = f"{history.stem}__{'__'.join(runs)}.png"
+    if len(name.encode()) <= NAME_LIMIT:
+        return history.with_name(name)
+    digest = hashlib.sha256(" ".join(runs).encode()).hexdigest()[:10]
+    tail = f"__{len(runs)}_runs_{digest}.png"
+    kept = history.stem
+    for run in runs:
+        if len(f"{kept}__{run}{tail}".encode()) > NAME_LIMIT:
+            break
+        kept += f"__{run}"
+    return history.with_name(kept + tail)
+
+
+def stale_figures(results_dir: Path, drawn: Iterable[Path]) -> list[Path]:
+    """The figures in `results_dir`/training that no curves view draws any more (not among `drawn`): only files
+    named as figure_path names them, `<history>__*.png` beside a history there, so no other file is touched."""
+    folder = Path(results_dir) / "training"
+    keep = {Path(p).resolve() for p in drawn}
+    named = {p for history in folder.glob("*.csv") for p in folder.glob(f"{glob.escape(history.stem)}__*.png")}
+    return sorted(p for p in named if p.is_file() and p.resolve() not in keep)
+
+
+def run_style(i: int) -> dict[str, str | tuple]:
+    """The colour and line style of the i-th run of a view. A run keeps its style whether or not the runs before
+    it are trained yet; past 10 runs the colours come back in the next line style, so that no two of the first 40
+    runs look alike (the 11th was drawn as the 1st)."""
+    return {"color": f"C{i % 10}", "linestyle": LINE_STYLES[i // 10 % len(LINE_STYLES)]}
 
 
 def plot_dev_curves(rows: list[dict[str, str]], runs: list[str], title: str) -> bytes:
@@ -39,8 +77,7 @@ def plot_dev_curves(rows: list[dict[str, str]], runs: list[str], title: str) -> 
         if not epochs:
             continue
         x, y = [int(r["epoch"]) for r in epochs], [float(r["dev_rsum"]) for r in epochs]
-        # (a run keeps its colour, the i-th of the cycle, whether or not the runs before it are trained yet)
-        (line,) = ax.plot(x, y, linewidth=1.4, label=run, color=f"C{i % 10}")
+        (line,) = ax.plot(x, y, linewidth=1.4, label=run, **run_style(i))
         warm = [(e, v) for e, v, r in zip(x, y, epochs, strict=True) if r["hardest"] != "true"]
         if warm:
             ax.scatter(*zip(*warm, strict=True), s=28, facecolors="white", edgecolors=line.get_color(), zorder=3)

@@ -15,7 +15,7 @@ from typing import Any
 
 from itmatch.engine.metrics import DIRECTIONS
 from itmatch.errors import ConfigError, DataError
-from itmatch.io import write_with
+from itmatch.io import figure_format, write_figure
 
 LABELS = {"image_to_text": "image → text", "text_to_image": "text → image"}
 SHOWN_K = (1, 5, 10, 20, 50, 100)  # the printed table's columns
@@ -90,7 +90,9 @@ def _legend(name: str, result: dict[str, Any]) -> str:
 
 def plot_recall_curves(evaluations: Mapping[str, dict[str, Any]], path: str | Path, title: str = "") -> None:
     """Two panels (image → text, text → image): R@K over K on a log axis, one line per evaluation, its rsum in
-    the legend; dotted lines at K = 1, 5, 10 (the table's three points)."""
+    the legend; dotted lines at K = 1, 5, 10 (the table's three points). Written in the format the path's suffix
+    names (.png, .svg, .pdf, ...: itmatch.io.FIGURE_FORMATS; another is refused before drawing)."""
+    figure_format(path)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,5 +116,5 @@ def plot_recall_curves(evaluations: Mapping[str, dict[str, Any]], path: str | Pa
     fig.suptitle(title or f"recall curves: {first.get('split')} split, {first.get('protocol')} protocol, "
                           f"{first.get('n_images')} images")
     fig.tight_layout()
-    write_with(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    write_figure(path, fig, dpi=110)
     plt.close(fig)

@@ -7,7 +7,6 @@ above it (docs/architecture.md)."""
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -111,6 +110,9 @@ class ImageTextMatcher:
                     path=checkpoint.path, hint=f"leave backbone unset (the model reads photos through "
                                                f"{self.trained_backbone}), or train a model on {backbone} features")
         self.backbone_name = backbone or self.trained_backbone or "lite0"  # (an unknown extractor: try Lite0's size)
+        #: whether features given precomputed are known to be `backbone_name`'s grid cells: the CNN the model was
+        #: trained on, or one named at load (an index of photos read through it); not the guess of Lite0
+        self._grid_known = bool(backbone or self.trained_backbone)
         self._backbone = None
 
     @property
@@ -363,7 +365,8 @@ class ImageTextMatcher:
         """The model's attention from the words of `text` (one caption) to the grid cells of one image: a photo
         (path, bytes, PIL image), its precomputed features, or its embedding from encode_images (an embedding
         of several images is a DataError: take one, `emb.take(slice(i, i + 1))`). ConfigError for a model whose
-        score has no such attention (VSE++, MMCA, SMAN)."""
+        score has no such attention (VSE++, MMCA, SMAN); DataError for regions that are not a CNN's grid cells
+        (features of an unknown extractor, e.g. bottom-up boxes: `_attention_grid`), which no map can place."""
         head = self.model.head
         if not head.has_word_attention:
             raise ConfigError(f"the {self.checkpoint.config.model.arch} model has no per-word attention over "
@@ -376,14 +379,37 @@ class ImageTextMatcher:
         with self.placement.arithmetic():
             alpha, normalised_over = head.word_attention(img, txt)
             score = float(self.model.score(img, txt)[0, 0])
-        length, regions = int(txt.lengths[0]), alpha.shape[0]
-        grid = math.isqrt(regions)
-        if grid * grid != regions:
-            raise DataError(f"the image has {regions} regions, not a square grid of cells to draw attention on")
+        length = int(txt.lengths[0])
+        grid = self._attention_grid(image, alpha.shape[0])
         coverage = self.vocab.coverage(text)
         return WordAttention(tokens=["<start>", *coverage.words, "<end>"], known=[True, *coverage.known, True],
                              maps=alpha[:, :length].float().cpu().T.reshape(length, grid, grid).numpy(),
                              normalised_over=normalised_over, score=score)
+
+    def _attention_grid(self, image: object, regions: int) -> int:
+        """The side of the grid whose cells the image's `regions` are, for word_attention's maps: a photo's are
+        the cells of the CNN that read it; features or an embedding given precomputed are the cells of the CNN the
+        model was trained on (or the one named at load). A DataError where they are not known to be grid cells:
+        a model of features of an unknown extractor (an empty data.backbone, e.g. a converted SCAN checkpoint's
+        36 bottom-up boxes, which a square count would have drawn as a fake 6 x 6 grid), or a count that is not
+        the CNN's grid: a map over them has no place on the photo."""
+        photo = isinstance(image, _ONE_IMAGE)
+        if not (photo or self._grid_known):
+            raise DataError(f"the image's {regions} regions are not grid cells: the model was trained on features "
+                            "of an unknown extractor (its data.backbone is empty, e.g. bottom-up boxes of a "
+                            "converted checkpoint), so no spatial map of the words' attention can be drawn",
+                            path=self.checkpoint.path,
+                            hint=f"pass the photo itself: its map is drawn over the grid cells of the CNN that "
+                                 f"reads it ({self.backbone_name} unless itmatch.load(CKPT, backbone=...) names "
+                                 "another); or use a model trained on grid features (`itmatch extract`)")
+        grid = backbone_spec(self.backbone_name).grid
+        if regions != grid * grid:
+            raise DataError(f"the image has {regions} regions, not the {grid} x {grid} grid cells of the "
+                            f"{self.backbone_name} backbone, so no spatial map of the words' attention can be "
+                            "drawn", path=self.checkpoint.path,
+                            hint=f"pass the photo itself, or its {self.backbone_name} features (what "
+                                 "image_features() returns)")
+        return grid
 
     def _check_query(self, query: str) -> None:
         coverage = self.vocab.coverage(query)
