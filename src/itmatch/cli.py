@@ -84,6 +84,9 @@ def _cmd_synth(args: argparse.Namespace) -> int:
     return 0
 
 
+SKIPPED_SHOWN = 20  # skipped caption rows printed by `itmatch extract` (meta.json lists every one)
+
+
 def _cmd_extract(args: argparse.Namespace) -> int:
     from itmatch.data.captions import SkippedRowsWarning, read_captions
     from itmatch.features.extract import extract_precomp
@@ -93,8 +96,6 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():  # (its one-line summary warning: each skipped row is printed below)
         warnings.simplefilter("ignore", SkippedRowsWarning)
         table = read_captions(args.captions, images_dir=images, fmt=args.format, default_split=args.default_split)
-    for problem in table.skipped:
-        print(f"skipped: {problem}", file=sys.stderr)
     meta = extract_precomp(images, table, Path(args.out), backbone=args.backbone, splits=args.splits,
                            extra_captions=args.extra_captions, rehash=args.rehash,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
@@ -103,6 +104,13 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from itmatch.distributed import is_main
 
     if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)
+        # the skipped rows after the extraction, not before: a refused one (photos of a split missing, e.g. the wrong
+        # folder) said its one error under 40,000 "skipped" lines of rows it then did not skip
+        for problem in table.skipped[:SKIPPED_SHOWN]:
+            print(f"skipped: {problem}", file=sys.stderr)
+        if len(table.skipped) > SKIPPED_SHOWN:
+            print(f"skipped: ... and {len(table.skipped) - SKIPPED_SHOWN} more caption rows (meta.json "
+                  "skipped_captions lists them all)", file=sys.stderr)
         print(json.dumps(_without_file_records(meta), indent=2))
     return 0
 
@@ -383,6 +391,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from itmatch.retrieval.names import public_id
     from itmatch.retrieval.search import Searcher, check_query, read_captions_file
 
+    args.query = " ".join(args.query) if args.query else None  # (its words, given unquoted)
     if (args.query is None) == (args.image is None):
         raise ConfigError("give either a text QUERY or --image PHOTO", hint="itmatch search INDEX 'a dog' -k 10")
     if args.query is not None:
@@ -446,6 +455,8 @@ def _report_unrankable_captions(captions: list[str], source: str) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
+        import uvicorn  # noqa: F401  (imported by `serve` itself: missing, it failed after the model loaded)
+
         from itmatch.retrieval.service import serve
     except ImportError as exc:
         from itmatch.errors import ConfigError
@@ -546,10 +557,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("synth", help="render the embedded captioned-scene dataset (no download)")
     s.add_argument("out", type=output_dir, help="output directory (images/ and dataset_synth.json)")
     s.add_argument("--train", type=split_size, default=1500, help="training images (default 1500)")
-    s.add_argument("--dev", type=split_size, default=200)
-    s.add_argument("--test", type=split_size, default=200)
+    s.add_argument("--dev", type=split_size, default=200, help="dev (validation) images (default 200)")
+    s.add_argument("--test", type=split_size, default=200, help="test images (default 200)")
     s.add_argument("--size", type=int_in(32), default=224, help="image side in pixels (>= 32)")
-    s.add_argument("--seed", type=non_negative_int, default=0)
+    s.add_argument("--seed", type=non_negative_int, default=0,
+                   help="random seed of the scenes and captions (default 0; the same seed, the same dataset)")
     s.add_argument("--force", action="store_true", help="replace an existing output directory")
     s.set_defaults(func=_cmd_synth)
 
@@ -558,7 +570,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("captions", type=existing_file,
                    help="caption source: Flickr8k.token.txt, dataset_*.json, captions_*.json, CSV")
     s.add_argument("--out", type=output_dir, required=True, help="precomp output directory")
-    s.add_argument("--format", default="auto", choices=["auto", "flickr8k", "karpathy", "coco", "csv"])
+    s.add_argument("--format", default="auto", choices=["auto", "flickr8k", "karpathy", "coco", "csv"],
+                   help="caption file format (default auto: from the file's name and first line; docs/data.md)")
     s.add_argument("--default-split", default="", choices=["train", "dev", "test", "testall"],
                    help="split of the captions whose source names none (a CSV without a split column)")
     s.add_argument("--extra-captions", default="drop", choices=["drop", "keep"],
@@ -610,7 +623,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--split", default="test", help="split to evaluate (default test)")
     s.add_argument("--images", type=existing_dir,
                    help="images folder, for models that read pixels (default: the checkpoint's data.images)")
-    s.add_argument("--protocol", default="full", choices=["1k", "full", "coco1k", "coco5k"])
+    s.add_argument("--protocol", default="full", choices=["1k", "full", "coco1k", "coco5k"],
+                   help="full: every image of the split at once (default); 1k: the first 1000 images (Flickr8K/30K "
+                        "test; needs >= 1000); coco1k: the mean of 5 folds of 1000 (COCO 5K test); coco5k: all 5000")
     s.add_argument("--budget-gb", type=positive_float, default=4.0,
                    help="memory budget of scoring: score matrix + one block's temporaries (default 4); on a GPU "
                         "it bounds the host's score matrix and blocks are sized from the GPU's free memory")
@@ -722,7 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("demo", help="the main job: synth -> extract -> train SCAN -> evaluate")
     s.add_argument("--out", type=output_dir, default="runs/demo", help="working directory (default runs/demo)")
-    s.add_argument("--epochs", type=positive_int, default=6)
+    s.add_argument("--epochs", type=positive_int, default=6,
+                   help="training epochs (default 6); on a finished demo, more trains it on to that many")
     s.add_argument("--force", action="store_true", help="start over in an existing --out")
     _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_demo)
@@ -745,7 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("search", help="query an index: text -> photos, or --image PHOTO -> captions")
     s.add_argument("index", type=existing_dir, help="index directory written by `itmatch index`")
-    s.add_argument("query", nargs="?", help="text query, e.g. 'a dog jumping over a fence'")
+    # (words: an unquoted query, `itmatch search INDEX a dog on the beach`, is read as one; it was refused as
+    # "unrecognized arguments: dog on the beach")
+    s.add_argument("query", nargs="*", help="text query, e.g. 'a dog jumping over a fence' (quotes optional)")
     s.add_argument("-k", type=int_in(1, MAX_K), default=10, help=f"number of results (1 to {MAX_K}, default 10)")
     s.add_argument("--image", type=existing_file, help="photo to find captions for (image-to-text; needs --captions)")
     s.add_argument("--captions", type=existing_file,

@@ -164,6 +164,11 @@ def test_malicious_pickle_is_refused_without_running(tmp_path, capsys):
     torch.save({"state": {}, "param_groups": [], "x": Exploit(marker)}, tmp_path / OPTIMIZER)
     with pytest.raises(CheckpointError, match="refused"):
         safe_torch_load(tmp_path / OPTIMIZER)
+    # a file that is no pickle at all (a CSV given to `convert`) is said to be no checkpoint, not "pickled objects"
+    (tmp_path / "mine.csv").write_text("image,caption\na.jpg,a dog\n")
+    assert main(["convert", str(tmp_path / "mine.csv"), "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err
+    assert "not a torch checkpoint file" in err and "pickled" not in err
     # a pickled Namespace is allowed only by the converter
     torch.save({"opt": argparse.Namespace(a=1)}, tmp_path / "ns.pt")
     with pytest.raises(CheckpointError, match="argparse.Namespace"):

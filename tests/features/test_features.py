@@ -789,6 +789,7 @@ def test_cli_names_each_skipped_row_once_and_prints_counts_of_the_lists_meta_jso
     assert main(["extract", str(images), str(csv), "--out", str(tmp_path / "out"), "--quiet"]) == 2
     refused = capsys.readouterr().err
     assert "1 of 3 images of split 'train'" in refused and "--skip-bad-images" in refused
+    assert "skipped:" not in refused  # (rows it did not skip: a wrong folder printed 40,000 of them)
     assert not (tmp_path / "out").exists()
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")

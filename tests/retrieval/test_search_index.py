@@ -311,6 +311,14 @@ def test_cli_index_and_search(tiny_search_setup, tmp_path, capsys):
                                                                          "unknown_words": []}
     results = document["results"]
     assert [r["rank"] for r in results] == [1, 2, 3] and results[0]["score"] >= results[2]["score"]
+    # the query's words unquoted are that query (it was "unrecognized arguments: red circle")
+    assert main(["search", str(out), "a", "red", "circle", "-k", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == document
+    # the photo folder as --out: refused before anything is written (--force wrote the index among the photos)
+    assert main(["index", str(tiny_search_setup["photos"]), "--model", str(tiny_search_setup["checkpoint"]),
+                 "--out", str(tiny_search_setup["photos"]), "--force"]) == 2
+    assert "is the photo folder itself" in capsys.readouterr().err
+    assert not (tiny_search_setup["photos"] / "manifest.json").exists()
     # a word the model does not know is in the document itself (and noted on stderr), not only on stderr
     assert main(["search", str(out), "a red qwzx circle", "-k", "3", "--json"]) == 0
     printed = capsys.readouterr()

@@ -54,6 +54,10 @@ def safe_torch_load(path: str | Path, *, allow: tuple[type, ...] = ()) -> Any:
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if found is None and "Unsupported class" not in str(exc):  # not a pickle at all (a CSV: "invalid load key")
+            raise CheckpointError("not a torch checkpoint file (it does not read as one)", path=path,
+                                  hint="pass a checkpoint directory written by `itmatch train`, a shipped model's "
+                                       "name, or an original SCAN/VSE++ .pth.tar file") from None
         detail = f"it names {found.group(1)!r}" if found else "it holds objects other than tensors"
         raise CheckpointError(f"refused: the file carries pickled Python objects ({detail}); loading it could "
                               f"run arbitrary code, so it was not loaded", path=path,

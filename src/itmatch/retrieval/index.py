@@ -438,8 +438,12 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     images_dir = Path(images_dir).resolve()
     if not images_dir.is_dir():
         raise DataError("images folder not found", path=images_dir, hint="pass the folder that holds your photos")
-    dist.init_from_env("gloo")
     out_dir = Path(out_dir)
+    if out_dir.resolve() == images_dir:  # (--force wrote the index among the photos, whose scan then named its files)
+        raise ConfigError(f"--out {out_dir} is the photo folder itself", path=out_dir,
+                          hint=f"write the index to a folder of its own, e.g. --out {images_dir.name}-index (a "
+                               "subfolder of the photos works too: it is left out of the scan)")
+    dist.init_from_env("gloo")
     with index_lock(out_dir) if dist.is_main() else contextlib.nullcontext():
         return _build_index(images_dir, checkpoint, out_dir, force=force, rehash=rehash, batch_size=batch_size,
                             chunk=chunk, progress=progress, on_chunk=on_chunk, device=device, precision=precision,
