@@ -13,7 +13,9 @@ eval: exact evaluation of the SCAN t-i AVG head at Flickr30K test scale (random 
 captions' lengths), seconds in fp32, TF32 and bf16 autocast, the FLOPs actually executed (torch's counter) as a
 fraction of the same device's measured matmul peak (fp32, TF32, bf16 GEMMs timed in the same run), beside the
 public per-caption loop (bench/scan_reference.py, the same math as SCAN's evaluation.py) on the same device and
-embeddings in float32 and float64, with the largest difference from it. Those rows time the plain head
+embeddings, in each mode's precision (so every speed-up has a same-precision baseline; a ratio against the exact
+float32 loop is printed as cross-precision) and in float64, timed on whole 128-image shards with the same --repeats
+as the engine, with the largest difference from it. Those rows time the plain head
 (ITMATCH_FUSED off); the `eval fused` rows then time the fused Triton kernel (models/scan/fused.py) in the same
 modes on the same embeddings, with its largest difference from the float32 plain head (CUDA + triton only; the
 CPU smoke run says it skips them).
@@ -25,7 +27,10 @@ rsum of each (issue 23: bf16 must not lose more than 1 rsum).
 resident: one epoch of the real trainer (itmatch.engine.train, --max-batches caps it) per preset with the
 training features streamed from pinned host memory (train.resident=off) and resident on the device (on), after
 a short warm-up run: train seconds and images/s of each, and the largest weight difference between the two
-(0 on the CPU; on a GPU nondeterministic kernels may leave last-bit differences). --workers sets train.workers.
+(0 on the CPU; on a GPU nondeterministic kernels may leave last-bit differences). The trainer copies resident
+features once before its epoch timer starts: that one-off upload is timed apart (the same copy,
+engine.resident.resident_images) and reported beside the epoch, with the resident epoch plus it.
+--workers sets train.workers.
 syncs: every call that makes the host wait for the GPU during a few steps of the real trainer and its validation,
 counted per line of itmatch's source (CUDA only: torch.cuda.set_sync_debug_mode).
 Writes a JSON report (--out) and prints one line per measurement; nothing here is a test."""
@@ -124,8 +129,6 @@ def eval_inputs(args, device: torch.device):
 
 
 def section_eval(args, placement: Placement) -> dict:
-    from scan_reference import _xattn
-
     device = placement.device
     model, cfg, img, buckets = eval_inputs(args, device)
     n, m = len(img), sum(len(c) for c, _ in buckets)
@@ -151,28 +154,70 @@ def section_eval(args, placement: Placement) -> dict:
         print(f"eval {mode:<5} {seconds:8.3f} s  {row['tflops']:.3g} TFLOP/s = {100 * row['fraction_of_peak']:.0f}% "
               f"of the {peak:.3g} measured  (max diff vs fp32 {row['max_abs_diff_vs_fp32']:.1e})", flush=True)
     fused_rows = section_fused(model, img, buckets, reference, rows, device, args.repeats)
-    # the public per-caption loop on the same device and embeddings (SCAN's shard_xattn_t2i, shards of 128)
-    txt = unbucket_texts(buckets)
-    public = []
-    for dtype in (torch.float32, torch.float64):
-        images, words = img.regions.to(dtype), txt.words.to(dtype)
-        lengths = txt.lengths.tolist()
-        n_ref = min(n, args.reference_images)
-
-        def loop(images=images, words=words, lengths=lengths, n_ref=n_ref):
-            with torch.inference_mode():
-                return torch.cat([torch.cat([_xattn(images[i0:i0 + 128][:n_ref - i0], words[j0:j0 + 128],
-                                                    lengths[j0:j0 + 128], "t2i", "avg", 9.0, 6.0)
-                                             for j0 in range(0, m, 128)], 1) for i0 in range(0, n_ref, 128)])
-
-        seconds = timed(loop, device, 1) * n / n_ref  # extrapolated from n_ref images when fewer are timed
-        diff = float((loop().float().cpu() - reference[:n_ref]).abs().max())
-        public.append({"dtype": str(dtype).removeprefix("torch."), "timed_images": n_ref,
-                       "seconds_all_images": round(seconds, 3), "max_abs_diff_vs_engine": diff})
-        print(f"public loop {str(dtype):<14} {seconds:8.2f} s for {n} images (timed on {n_ref}), max diff vs the "
-              f"engine {diff:.1e}", flush=True)
+    public = public_loop(args, img, buckets, reference, device, [row["mode"] for row in rows])
+    by_mode = {r["mode"]: r for r in public}
+    for row in rows:  # the engine's mode against the loop in the same precision, and against the float32 loop
+        same = by_mode.get(row["mode"])
+        row["speedup_vs_loop_same_precision"] = same["seconds_all_images"] / row["seconds"] if same else None
+        row["speedup_vs_loop_fp32"] = by_mode["fp32"]["seconds_all_images"] / row["seconds"]
+        row["speedup_vs_loop_fp32_is_cross_precision"] = row["mode"] != "fp32"
+        print(f"eval {row['mode']:<5} {row['speedup_vs_loop_same_precision']:.1f}x the loop in {row['mode']} (same "
+              f"precision); {row['speedup_vs_loop_fp32']:.1f}x the exact float32 loop"
+              + (" (CROSS-PRECISION: engine in " + row["mode"] + ", loop in exact fp32)" if row["mode"] != "fp32"
+                 else ""), flush=True)
+    for row in fused_rows.get("modes", []):
+        row["speedup_vs_loop_same_precision"] = by_mode[row["mode"]]["seconds_all_images"] / row["seconds"]
+        row["speedup_vs_loop_fp32"] = by_mode["fp32"]["seconds_all_images"] / row["seconds"]
+        row["speedup_vs_loop_fp32_is_cross_precision"] = row["mode"] != "fp32"
     return {"preset": "scan_t2i_avg", "embed": cfg.model.embed_size, "regions": 36, "modes": rows,
             "fused": fused_rows, "public_loop": public, "measured_peak_tflops": peaks}
+
+
+def public_loop(args, img, buckets, reference: torch.Tensor, device: torch.device, modes: list[str]) -> list[dict]:
+    """The public per-caption loop (bench/scan_reference.py: SCAN's shard_xattn_t2i, shards of 128) on the same device
+    and embeddings, in each engine mode's precision (fp32 exact; tf32: float32 with TF32 on; bf16: under bf16 autocast)
+    and in float64 (as SCAN's evaluation.py runs it). Its cost is one step per caption per 128-image shard, each step
+    growing with the shard's images (on a GPU nearly not at all: it is bound by launches), so it is timed on whole
+    shards, never on a few images scaled up: the first shard and the last, partial one (if any), each the best of
+    --repeats after a warm-up, as the engine is timed; the other full shards cost what the first does. With
+    --reference-captions C, every k-th caption (C of them), its time extrapolated by caption count (the per-caption
+    steps are independent); by default all captions, nothing extrapolated."""
+    from scan_reference import _xattn
+
+    n = len(img)
+    txt = unbucket_texts(buckets)
+    m_all = len(txt)
+    step = max(1, m_all // args.reference_captions) if args.reference_captions else 1
+    sub = torch.arange(0, m_all, step)[:args.reference_captions or None]
+    txt = txt.take(sub.to(txt.lengths.device)).trimmed()
+    m, lengths = len(txt), txt.lengths.tolist()
+    full, partial = divmod(n, 128)
+    shards = ([(0, 128, full)] if full else []) + ([(full * 128, n, 1)] if partial else [])  # (first, end, count)
+    out = []
+    for mode, dtype in [*((mode, torch.float32) for mode in modes), ("fp64", torch.float64)]:
+        images, words = img.regions.to(dtype), txt.words.to(dtype)
+
+        def shard(i0, i1, images=images, words=words):
+            with torch.inference_mode():
+                return torch.cat([_xattn(images[i0:i1], words[j0:j0 + 128], lengths[j0:j0 + 128], "t2i", "avg", 9.0,
+                                         6.0) for j0 in range(0, m, 128)], 1)
+
+        seconds, diff = 0.0, 0.0
+        with mode_arithmetic(device, "fp32" if mode == "fp64" else mode):
+            for i0, i1, count in shards:
+                seconds += count * timed(functools.partial(shard, i0, i1), device, args.repeats) * m_all / m
+                expected = reference[i0:i1][:, sub]
+                diff = max(diff, float((shard(i0, i1).float().cpu() - expected).abs().max()))
+        precision = {"fp32": "float32, exact", "tf32": "float32 with TF32 on", "bf16": "float32 under bf16 autocast",
+                     "fp64": "float64, as SCAN's evaluation.py"}[mode]
+        out.append({"mode": mode, "dtype": str(dtype).removeprefix("torch."), "precision": precision,
+                    "timed_shards": [[i0, i1] for i0, i1, _ in shards], "captions_timed": m,
+                    "seconds_all_images": round(seconds, 3), "max_abs_diff_vs_engine_fp32": diff})
+        print(f"public loop {mode:<5} ({precision}) {seconds:8.2f} s for {n} images x {m_all} captions (whole "
+              f"128-image shards timed: {', '.join(f'{i0}-{i1}' for i0, i1, _ in shards)}, best of {args.repeats}"
+              + (f"; {m} captions timed, extrapolated" if m < m_all else "")
+              + f"), max diff vs the fp32 engine {diff:.1e}", flush=True)
+    return out
 
 
 def section_fused(model, img, buckets, reference: torch.Tensor, plain_rows: list[dict], device: torch.device,
@@ -255,7 +300,8 @@ def section_train(args, placement: Placement) -> dict:
     device = placement.device
     precisions = ["fp32", "bf16"]
     captions = read_captions(F30K[0], args.batch)
-    feats = torch.from_numpy(random_features(args.batch, seed=2, dim=args.img_dim)).to(device)
+    # Lite0's 7 x 7 grid of 1280-d cells (what the Flickr8K rows train on)
+    feats = torch.from_numpy(random_features(args.batch, seed=2, k=49, dim=args.img_dim)).to(device)
     rows = []
     for preset in args.presets:
         for precision in precisions:
@@ -307,6 +353,29 @@ def train_both_precisions(args, placement: Placement) -> list[dict]:
     return out
 
 
+def upload_seconds(args, preset: str, device: torch.device) -> float | None:
+    """Seconds of the one-off copy of a run's training features to `device` that train.resident=on makes before the
+    trainer's epoch timer starts (the trainer's own call, engine.resident.resident_images, on the same split; the
+    memmap already in the page cache, as it was for the timed run); None where the features stream anyway."""
+    from itmatch.engine.inputs import open_split
+    from itmatch.engine.resident import resident_images
+    from itmatch.models.registry import resolve_config
+
+    cfg = resolve_config(preset, {"data": {"path": args.data}})
+    images = open_split(cfg, cfg.data.train_split, train=True).images
+    synchronize(device)
+    t0 = time.perf_counter()
+    resident, _ = resident_images("on", images, device)
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    if resident is None:  # (image files: nothing is copied)
+        return None
+    del resident
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return seconds
+
+
 def section_resident(args, placement: Placement) -> dict:
     from itmatch.engine.checkpoint import load_checkpoint
     from itmatch.engine.train import train
@@ -331,13 +400,18 @@ def section_resident(args, placement: Placement) -> dict:
         (streamed, w_off), (resident, w_on) = run("off", "off", args.max_batches), run("on", "on", args.max_batches)
         diff = max(float((w_off[k].float() - w_on[k].float()).abs().max()) if w_off[k].numel() else 0.0
                    for k in w_off)
+        upload = upload_seconds(args, preset, placement.device)
         row = {"preset": preset, "workers": args.workers, "streamed": streamed, "resident": resident,
-               "max_weight_difference": diff}
+               "upload_seconds": upload, "max_weight_difference": diff,
+               "order": "warm-up (streamed), streamed, resident; then the upload alone"}
         for r in (streamed, resident):
             r["images_per_s"] = r["batches"] * r["batch"] / max(r["train_seconds"], 1e-9)
+        resident["train_seconds_with_upload"] = resident["train_seconds"] + (upload or 0.0)
         rows.append(row)
         print(f"resident {preset:<16} streamed {streamed['train_seconds']:7.1f} s ({streamed['images_per_s']:7.0f} "
-              f"img/s)  resident {resident['train_seconds']:7.1f} s ({resident['images_per_s']:7.0f} img/s)  "
+              f"img/s)  resident {resident['train_seconds']:7.1f} s ({resident['images_per_s']:7.0f} img/s) + the "
+              f"one-off upload {upload if upload is not None else float('nan'):.2f} s = "
+              f"{resident['train_seconds_with_upload']:.1f} s  "
               f"{streamed['batches']} batches, weights differ by {diff:.2g}", flush=True)
     return {"rows": rows}
 
@@ -405,8 +479,10 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="small sizes (the CPU check: seconds)")
     p.add_argument("--images", type=int, help="images scored (default 1000; --smoke 4)")
     p.add_argument("--captions", type=int, help="F30K test captions (default all 5000; --smoke 100)")
-    p.add_argument("--reference-images", type=int, help="images the public loop is timed on (default all; "
-                                                         "--smoke 2), extrapolated to --images")
+    p.add_argument("--reference-images", type=int, help=argparse.SUPPRESS)  # (gone: whole shards are timed now)
+    p.add_argument("--reference-captions", type=int, default=0,
+                   help="captions the public loop is timed on, evenly spaced, its time extrapolated to all by caption "
+                        "count (default 0: all, nothing extrapolated); the loop always runs whole 128-image shards")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats (the best is kept)")
     p.add_argument("--cells", default="4194304,16777216,67108864,268435456",
                    help="`blocks`: comma list of caps on a block's region-word cells (default 4M to 256M; --smoke: "
@@ -427,14 +503,16 @@ def main() -> int:
     placement = resolve(args.device, "fp32")
     if args.smoke:
         args.images, args.captions = args.images or 4, args.captions or 100
-        args.reference_images = args.reference_images or 2
         args.embed, args.batch, args.steps, args.repeats = 32, 16, 1, 1
         if args.presets == p.get_default("presets"):
             args.presets = "vsepp,scan_t2i_avg"
         if args.cells == p.get_default("cells"):
             args.cells = "1024,4096"
     args.images, args.captions = args.images or 1000, args.captions or 5000
-    args.reference_images = args.reference_images or args.images
+    if args.reference_images:
+        print("--reference-images is ignored: the public loop is timed on whole 128-image shards (its cost is per "
+              "caption per shard, so a few images scaled up misstated it); --reference-captions samples captions",
+              flush=True)
     args.presets = [s for s in args.presets.split(",") if s]
     args.cells = [int(c) for c in args.cells.split(",") if c]
     device = placement.device

@@ -316,7 +316,7 @@ def kickoff(args: argparse.Namespace) -> int:
     out = _out_dir()
     # the timed benches (docs/gpu.md, "Speed"), each with the seconds it may take: the evaluation compiles the fused
     # kernel three times and times the public loop on 50 images; `blocks` times it at four caps on a block's cells
-    benches = [("gpu_eval", ["eval", "--reference-images", "50"], 150), ("gpu_blocks", ["blocks"], 90),
+    benches = [("gpu_eval", ["eval", "--reference-captions", "1000"], 150), ("gpu_blocks", ["blocks"], 90),
                ("gpu_train", ["train", "--presets", args.train_presets], 60)]
     # (a bench measured in an earlier session may be left out: its minutes go to the rows)
     wanted = {b for b in args.benches.split(",") if b} - ({"train"} if not args.train_presets else set())

@@ -387,13 +387,19 @@ def test_the_gpu_bench_runs_on_the_cpu_at_smoke_size(tmp_path):
     out = tmp_path / "report.json"
     bench = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
     subprocess.run([sys.executable, str(bench), "eval", "blocks", "train", "--device", "cpu", "--smoke",
-                    "--images", "2", "--captions", "20", "--reference-images", "1", "--presets", "vsepp",
+                    "--images", "2", "--captions", "20", "--reference-captions", "10", "--presets", "vsepp",
                     "--out", str(out)],
                    check=True, capture_output=True, timeout=600)
     import json
 
     report = json.loads(out.read_text())
-    assert report["eval"]["public_loop"][0]["max_abs_diff_vs_engine"] < 1e-4
+    public = report["eval"]["public_loop"]  # in each engine mode's precision, then float64, on whole shards
+    assert [r["mode"] for r in public] == ["fp32", "bf16", "fp64"]
+    assert all(r["timed_shards"] == [[0, 2]] and r["captions_timed"] == 10 for r in public)
+    assert public[0]["max_abs_diff_vs_engine_fp32"] < 1e-4 and public[2]["max_abs_diff_vs_engine_fp32"] < 1e-4
+    bf16 = report["eval"]["modes"][1]  # its ratio to the fp32 loop is marked cross-precision
+    assert bf16["mode"] == "bf16" and bf16["speedup_vs_loop_fp32_is_cross_precision"]
+    assert bf16["speedup_vs_loop_same_precision"] > 0
     assert "needs CUDA" in report["eval"]["fused"]["skipped"]  # the fused kernel's rows: CUDA + triton only
     assert {r["precision"] for r in report["train"]["steps"]} == {"fp32", "bf16"}
     blocks = report["blocks"]["rows"]  # smaller caps, more blocks, the same scores
