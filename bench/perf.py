@@ -635,13 +635,17 @@ def _render_blocks(report: dict) -> list[str]:
     return lines
 
 
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
+    """A section of the page: its heading, then a markdown table of `rows` under `columns`."""
+    return [f"### {title}", "", f"| {' | '.join(columns)} |", "|" + "---|" * len(columns),
+            *(f"| {' | '.join(row)} |" for row in rows)]
+
+
 def _render_kernel(report: dict) -> list[str]:
-    lines = ["### Head kernels (one 16 x 36 x 256 x 16 block, each preset's D, best of 5)", "",
-             "| head | D | GFLOP/s | matmul peak beside (GFLOP/s) | % of peak |", "|---|---|---|---|---|"]
-    for r in report["kernel"]:
-        lines.append(f"| {r['preset']} | {r.get('embed', 1024)} | {r['gflops']:.1f} | "
-                     f"{r['peak_gflops_beside']:.1f} | {100 * r['efficiency']:.0f}% |")
-    return lines
+    return _table("Head kernels (one 16 x 36 x 256 x 16 block, each preset's D, best of 5)",
+                  ["head", "D", "GFLOP/s", "matmul peak beside (GFLOP/s)", "% of peak"],
+                  [[r["preset"], str(r.get("embed", 1024)), f"{r['gflops']:.1f}", f"{r['peak_gflops_beside']:.1f}",
+                    f"{100 * r['efficiency']:.0f}%"] for r in report["kernel"]])
 
 
 def _render_scoring(report: dict) -> list[str]:
@@ -709,12 +713,10 @@ def _render_memory(report: dict) -> list[str]:
 
 
 def _render_training(report: dict) -> list[str]:
-    lines = ["### Training throughput (batch 128, random 36 x 1024 features, real captions)", "",
-             "| model | D | s / step | pairs/s (B^2 / step time) | note |", "|---|---|---|---|---|"]
-    for r in report["training"]:
-        lines.append(f"| {r['preset']} | {r['embed']} | {r['seconds_per_step']:.2f} | {r['pairs_per_s']:.0f} | "
-                     f"{r.get('note', '')} |")
-    return lines
+    return _table("Training throughput (batch 128, random 36 x 1024 features, real captions)",
+                  ["model", "D", "s / step", "pairs/s (B^2 / step time)", "note"],
+                  [[r["preset"], str(r["embed"]), f"{r['seconds_per_step']:.2f}", f"{r['pairs_per_s']:.0f}",
+                    r.get("note", "")] for r in report["training"]])
 
 
 def _render_two_stage(report: dict) -> list[str]:
