@@ -79,6 +79,8 @@ def test_flickr8k_bogus_id_reported_and_skipped(tmp_path: Path) -> None:
     assert "x.jpg.1" in table.skipped[0] and "no split" in table.skipped[0]
     assert table.skipped[-1].startswith(f"{token}:10: ")
     assert table.missing_images == {}  # (in no split: no split shrinks)
+    with pytest.warns(SkippedRowsWarning):  # (--default-split gives the orphan a split, not a split list's)
+        assert read_flickr8k(root, default_split="train").missing_images == {}
 
 
 def test_flickr8k_without_image_folder_skips_images_in_no_split(tmp_path: Path) -> None:

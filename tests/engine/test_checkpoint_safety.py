@@ -169,6 +169,12 @@ def test_malicious_pickle_is_refused_without_running(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "mine.csv"), "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err
     assert "not a torch checkpoint file" in err and "pickled" not in err
+    # a blocked module or function is a pickled object, said as such (not "not a torch checkpoint file")
+    import os
+
+    torch.save({"f": os.system}, tmp_path / "system.pt")
+    with pytest.raises(CheckpointError, match="carries pickled Python objects"):
+        safe_torch_load(tmp_path / "system.pt")
     # a pickled Namespace is allowed only by the converter
     torch.save({"opt": argparse.Namespace(a=1)}, tmp_path / "ns.pt")
     with pytest.raises(CheckpointError, match="argparse.Namespace"):

@@ -94,6 +94,26 @@ def test_resumed_optimizer_keeps_the_configured_settings_and_the_saved_moments(t
     assert torch.equal(resumed.state[weight]["exp_avg"], saved.state[weight]["exp_avg"])
 
 
+def test_optimizer_groups_are_per_role_so_another_scale_keeps_the_saved_state_fitting(tmp_path):
+    """Grouped by the scale's value, backbone_lr_scale=1 merged the backbone's group into the rest: the saved state
+    of two groups no longer fitted ("optimizer state does not fit this model")."""
+    from itmatch.engine.train import make_optimizer
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone, self.head = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+            self.lr_scales = {"backbone.": 0.1}
+
+    model, cfg = Two(), resolve_config("vsepp", {})
+    saved = make_optimizer(cfg, model, 0)
+    torch.save(saved.state_dict(), tmp_path / OPTIMIZER)
+    model.lr_scales["backbone."] = 1.0
+    resumed = make_optimizer(cfg, model, 0)
+    load_optimizer_state(tmp_path, resumed)
+    assert [g["lr_scale"] for g in resumed.param_groups] == [1.0, 1.0] and len(resumed.param_groups) == 2
+
+
 def test_a_diverged_loss_stops_training_before_its_step(tiny_precomp, tmp_path, monkeypatch):
     """A NaN loss trained on: every later step wrote NaN weights into last/, which then could not be resumed."""
     calls = 0

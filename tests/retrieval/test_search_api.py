@@ -249,6 +249,8 @@ def test_only_this_machines_names_and_the_allowed_ones_are_answered(searcher, ca
                                                     "*.home.arpa"]),
     ("0.0.0.0", [], ["*"]),  # every interface: the names the network knows the machine by are not known here
     ("::", [], ["*"]),
+    ("0:0:0:0:0:0:0:0", [], ["*"]),  # (every interface written another way: it answered this machine's names only)
+    ("0", [], ["*"]),
     ("0.0.0.0", ["photos.lan"], ["localhost", "127.0.0.1", "[::1]", "photos.lan"]),
     ("127.0.0.1", ["*"], ["*"]),
 ])

@@ -514,7 +514,8 @@ def read_flickr8k(source: str | Path, *, images_dir: Path | None = None, default
         if not on_disk(image):
             where = "in no split file and" if split is None else f"in the {split} split but"
             builder.skip(f"{path}:{lineno}", f"skipped caption of {image!r}: the image is {where} "
-                                             f"not in {images_dir}", missing=image, split=split or "")
+                                             f"not in {images_dir}", missing=image,
+                         split=split_of.get(image, ""))  # (a split list's: not --default-split's guess for an orphan)
             continue
         builder.add(image, caption, split or "", line=lineno)
     return builder.table()

@@ -53,8 +53,10 @@ def safe_torch_load(path: str | Path, *, allow: tuple[type, ...] = ()) -> Any:
         with torch.serialization.safe_globals(list(allow)):
             return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
-        if found is None and "Unsupported class" not in str(exc):  # not a pickle at all (a CSV: "invalid load key")
+        found = re.search(r"(?i)unsupported global:? GLOBAL (\S+)", str(exc))
+        # not a pickle at all (a CSV: "Unsupported operand 105"; other bytes: "invalid load key"); every other refusal
+        # (a blocked module, a reduce of an unknown function, ...) is of a pickled object and said so below
+        if found is None and re.search(r"Unsupported operand|invalid load key", str(exc)):
             raise CheckpointError("not a torch checkpoint file (it does not read as one)", path=path,
                                   hint="pass a checkpoint directory written by `itmatch train`, a shipped model's "
                                        "name, or an original SCAN/VSE++ .pth.tar file") from None

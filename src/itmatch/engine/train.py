@@ -85,14 +85,16 @@ def make_optimizer(cfg: Config, model: torch.nn.Module, epoch: int) -> torch.opt
     if cfg.train.optimizer not in OPTIMIZERS:
         raise ConfigError(f"unknown train.optimizer {cfg.train.optimizer!r}",
                           hint=f"choose one of {', '.join(OPTIMIZERS)}")
-    groups: dict[float, list[torch.nn.Parameter]] = {}
+    # one group per prefix (role), not per scale value: a resume with another scale (backbone_lr_scale=1) keeps the
+    # saved state's groups, where grouping by value merged the backbone's into the rest and the state did not fit
+    groups: dict[str, list[torch.nn.Parameter]] = {}
     scales = getattr(model, "lr_scales", {})
     for name, p in model.named_parameters():
         if p.requires_grad:
-            scale = next((s for prefix, s in scales.items() if name.startswith(prefix)), 1.0)
-            groups.setdefault(scale, []).append(p)
+            groups.setdefault(next((prefix for prefix in scales if name.startswith(prefix)), ""), []).append(p)
     lr = learning_rate(cfg, epoch)
-    param_groups = [{"params": ps, "lr": lr * s, "lr_scale": s} for s, ps in groups.items()]
+    param_groups = [{"params": ps, "lr": lr * scales.get(role, 1.0), "lr_scale": scales.get(role, 1.0)}
+                    for role, ps in groups.items()]
     return OPTIMIZERS[cfg.train.optimizer](param_groups, lr=lr, weight_decay=cfg.train.weight_decay)
 
 

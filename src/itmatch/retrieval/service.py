@@ -54,7 +54,7 @@ JSON_HINT = f'a query is at most {MAX_QUERY_CHARS} characters: send {{"q": "a do
 #: the names a browser on this machine reaches the server by: answered whatever --host is
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]")
 #: --host values that listen on every interface of the machine
-ALL_INTERFACES = ("0.0.0.0", "::", "")
+ALL_INTERFACES = ("0.0.0.0", "::", "", "0")
 
 
 class Metrics:
@@ -175,10 +175,21 @@ def trusted_hosts(host: str, allowed: Sequence[str] = ()) -> list[str]:
     """The Host header values a server listening on `host` answers to: this machine's own names (LOCAL_HOSTS),
     `host` itself and the `allowed` names (--allowed-host); any name ("*") when it listens on every interface
     (0.0.0.0, ::) and no `allowed` name narrows that, as the machine's names on the network are not known here."""
-    if not allowed and host in ALL_INTERFACES:
+    every = _every_interface(host)
+    if not allowed and every:
         return ["*"]
-    hosts = _host_patterns([*LOCAL_HOSTS, *(() if host in ALL_INTERFACES else (host,)), *allowed])
+    hosts = _host_patterns([*LOCAL_HOSTS, *(() if every else (host,)), *allowed])
     return ["*"] if "*" in hosts else hosts
+
+
+def _every_interface(host: str) -> bool:
+    """Whether `host` listens on every interface: 0.0.0.0 or :: however written ("0", "0:0:0:0:0:0:0:0")."""
+    if host in ALL_INTERFACES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:  # a name
+        return False
 
 
 def _host_patterns(hosts: Sequence[str]) -> list[str]:
