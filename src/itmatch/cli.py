@@ -43,7 +43,6 @@ def _placement(args: argparse.Namespace):
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from itmatch.errors import ConfigError
     from itmatch.models.registry import PAPER_ROWS, PRESETS, describes, list_models, preset_config
 
     if args.pretrained:
@@ -387,7 +386,6 @@ def _add_images_argument(s: argparse.ArgumentParser) -> None:
 
 
 def _cmd_search(args: argparse.Namespace) -> int:
-    from itmatch.errors import ConfigError
     from itmatch.retrieval.names import public_id
     from itmatch.retrieval.search import Searcher, check_query, read_captions_file
 
@@ -459,8 +457,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         from itmatch.retrieval.service import serve
     except ImportError as exc:
-        from itmatch.errors import ConfigError
-
         raise ConfigError(f"`itmatch serve` needs FastAPI and uvicorn ({exc})",
                           hint='pip install "itmatch[serve]"') from None
 

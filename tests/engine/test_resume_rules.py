@@ -114,7 +114,7 @@ def test_optimizer_groups_are_per_role_so_another_scale_keeps_the_saved_state_fi
     assert [g["lr_scale"] for g in resumed.param_groups] == [1.0, 1.0] and len(resumed.param_groups) == 2
 
 
-def test_a_diverged_loss_stops_training_before_its_step(tiny_precomp, tmp_path, monkeypatch):
+def test_a_diverged_loss_stops_training_before_anything_is_saved(tiny_precomp, tmp_path, monkeypatch):
     """A NaN loss trained on: every later step wrote NaN weights into last/, which then could not be resumed."""
     calls = 0
     real = engine.batch_loss

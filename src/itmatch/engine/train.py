@@ -348,25 +348,26 @@ def apply_resume_overrides(cfg: Config, overrides: dict[str, Any]) -> list[str]:
     wanted = update(copy.deepcopy(cfg), overrides)
     keys = [MOVED_KEYS.get(k, k) for k in flatten(overrides)]  # (an old key name is read at its new place)
     changed = [k for k in keys if not _same_setting(k, get_key(cfg, k), get_key(wanted, k))]
-    refused = [k for k in changed if not k.startswith(RESUME_KEYS) or k in RESUME_FIXED_KEYS]
-    if refused:
-        raise ConfigError(f"{', '.join(f'{k}={get_key(wanted, k)!r}' for k in refused)}: cannot change when resuming "
-                          f"(the checkpoint has {', '.join(f'{k}={get_key(cfg, k)!r}' for k in refused)}); its weights "
-                          f"and optimizer state were made with it",
-                          hint="on --resume only train.* (e.g. train.epochs; not train.optimizer or "
-                               "train.finetune_backbone), data.path and data.images can be changed; to change the "
-                               "model or its optimizer start a new run from these weights with "
-                               "--set train.init_from=RUN/last")
-    reselecting = [k for k in changed if k in SELECTION_KEYS]
-    if reselecting:
-        raise ConfigError(f"{', '.join(f'{k}={get_key(wanted, k)!r}' for k in reselecting)}: cannot change when "
-                          f"resuming (the run has {', '.join(f'{k}={get_key(cfg, k)!r}' for k in reselecting)}); its "
-                          "best/ epoch was chosen by the dev rsum it gives, which the later epochs would not be "
-                          "compared with fairly",
-                          hint="resume with the run's validation settings; to validate otherwise start a new run "
-                               "from these weights with --set train.init_from=RUN/last")
+    _refuse_on_resume([k for k in changed if not k.startswith(RESUME_KEYS) or k in RESUME_FIXED_KEYS], cfg, wanted,
+                      "the checkpoint has", "its weights and optimizer state were made with it",
+                      "on --resume only train.* (e.g. train.epochs; not train.optimizer or train.finetune_backbone), "
+                      "data.path and data.images can be changed; to change the model or its optimizer start a new "
+                      "run from these weights with --set train.init_from=RUN/last")
+    _refuse_on_resume([k for k in changed if k in SELECTION_KEYS], cfg, wanted, "the run has",
+                      "its best/ epoch was chosen by the dev rsum it gives, which the later epochs would not be "
+                      "compared with fairly",
+                      "resume with the run's validation settings; to validate otherwise start a new run from these "
+                      "weights with --set train.init_from=RUN/last")
     update(cfg, overrides)
     return changed
+
+
+def _refuse_on_resume(keys: list[str], cfg: Config, wanted: Config, has: str, why: str, hint: str) -> None:
+    """ConfigError naming each of `keys` with the value asked for (`wanted`) and the run's (`cfg`), and why it cannot
+    change on resume; nothing when `keys` is empty."""
+    if keys:
+        raise ConfigError(f"{', '.join(f'{k}={get_key(wanted, k)!r}' for k in keys)}: cannot change when resuming "
+                          f"({has} {', '.join(f'{k}={get_key(cfg, k)!r}' for k in keys)}); {why}", hint=hint)
 
 
 def finished_run(run_dir: Path, overrides: dict[str, Any], trust_modified: bool = False) -> dict[str, Any] | None:
@@ -659,16 +660,6 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 batch = resident.fill(batch)
             with placement.arithmetic():  # (fp32: no autocast at all)
                 loss = step(batch, hardest)
-            value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks average
-            if not math.isfinite(value):  # stop before the step: it would write NaN into every weight
-                lower = f"train.lr={cfg.train.lr / 10:g}"
-                again = (f"train on from its last checkpoint with a lower learning rate: itmatch train --out {run_dir} "
-                         f"--resume --set {lower}" if last.exists() else
-                         f"start it again with a lower learning rate ({lower}, with --force)")
-                raise TrainingError(
-                    f"the loss is {value} at epoch {epoch + 1}, batch {b + 1} (step {state['step'] + 1}): training "
-                    "diverged; nothing was saved after it", path=run_dir,
-                    hint=f"{again}; or clip the gradients (train.grad_clip, e.g. 2)")
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()  # (scale, unscale_, step, update: plain calls unless fp16)
             if cfg.train.grad_clip > 0:
@@ -677,6 +668,16 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             scaler.step(optimizer)
             scaler.update()
             state["step"] += 1
+            value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks averaged
+            if not math.isfinite(value):  # stop before anything is saved: its step wrote NaN into the weights
+                lower = f"train.lr={cfg.train.lr / 10:g}"
+                again = (f"train on from its last checkpoint with a lower learning rate: itmatch train --out {run_dir} "
+                         f"--resume --set {lower}" if last.exists() else
+                         f"start it again with a lower learning rate ({lower}, with --force)")
+                raise TrainingError(
+                    f"the loss is {value} at epoch {epoch + 1}, batch {b + 1} (step {state['step']}): training "
+                    "diverged; nothing was saved after it", path=run_dir,
+                    hint=f"{again}; or clip the gradients (train.grad_clip, e.g. 2)")
             running += value
             bar.set_postfix(loss=f"{value:.2f}", lr=f"{lr:.1e}", hard=hardest)
             bar.update()

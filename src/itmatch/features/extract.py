@@ -214,11 +214,16 @@ def _refuse_images_the_reader_dropped(table: CaptionTable, images_dir: Path, spl
         return
     split, ids = next(iter(lost.items()))
     kept = len(table.grouped(split)) if split in table.split_names() else 0
+    raise _missing_photos(table, images_dir, split, ids, len(ids) + kept)
+
+
+def _missing_photos(table: CaptionTable, images_dir: Path, split: str, missing: list[str], total: int) -> DataError:
+    """The refusal of a split `missing` photos of whose `total` are not in `images_dir`."""
     source = table.source or "the caption table"
-    raise DataError(f"{len(ids)} of {len(ids) + kept} images of split {split!r} named in {source} are not in "
-                    f"{images_dir}, e.g. {ids[0]!r}", path=images_dir / ids[0],
-                    hint=f"{missing_image_hint(images_dir, ids[0])}; or pass --skip-bad-images to drop them and "
-                         "their captions (meta.json lists them under skipped_captions)")
+    return DataError(f"{len(missing)} of {total} images of split {split!r} named in {source} are not in "
+                     f"{images_dir}, e.g. {missing[0]!r}", path=images_dir / missing[0],
+                     hint=f"{missing_image_hint(images_dir, missing[0])}; or pass --skip-bad-images to drop them and "
+                          "their captions")
 
 
 def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, backbone: str = "lite0",
@@ -286,11 +291,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     for split, (ids, _) in rows.items():
         missing = [i for i in ids if not (images_dir / i).is_file()]
         if missing and not skip_bad_images:
-            source = table.source or "the caption table"
-            raise DataError(f"{len(missing)} of {len(ids)} images of split {split!r} named in {source} are "
-                            f"not in {images_dir}, e.g. {missing[0]!r}", path=images_dir / missing[0],
-                            hint=f"{missing_image_hint(images_dir, missing[0])}; or pass --skip-bad-images to "
-                                 f"drop them and their captions")
+            raise _missing_photos(table, images_dir, split, missing, len(ids))
 
     clashes = _kept_splits_sharing_images(out_dir, rows)
     if clashes and not force:
