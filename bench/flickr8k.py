@@ -228,6 +228,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # ASA's theta / phi / g as Eq. 6-7 write them (W u, no bias) beside the non-local block's biased convolutions that
     # every SAVE preset keeps (docs/save.md): only theta's bias changes the attention, a learned prior over the cells
     "save_asa_no_bias": ("save_asa", ["model.save.asa_bias=false"]),
+    # save_asa (raw c5) collapsed onto all-alike scores in its first hardest-negative epoch on the GPU and did not
+    # converge in 30 epochs (docs/save.md, "The GPU rows"): another seed tells whether that is the seed's
+    "save_asa_seed1": ("save_asa", ["train.seed=1"]),
     **{f"{p}_seed1": (p, ["train.seed=1"]) for p in HEADLINE},
     # the warm-up decision, measured again on converged runs (docs/training.md, "The paper schedules"): SCAN t-i
     # AVG stalled without it on the CPU; VSE++ at D = 1024 stalled too, but only for three epochs, and ended
