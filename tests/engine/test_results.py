@@ -269,3 +269,22 @@ def test_an_empty_gpu_table_keeps_its_device_schema(tmp_path):
         upsert_row(gpu, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c"))
     upsert_row(gpu, result_row("vsepp", "vsepp", "flickr8k", RESULT, "c", device="NVIDIA H100"))
     assert [r["device"] for r in read_rows(gpu)] == ["NVIDIA H100"]
+
+
+def test_rows_whose_run_kept_its_last_epoch_are_named_under_the_table(tmp_path):
+    """A row whose run's dev rsum was still rising at its last epoch (the epoch kept) may not have converged; the
+    page says so from the training history beside the table, and names no row whose run peaked earlier."""
+    path = tmp_path / "flickr8k_gpu.csv"
+    for name in ("rising", "peaked", "no_history"):
+        upsert_row(path, result_row(name, name, "flickr8k", RESULT, "c", device="NVIDIA H100"))
+    assert "Kept their last epoch" not in render_markdown(path)  # (no history yet: nothing to say)
+    history = tmp_path / "training" / "flickr8k_gpu.csv"
+    for name, dev in (("rising", [100.0, 150.0, 174.2]), ("peaked", [100.0, 250.0, 240.0])):
+        metrics = tmp_path / f"{name}.jsonl"
+        metrics.write_text("".join(json.dumps({"epoch": e, "hardest": True, "lr": 2e-4, "batches": 3,
+                                               "train_seconds": 1.0, "val_rsum": v}) + "\n"
+                                   for e, v in enumerate(dev, 1)))
+        replace_history(history, name, history_rows(name, metrics))
+    notice = [line for line in render_markdown(path).splitlines() if line.startswith("**Kept their last epoch**")]
+    assert len(notice) == 1 and "`rising` (epoch 3)" in notice[0]
+    assert "peaked" not in notice[0] and "no_history" not in notice[0]

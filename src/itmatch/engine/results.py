@@ -205,6 +205,23 @@ def seeds_line(group: list[dict[str, str]]) -> str:
 ABOUT_SUFFIX = ".about.md"
 
 
+def kept_last_epoch(history: list[dict[str, str]]) -> dict[str, int]:
+    """Runs of a training history whose kept (`best`) epoch is the last they trained, with that epoch: their dev
+    rsum was still rising when training ended, so they may not have converged."""
+    last = {r["name"]: int(r["epoch"]) for r in history}  # (the rows are in epoch order per run)
+    return {r["name"]: last[r["name"]] for r in history if r["selected"] and int(r["epoch"]) == last[r["name"]]}
+
+
+def _still_rising(path: Path, rows: list[dict[str, str]]) -> list[str]:
+    """The notice under a results table naming its rows whose run kept its last epoch (their history is
+    training/<same name>.csv beside it); none where no history is there or every run peaked before its end."""
+    kept = kept_last_epoch(read_rows(path.parent / VIEW_KINDS["training"].folder / path.name, HISTORY_HEADER))
+    named = [f"`{r['name']}` (epoch {kept[r['name']]})" for r in rows if r["name"] in kept]
+    return ["**Kept their last epoch** (their dev rsum was still rising when training ended, so they may not have "
+            "converged: read them as what their schedule reached, not as their method's level): "
+            + ", ".join(named) + ".", ""] if named else []
+
+
 def render_markdown(path: str | Path) -> str:
     rows = read_rows(path)
     title = Path(path).stem
@@ -214,7 +231,7 @@ def render_markdown(path: str | Path) -> str:
              "do not edit by hand.", "",
              *([about.read_text(encoding="utf-8").strip(), ""] if about.is_file() else []),
              "mR = rsum / 6, the mean of the six recalls (the figure SMAN's tables report).", "",
-             *table_head(device), *(row_line(r, device) for r in rows), ""]
+             *table_head(device), *(row_line(r, device) for r in rows), "", *_still_rising(Path(path), rows)]
     groups = seed_groups(rows)
     if groups:
         lines += ["## Seeds", "", "Rows trained again with another seed (`<row>_seedN`, every other setting the same; "
