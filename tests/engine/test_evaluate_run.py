@@ -156,3 +156,23 @@ def test_features_of_another_backbone_are_refused_although_their_width_fits(tiny
     with pytest.raises(DataError, match="extracted with lite2, but the checkpoint's model was trained on lite0") as e:
         evaluate_run([checkpoint], split="test", data=lite2, progress=False, device="cpu")
     assert "--backbone lite0" in e.value.hint
+
+
+def test_the_metrics_say_which_data_they_are_of(tiny_search_setup, tiny_precomp, tmp_path):
+    """An evaluation's JSON names its data directory and the digests `itmatch extract` recorded of the split's
+    features and captions, so two evaluations can be told to be of the same split wherever it was copied; data
+    made by hand (no meta.json) has no digests to give."""
+    from itmatch.data.precomp import split_manifest
+
+    precomp = tiny_search_setup["root"] / "precomp"
+    run = evaluate_run([tiny_search_setup["checkpoint"]], split="dev", progress=False, device="cpu")
+    manifest = split_manifest(precomp, "dev")
+    assert Path(run.metrics["data"]).resolve() == precomp.resolve()
+    assert run.metrics["data_sha256"] == {"features": manifest["features_sha256"],
+                                          "captions": manifest["captions_sha256"]}
+    copy = tmp_path / "copy"
+    shutil.copytree(precomp, copy)  # (moved elsewhere: the same digests)
+    moved = evaluate_run([tiny_search_setup["checkpoint"]], data=copy, split="dev", progress=False, device="cpu")
+    assert moved.metrics["data_sha256"] == run.metrics["data_sha256"]
+    hand_made = _checkpoint("vsepp", tiny_precomp, tmp_path / "hand", 0)
+    assert evaluate_run([hand_made], split="test", progress=False, device="cpu").metrics["data_sha256"] is None

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from itmatch import distributed as dist
-from itmatch.data.precomp import PrecompSplit
+from itmatch.data.precomp import PrecompSplit, split_manifest
 from itmatch.data.vocab import AnyVocab, unknown_word_report
 from itmatch.device import Placement, check_precision, module_device, resolve
 from itmatch.engine.checkpoint import Checkpoint, load_checkpoint
@@ -340,6 +340,15 @@ def _open_eval_split(checkpoint: Checkpoint, split: str, data: str | Path | None
     return opened, root
 
 
+def _split_digests(root: Path, split: str) -> dict[str, str] | None:
+    """The SHA-256 of a split's feature and caption files as meta.json records them (None for data `itmatch
+    extract` did not write, e.g. SCAN's own precomp files)."""
+    manifest = split_manifest(root, split)
+    if manifest is None:
+        return None
+    return {k: manifest[f"{k}_sha256"] for k in ("features", "captions") if f"{k}_sha256" in manifest}
+
+
 def per_member(data: str | Path | Sequence[str | Path] | None, n: int) -> list[str | Path | None]:
     """`--data` for each of an ensemble's n checkpoints: none (each its own), one for all, or one each."""
     if data is None or isinstance(data, (str, Path)):
@@ -402,8 +411,11 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test",
                                   resume_dir=resume_dir, prune=prune, precision=placement.precision, curve=True)
     metrics["checkpoints"] = [str(p) for p in checkpoints]
     metrics["precision"] = placement.precision  # (bf16 scores tie where fp32's do not: docs/gpu.md, "bf16 ...")
-    if len({r for _, r in opened}) > 1:
-        metrics["data"] = [r for _, r in opened]
+    # which data the figures are of: the directory, and the digests `itmatch extract` recorded of the split's
+    # features and captions (so two evaluations can be told to be of the same split, wherever it was copied)
+    roots = list(dict.fromkeys(r for _, r in opened))
+    digests = [_split_digests(Path(r), split) for r in roots]
+    metrics["data"], metrics["data_sha256"] = (roots[0], digests[0]) if len(roots) == 1 else (roots, digests)
     if first_stage:
         metrics["first_stage"] = str(first_stage)
     truncated = sum(getattr(c.vocab, "truncated", 0) for c in loaded)
