@@ -142,6 +142,8 @@ distributed.mean_over_ranks = mean
 with open(job["out"] + f"/state{rank}.json", "w") as fh:  # what `last` held when the ranks stopped
     fh.write(open(job["out"] + "/resumed/last/state.json").read())
 train(Config(), job["out"] + "/resumed", resume=True, progress=False)
+# a one-process run continued by two processes: rank 1 draws its own stream, not rank 0's saved one again
+train(Config(), job["out"] + "/regrouped", resume=True, progress=False, resume_overrides={"train": {"epochs": 2}})
 
 try:
     train(config_from_dict({**job["gather"], "train": {**job["gather"]["train"], "batch_size": 15}}),
@@ -255,6 +257,7 @@ def runs(tiny_precomp, tiny_search_setup, tmp_path_factory) -> dict[str, Path]:
            "local": tiny_config(tiny_precomp).to_dict(), "resume": resume_cfg.to_dict(), "budget": BUDGET,
            "eval": [str(eval_checkpoint(root, tiny_precomp, p)) for p in ("scan_t2i_avg", "vsepp")]}
     interrupted_scoring(root / "scan_t2i_avg", blocks=3)
+    shutil.copytree(out["single"], root / "regrouped")  # (continued by the two ranks for a second epoch)
     images, rows = photo_folder(root)
     job.update(images=str(images), table=rows, photos=str(tiny_search_setup["photos"]),
                checkpoint=str(tiny_search_setup["checkpoint"]))
@@ -304,6 +307,15 @@ def test_resume_in_two_processes_equals_an_uninterrupted_run(runs):
         assert (state["epoch"], state["batch"]) == (1, 4)
     assert max_diff(weights(runs["resumed"]), weights(runs["straight"])) <= 1e-6
     assert_close_records(records(runs["resumed"]), records(runs["straight"]))
+
+
+def test_a_run_resumed_by_more_processes_gives_each_rank_its_own_random_stream(runs):
+    """A run saved by one process resumed by two: the saved streams are rank 0's, and rank 1 is reseeded from the
+    run's seed, its rank and the step, so the two ranks do not draw the same dropout masks from then on."""
+    from itmatch.engine.checkpoint import load_trainer_state
+
+    ranks = load_trainer_state(runs["root"] / "regrouped" / "last")["rng_ranks"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
 
 
 def test_only_rank_0_writes_and_batch_size_must_split_evenly(runs):
@@ -558,3 +570,43 @@ def test_extraction_under_torchrun_refuses_another_unfinished_extraction_before_
             _as_rank(m, rank)
             meta = e.extract_precomp(images, table, out, batch_size=2, progress=False, num_threads=1, force=True)
     assert meta["splits"]["train"]["images"] == 5 and not progress.exists() and not partial.exists()
+
+
+@pytest.mark.parametrize("flag", [{"rerank": 5}, {"prune": True}])
+def test_two_stage_evaluation_under_torchrun_is_refused_before_any_work(monkeypatch, tmp_path, flag):
+    """--rerank and --prune score on rank 0 alone: the other processes would only wait, and give up after the
+    group's timeout, ending a long evaluation. Refused before a checkpoint is read, with the way that works."""
+    from itmatch.engine.evaluate import evaluate_run
+    from itmatch.errors import ConfigError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="rank 0 alone") as err:
+        evaluate_run([tmp_path / "no such checkpoint"], json_path=tmp_path / "m.json", progress=False, device="cpu",
+                     **flag)
+    assert "one process" in err.value.hint and not (tmp_path / "m.json").exists()
+
+
+def test_all_cores_under_torchrun_are_shared_among_the_ranks(monkeypatch):
+    """threads 0 (all cores) under torchrun: torchrun sets OMP_NUM_THREADS=1 in every process, which left each
+    rank one core; the ranks on this machine share its cores instead. A count given is kept; one process keeps
+    torch's own count (0)."""
+    cores = len(os.sched_getaffinity(0))
+    assert dist.cpu_threads(0) == 0 and dist.cpu_threads(3) == 3
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert dist.cpu_threads(0) == max(1, cores // 2) and dist.cpu_threads(3) == 3
+
+
+def test_the_collective_timeout_is_a_setting(monkeypatch):
+    """Where rank 0 works alone for longer than 30 minutes (validation with train.val_rerank on a large dev
+    split), the other ranks' wait is raised with ITMATCH_DIST_TIMEOUT_MINUTES; a value that is no number of
+    minutes is refused by name."""
+    from itmatch.errors import ConfigError
+
+    assert dist.timeout_minutes() == 30.0
+    monkeypatch.setenv(dist.TIMEOUT_ENV, "120")
+    assert dist.timeout_minutes() == 120.0
+    for bad in ("soon", "0", "-5", "inf", "nan"):
+        monkeypatch.setenv(dist.TIMEOUT_ENV, bad)
+        with pytest.raises(ConfigError, match=dist.TIMEOUT_ENV):
+            dist.timeout_minutes()

@@ -625,7 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget-gb", type=positive_float, default=4.0,
                    help="memory budget of scoring: score matrix + one block's temporaries (default 4); on a GPU "
                         "it bounds the host's score matrix and blocks are sized from the GPU's free memory")
-    s.add_argument("--threads", type=non_negative_int, default=0, help="torch threads (default 0: all cores)")
+    s.add_argument("--threads", type=non_negative_int, default=0,
+                   help="torch threads (default 0: all cores; under torchrun the cores shared among the ranks)")
     s.add_argument("--rerank", type=non_negative_int, default=0, metavar="K",
                    help="two-stage: re-score only the first stage's top K per query, both directions "
                         "(default 0: exhaustive)")

@@ -172,7 +172,7 @@ class TrainConfig:
     # undecided (MMCA; docs/mmca.md)
     val_prune: bool = False
     log_every: int = option(20, min=1)
-    threads: int = option(0, min=0)  # 0: all cores
+    threads: int = option(0, min=0)  # 0: all cores (under torchrun: shared among the ranks, distributed.cpu_threads)
     # >0: also save run/last every N batches (mid-epoch), so a killed run loses at most N batches of work
     checkpoint_every: int = option(0, min=0)
     # a checkpoint whose weights start this run (new optimizer, epoch 0; its vocabulary is reused). Parameters

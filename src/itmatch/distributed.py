@@ -28,11 +28,43 @@ def env_world_size() -> int:
                           hint="launch with torchrun, or unset WORLD_SIZE") from None
 
 
-def init_from_env(backend: str = "auto", device_type: str = "cpu", timeout_minutes: float = 30.0) -> bool:
+#: minutes a rank waits in a collective before the group gives up (torch's gloo default); raise it where rank 0
+#: works alone for longer, e.g. a training run validating with train.val_rerank / val_prune on a large dev split
+TIMEOUT_ENV = "ITMATCH_DIST_TIMEOUT_MINUTES"
+DEFAULT_TIMEOUT_MINUTES = 30.0
+
+
+def timeout_minutes() -> float:
+    """The collective timeout: $ITMATCH_DIST_TIMEOUT_MINUTES, else 30."""
+    value = os.environ.get(TIMEOUT_ENV, "")
+    if not value:
+        return DEFAULT_TIMEOUT_MINUTES
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = float("nan")
+    if not minutes > 0 or minutes == float("inf"):
+        raise ConfigError(f"{TIMEOUT_ENV}={value!r} is not a number of minutes > 0",
+                          hint=f"e.g. {TIMEOUT_ENV}=120, or unset it for {DEFAULT_TIMEOUT_MINUTES:g}")
+    return minutes
+
+
+def cpu_threads(threads: int) -> int:
+    """torch's intra-op threads for a `threads` setting whose 0 means all cores. Under torchrun 0 means this
+    machine's cores shared among its processes: torchrun sets OMP_NUM_THREADS=1 in each (unless it was set),
+    which left every rank one core. Elsewhere 0 stays 0 (torch's own count); any other value is kept."""
+    if threads or env_world_size() <= 1:
+        return threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def init_from_env(backend: str = "auto", device_type: str = "cpu") -> bool:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
     Returns True when running distributed (world size > 1). backend auto: NCCL when the tensors live on
-    GPUs (`device_type` cuda), gloo on the CPU; the engine runs on the CPU today, hence gloo (NCCL cannot
-    reduce CPU tensors). Idempotent: a second call (evaluation inside training) reuses the group."""
+    GPUs (`device_type` cuda), gloo for CPU tensors (NCCL cannot reduce them; evaluation, extraction and
+    indexing exchange only host objects). Collectives time out after timeout_minutes(). Idempotent: a second
+    call (evaluation inside training) reuses the group."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size() > 1
     if env_world_size() <= 1:
@@ -48,7 +80,7 @@ def init_from_env(backend: str = "auto", device_type: str = "cpu", timeout_minut
             raise ConfigError("train.backend nccl reduces GPU tensors, but this run keeps its tensors on the CPU",
                               hint="set train.backend=gloo (or auto)")
         torch.cuda.set_device(local_rank())
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes()))
     return dist.get_world_size() > 1
 
 

@@ -390,6 +390,12 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test",
                           hint="pass command='itmatch evaluate ...' (the CLI records its own command line)")
     if first_stage and not rerank:
         raise ConfigError("--first-stage is used only with --rerank K", hint="add --rerank 100")
+    if (rerank or prune) and dist.env_world_size() > 1:
+        raise ConfigError(f"--{'rerank' if rerank else 'prune'} scores on rank 0 alone: under torchrun the other "
+                          f"{dist.env_world_size() - 1} processes would only wait for it (and give up after "
+                          f"{dist.timeout_minutes():g} minutes, ending the evaluation)",
+                          hint="run this evaluation in one process (without torchrun); exhaustive evaluation is "
+                               "the one torchrun shares among processes")
     if json_path:  # refused before the scoring, which may take hours
         refuse_overwrite(json_path, force)
     loaded = [load_checkpoint(p, trust_modified=trust_modified) for p in checkpoints]
@@ -405,7 +411,7 @@ def evaluate_run(checkpoints: Sequence[str | Path], *, split: str = "test",
         fs = load_checkpoint(first_stage, trust_modified=trust_modified)
         proposer = (fs.model.to(placement.device), fs.vocab)
     dist.init_from_env()  # under torchrun: the ranks share the scoring (docs/distributed.md)
-    with _torch_threads(threads):
+    with _torch_threads(dist.cpu_threads(threads)):
         metrics = evaluate_models([(c.model, c.vocab) for c in loaded], eval_splits, protocol, budget_gb * 1024**3,
                                   progress=progress, rerank=rerank, first_stage=proposer, index=faiss,
                                   resume_dir=resume_dir, prune=prune, precision=placement.precision, curve=True)

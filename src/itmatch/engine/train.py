@@ -574,8 +574,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     if main:
         # first: --resume can restart from it (data paths from run_dir, as in a checkpoint: from any directory)
         write_json_atomic(run_dir / "config.json", config_for_checkpoint(cfg, run_dir))
-    if cfg.train.threads:  # the thread count changes float summation order: part of the config
-        torch.set_num_threads(cfg.train.threads)
+    threads = dist.cpu_threads(cfg.train.threads)  # (0 under torchrun: the cores shared among the ranks)
+    if threads:  # the thread count changes float summation order: part of the config
+        torch.set_num_threads(threads)
     # the machines the run trained on, in order (a run resumed elsewhere lists both): what its checkpoints say
     state["devices"] = list(dict.fromkeys([*state.get("devices", []), machine_name(placement.device)]))
     model.to(placement.device)  # (before the optimizer: its state follows the parameters' device)
@@ -589,8 +590,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         ranks = trainer.get("rng_ranks", [])
         if len(ranks) == dist.world_size() and distributed:
             set_rng_state(ranks[dist.rank()])
-        elif "rng" in trainer:
+        elif "rng" in trainer:  # (rank 0's streams: a run saved by another number of processes)
             set_rng_state(trainer["rng"])
+            if dist.rank() > 0:  # each other rank its own dropout masks, not rank 0's again; not the ones a new
+                # run's rank draws from (seed + rank) either, which this run's first steps may have drawn
+                seed_everything(hash((cfg.train.seed, dist.rank(), state["step"])) % 2**32)
     # metrics.jsonl as it was when `last` was saved: lines written after it are written again below.
     # (Checkpoints of older versions have no log_bytes: their log is kept as it is.)
     if main and (not resume or "log_bytes" in ckpt.state):
