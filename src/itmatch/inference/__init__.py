@@ -265,6 +265,8 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
     n, m = len(img), sum(len(c) for c, _ in buckets)
     device = module_device(model)
     budget_bytes = device_budget(device, budget_bytes, 4.0 * n * m)
+    if world > 1:  # every rank must plan the same blocks (rank 0 places them by number): the smallest budget, since
+        budget_bytes = -dist.max_over_ranks(-int(budget_bytes))  # each GPU's free memory sizes its own
     blocks = score_blocks(model, img, buckets, budget_bytes, max_cells or default_block_cells(device), world)
     score_block = BlockScorer(model)
     # (a pair-independent head is one matrix product: nothing worth keeping)
