@@ -54,6 +54,23 @@ def test_a_gpu_index_beyond_the_machine_says_how_many_there_are(monkeypatch):
     with pytest.raises(ConfigError, match=r"--device cuda:7: there is no GPU 7; torch sees 1 \(cpu, cuda:0 \(H100\)\)"):
         resolve_device("cuda:7")
     assert resolve_device("cuda") == torch.device("cuda", 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # (torchrun with more processes than GPUs: the way out is fewer processes)
+    with pytest.raises(ConfigError, match="there is no GPU 1") as err:
+        resolve_device("cuda")
+    assert "--nproc_per_node 1" in err.value.hint
+
+
+def test_a_gpu_index_other_than_the_ranks_under_torchrun_is_refused(monkeypatch):
+    """Under torchrun every rank runs the same command, so `--device cuda:0` would put every rank on one GPU
+    (NCCL refuses a GPU two ranks share, or waits): refused with `cuda`, each rank's own GPU; its own index passes
+    this check (and then needs a GPU)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match="local rank 1") as err:
+        resolve_device("cuda:0")
+    assert "--device cuda" in err.value.hint
+    with pytest.raises(ConfigError, match="torch sees no GPU|there is no GPU"):
+        resolve_device("cuda:1")
 
 
 @pytest.mark.parametrize("spec", ["tpu", "cuda:x", "gpu", "cuda:-1"])
