@@ -186,3 +186,40 @@ def test_resume_before_first_checkpoint_restarts_and_force_drops_old_state(tiny_
     with pytest.raises(Crash):
         train(cfg, run, force=True, progress=False, transform=crash)
     assert not (run / "last").exists() and not (run / "best").exists()
+
+
+def test_a_restart_from_another_directory_finds_the_vocabulary_and_the_weights_the_run_started_from(
+        tiny_precomp, tmp_path, monkeypatch):
+    """data.vocab and train.init_from were stored as given (from the working directory), so a run killed before its
+    first checkpoint could not be restarted from elsewhere: "vocab.json: vocabulary file not found". They are
+    stored from the run directory now, as the data path is."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(tiny_precomp, project / "data")
+    monkeypatch.chdir(project)
+    cfg = resolve_config("vsepp", {**QUICK, "data": {"path": "data"}})
+    cfg.train.epochs, cfg.train.max_batches = 1, 3
+    train(cfg, "runs/start", progress=False)
+    shutil.copy(project / "runs" / "start" / "best" / "vocab.json", project / "words.json")
+    for name, setting in (("vocab", "data.vocab=words.json"), ("init", "train.init_from=runs/start/best")):
+        layered = resolve_config("vsepp", {**QUICK, "data": {"path": "data"}}, parse_overrides([setting]))
+        layered.train.epochs, layered.train.max_batches = 1, 3
+        ref = train(layered, f"runs/{name}", progress=False)
+        for stale in ("best", "last", "metrics.jsonl"):  # killed right after config.json: only it is left
+            path = project / "runs" / name / stale
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        monkeypatch.chdir(tmp_path)  # resumed from another directory
+        restarted = train(layered, f"project/runs/{name}", resume=True, progress=False)
+        assert _untimed(restarted) == _untimed(ref), name
+        monkeypatch.chdir(project)
+
+
+def test_validation_re_ranking_needs_a_first_stage_and_says_so_before_training(tiny_precomp, tmp_path):
+    """train.val_rerank with a model without a global embedding (SCAN) failed at the first validation, an epoch in,
+    leaving a run directory the corrected command then needed --force for."""
+    cfg = resolve_config("scan_t2i_avg", {**QUICK, "data": {"path": str(tiny_precomp)}},
+                         parse_overrides(["train.val_rerank=5"]))
+    with pytest.raises(ConfigError, match="train.val_rerank needs a model with a global embedding"):
+        train(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()

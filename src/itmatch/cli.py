@@ -153,8 +153,9 @@ def _resolve_train_config(args: argparse.Namespace):
 
 
 def _resume_overrides(args: argparse.Namespace) -> dict:
-    """What `train --resume` applies to the checkpoint's config: --preset, --name, the keys of --config's file,
-    --data and --set, in the order a new run layers them. They follow the rules of --set on resume
+    """What `train --resume` applies to the checkpoint's config: the keys of --config's file, --data, --set, then
+    --preset, --name, --device and --precision, in the order a new run layers them (the flags last: they win over
+    the file and --set there too). They follow the rules of --set on resume
     (engine/train.py apply_resume_overrides): a value equal to the run's is accepted whatever its key (the
     starting command re-run with --resume continues the run), a change outside train.* and the data
     locations, such as another preset, is refused."""
@@ -164,8 +165,9 @@ def _resume_overrides(args: argparse.Namespace) -> dict:
     if args.preset:  # (--preset wins over a preset the file names, as in a new run)
         from_file.pop("preset", None)
     named = {key: value for key, value in (("preset", args.preset), ("name", args.name)) if value}
-    return merge_overrides(named, from_file, {"data": {"path": args.data}} if args.data else {},
-                           parse_overrides(args.set or []))
+    placed = {key: value for key, value in (("device", args.device), ("precision", args.precision)) if value}
+    return merge_overrides(from_file, {"data": {"path": args.data}} if args.data else {},
+                           parse_overrides(args.set or []), named, {"train": placed} if placed else {})
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

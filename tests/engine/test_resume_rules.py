@@ -159,3 +159,23 @@ def test_a_run_from_another_runs_weights_takes_its_vocabulary_kind_and_refuses_a
     with pytest.raises(ConfigError, match="data.vocab=.* has no effect: the run keeps the vocabulary of "
                                           "train.init_from"):
         take_init_vocabulary(cfg, Vocab(["a", "dog"]))
+
+
+def test_the_starting_command_with_resume_continues_even_where_its_flags_override_its_file(tiny_precomp, tmp_path):
+    """A new run layers --name and --device over its --config file; --resume layered them under it, so the starting
+    command re-run with --resume was refused (the file's name: against the run's --name) and the resumed run's log
+    recorded the file's train.device as applied while --device had won."""
+    from itmatch.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("name: from-the-file\ntrain:\n  device: cuda\n  epochs: 1\n  batch_size: 32\n  val_images: 40\n"
+                      "  threads: 1\n  max_batches: 2\nmodel:\n  embed_size: 32\n  word_dim: 16\n")
+    run = tmp_path / "run"
+    start = ["train", "--preset", "vsepp", "--config", str(config), "--name", "from-the-flag", "--device", "cpu",
+             "--data", str(tiny_precomp), "--out", str(run), "--quiet"]
+    assert main(start) == 0
+    assert json.loads((run / "config.json").read_text())["name"] == "from-the-flag"
+    assert main([*start, "--resume", "--set", "train.epochs=2"]) == 0
+    resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
+               if "resumed_at_step" in line]
+    assert resumed[-1]["overrides"] == {"train.epochs": 2}

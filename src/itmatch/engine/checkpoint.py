@@ -35,7 +35,10 @@ WEIGHTS, CONFIG, VOCAB, OPTIMIZER, TRAINER, STATE, MANIFEST = (
 # data paths from the checkpoint directory
 MANIFEST_VERSION = 2
 CARD = "card.json"  # a shipped model's card (itmatch.pretrained): its results row and the command that trained it
-DATA_PATH_KEYS = ("path", "images")  # data.* keys that name directories, stored relative to the checkpoint
+#: config keys (section, key) that name files or directories: stored relative to the checkpoint (or run) directory,
+#: so that they resolve wherever it is read from; the data directories, and what a run starts from (a vocabulary
+#: file, another run's weights), which a run killed before its first checkpoint is restarted with
+PATH_KEYS = (("data", "path"), ("data", "images"), ("data", "vocab"), ("train", "init_from"))
 TRUST_HINT = ("if you changed it on purpose, pass --trust-modified (Python: trust_modified=True); to continue a "
               "run with other training settings use `itmatch train --out RUN --resume --set train.epochs=N` "
               "instead of editing config.json")
@@ -220,10 +223,10 @@ def config_for_checkpoint(config: Config, directory: Path) -> dict[str, Any]:
     """config as written into the checkpoint `directory`: relative data paths (from the working directory)
     become paths from the checkpoint directory, so that they resolve wherever the checkpoint is read from."""
     data = config.to_dict()
-    for key in DATA_PATH_KEYS:
-        value = data["data"][key]
+    for section, key in PATH_KEYS:
+        value = data[section][key]
         if value and not Path(value).is_absolute():
-            data["data"][key] = Path(os.path.relpath(Path(value).resolve(), directory)).as_posix()
+            data[section][key] = Path(os.path.relpath(Path(value).resolve(), directory)).as_posix()
     return data
 
 
@@ -244,16 +247,21 @@ def _resolve_data_paths(config: Config, directory: Path, *versions: int) -> dict
     like any path the user gives), looking where a config written by each of `versions` stores them, in that
     order; return every place looked at, per key."""
     searched = {}
-    for key in DATA_PATH_KEYS:
-        value = getattr(config.data, key)
+    for section, key in PATH_KEYS:
+        value = getattr(getattr(config, section), key)
         if not value:
             continue
-        candidates = list(dict.fromkeys(place for version in versions
+        data_directory = section == "data" and key in ("path", "images")
+        # (what a run starts from was stored from the working directory until 2026-11-27, in checkpoints of
+        # either manifest version: looked for there too)
+        tried = versions if data_directory else (*versions, 1)
+        candidates = list(dict.fromkeys(place for version in tried
                                         for place in _data_candidates(value, directory.resolve(), version)))
-        searched[key] = candidates
+        if data_directory:
+            searched[key] = candidates
         if not Path(value).is_absolute():
-            found = next((p for p in candidates if p.is_dir()), candidates[0])
-            setattr(config.data, key, os.path.relpath(found, Path.cwd()))
+            found = next((p for p in candidates if p.exists()), candidates[0])
+            setattr(getattr(config, section), key, os.path.relpath(found, Path.cwd()))
     return searched
 
 

@@ -556,6 +556,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         if cfg.train.val_prune and (cfg.train.val_rerank or model.head.score_bound is None):
             raise ConfigError("train.val_prune needs a head with a score bound (MMCA) and no train.val_rerank",
                               hint="drop train.val_prune, or train.val_rerank")
+        if cfg.train.val_rerank and not model.has_global_embedding:  # (else found by the first validation, an
+            # epoch in, with the run directory already written)
+            raise ConfigError(f"train.val_rerank needs a model with a global embedding for its first stage; "
+                              f"{cfg.model.arch} has none", hint="drop train.val_rerank (validation scores every "
+                                                                 "pair), or train a model that pools (VSE++, MMCA)")
         if cfg.model.word_vectors:  # the found / missing counts are also kept in the run's log
             counts = apply_word_vectors(model, vocab, cfg.model.word_vectors, cfg.model.word_vectors_scale)
             header = json.dumps({"word_vectors": cfg.model.word_vectors, **counts}) + "\n"
