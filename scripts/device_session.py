@@ -381,9 +381,12 @@ def extract_once(logs: Path, work: Path, dry_run: bool = False) -> None:
     with (logs / "extract.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (logs / "extract.done").exists():
+            start = time.time()
             with (logs / "extract.log").open("ab") as log:
                 subprocess.run([sys.executable, *extract], cwd=work, env=_environment(), stdout=log,
                                stderr=subprocess.STDOUT, check=True)
+            with (logs / "extract.log").open("a") as log:  # (the last line `poll` shows: the decode threads' figure)
+                log.write(f"\n[extract: done in {time.time() - start:.0f} s on {os.cpu_count()} host cores]\n")
             (logs / "extract.done").touch()
 
 
@@ -456,7 +459,8 @@ def _report(logs: Path, work: Path, plan: dict[str, Any], quiet: bool = False) -
         text = log.read_bytes()[-4000:].decode(errors="replace") if log.exists() else ""
         tail = text.replace("\r", "\n").strip().splitlines()
         epochs = f": {_progress(work / RUNS, name)}" if name in plan["rows"] else ""
-        lines.append(f"== {name}{epochs}" + ("".join(f"\n   {t}" for t in tail[-3:]) if tail else " (no log yet)"))
+        shown = len(plan["rows"]) if name == "driver" else 3  # (the driver's log: one line per finished row)
+        lines.append(f"== {name}{epochs}" + ("".join(f"\n   {t}" for t in tail[-shown:]) if tail else " (no log yet)"))
     report = "\n".join(lines)
     if not quiet:
         print(report)

@@ -108,6 +108,7 @@ def test_the_features_are_extracted_once_by_the_drivers_started_side_by_side(ses
         driver.join(10)
     session.extract_once(logs, tmp_path)  # a driver started after it finished
     assert len(extractions) == 1 and (logs / "extract.done").exists()
+    assert re.search(r"\[extract: done in \d+ s on \d+ host cores\]\n$", (logs / "extract.log").read_text())
     (logs / "extract.done").unlink()
     session.extract_once(logs, tmp_path, dry_run=True)  # a rehearsal here: the command, not a real extraction
     assert len(extractions) == 1 and not (logs / "extract.done").exists()
