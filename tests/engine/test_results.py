@@ -163,6 +163,15 @@ def test_claims_view_checks_the_papers_orderings_and_the_goals_against_the_table
         # (two rows of one seed each: as uncertain as the widest spread the table measured)
         "| oan > oan_bilstm | 261.2 | 259.0 | +2.2 | holds, within the table's largest seed spread (3.8); one seed: "
         "oan, oan_bilstm |"]
+    # a side whose run kept its last epoch (the training history beside the table says so) may not have converged
+    metrics = tmp_path / "oan.jsonl"
+    metrics.write_text("".join(json.dumps({"epoch": e, "hardest": True, "lr": 5e-4, "batches": 3,
+                                           "train_seconds": 1.0, "val_rsum": v}) + "\n"
+                               for e, v in ((1, 200.0), (2, 250.0))))
+    replace_history(results / "training" / "flickr8k_gpu.csv", "oan", history_rows("oan", metrics))
+    assert render_views(page, results).splitlines()[8] == (
+        "| oan > oan_bilstm | 261.2 | 259.0 | +2.2 | holds, within the table's largest seed spread (3.8); one seed: "
+        "oan, oan_bilstm; kept its last epoch (maybe not converged): oan |")
     page.write_text("a\n<!-- claims: flickr8k_gpu oan>=scan_t2i_avg oan=vsepp -->\n<!-- claims: end -->\n")
     with pytest.raises(DataError, match=r"training.md:2: claim 'oan=vsepp' is not ROW>ROW"):
         render_views(page, results)

@@ -212,10 +212,16 @@ def kept_last_epoch(history: list[dict[str, str]]) -> dict[str, int]:
     return {r["name"]: last[r["name"]] for r in history if r["selected"] and int(r["epoch"]) == last[r["name"]]}
 
 
+def runs_kept_last(results_csv: Path) -> dict[str, int]:
+    """kept_last_epoch of the training history beside a results table (training/<same name>.csv; none without)."""
+    return kept_last_epoch(read_rows(results_csv.parent / VIEW_KINDS["training"].folder / results_csv.name,
+                                     HISTORY_HEADER))
+
+
 def _still_rising(path: Path, rows: list[dict[str, str]]) -> list[str]:
-    """The notice under a results table naming its rows whose run kept its last epoch (their history is
-    training/<same name>.csv beside it); none where no history is there or every run peaked before its end."""
-    kept = kept_last_epoch(read_rows(path.parent / VIEW_KINDS["training"].folder / path.name, HISTORY_HEADER))
+    """The notice under a results table naming its rows whose run kept its last epoch; none where no history is
+    there or every run peaked before its end."""
+    kept = runs_kept_last(path)
     named = [f"`{r['name']}` (epoch {kept[r['name']]})" for r in rows if r["name"] in kept]
     return ["**Kept their last epoch** (their dev rsum was still rising when training ended, so they may not have "
             "converged: read them as what their schedule reached, not as their method's level): "
@@ -282,12 +288,15 @@ def _signed(x: float) -> str:
     return f"{x:+.1f}".replace("-", "−")
 
 
-def claim_lines(claims: list[str], rows: list[dict[str, str]]) -> list[str]:
+def claim_lines(claims: list[str], rows: list[dict[str, str]], kept_last: dict[str, int] | None = None
+                ) -> list[str]:
     """A paper's ordering or a goal checked against the table: `a>b` or `a>=b` between two rows' rsum, or a row
     against a number (`scan_i2t_lse>=300`). A claim decided by less than the seed spread of either side
     (seed_groups) says so; a side trained with one seed only is named, and its spread taken as the largest the
-    table measured (a margin of one-seed rows is no firmer than one between seeds); a claim with a row not in
-    the table yet says that instead."""
+    table measured (a margin of one-seed rows is no firmer than one between seeds); a side whose run kept its last
+    epoch (`kept_last`, runs_kept_last) is named as maybe not converged; a claim with a row not in the table yet
+    says that instead."""
+    kept_last = kept_last or {}
     by_name = {r["name"]: r for r in rows}
     spread = {r["name"]: seed_spread(group) for group in seed_groups(rows) for r in group}
     largest = max(spread.values(), default=0.0)
@@ -308,11 +317,13 @@ def claim_lines(claims: list[str], rows: list[dict[str, str]]) -> list[str]:
         holds = a >= b if op == ">=" else a > b
         sides = (left,) if goal else (left, right)
         one_seed = [n for n in sides if n not in spread]
+        rising = [n for n in sides if n in kept_last]
         noise = max([spread[n] for n in sides if n in spread] + ([largest] if one_seed else []))
         within = "the seed spread" if not one_seed else "the table's largest seed spread"
         verdict = ("holds" if holds else "does not hold") + (
             f", within {within} ({noise:.1f})" if noise and abs(a - b) <= noise else "") + (
-            f"; one seed: {', '.join(one_seed)}" if one_seed else "")
+            f"; one seed: {', '.join(one_seed)}" if one_seed else "") + (
+            f"; kept its last epoch (maybe not converged): {', '.join(rising)}" if rising else "")
         lines.append(f"{shown} {a:.1f} | {b:.1f}{' (goal)' if goal else ''} | {_signed(a - b)} | {verdict} |")
     return lines
 
@@ -322,10 +333,10 @@ class _ViewKind:
     folder: str  # below the results directory
     header: list[str] | tuple[list[str], ...]  # (or any of several)
     head: Callable[[bool], list[str]]  # (whether the CSV has a device column)
-    # one line per named row (row, the view's first row, device), or (body) the whole view from its names and the
-    # CSV's rows, where its lines are not one per row (claims)
+    # one line per named row (row, the view's first row, device), or (body) the whole view from its names, the
+    # CSV's rows and the CSV's path, where its lines are not one per row (claims)
     line: Callable[[dict[str, str], dict[str, str] | None, bool], str] | None = None
-    body: Callable[[list[str], list[dict[str, str]]], list[str]] | None = None
+    body: Callable[[list[str], list[dict[str, str]], Path], list[str]] | None = None
 
 
 #: Views inside any markdown page: `<!-- results: flickr8k row_a row_b ... -->`, the table, then
@@ -340,7 +351,8 @@ VIEW_KINDS = {"results": _ViewKind("", RESULTS_HEADERS, table_head, lambda r, _,
                                     lambda r, _, __: history_line(r)),
               "versus": _ViewKind("", RESULTS_HEADERS, lambda _: VERSUS_HEAD,
                                   lambda r, first, _: versus_line(r, first)),
-              "claims": _ViewKind("", RESULTS_HEADERS, lambda _: CLAIMS_HEAD, body=claim_lines)}
+              "claims": _ViewKind("", RESULTS_HEADERS, lambda _: CLAIMS_HEAD,
+                                  body=lambda names, rows, path: claim_lines(names, rows, runs_kept_last(path)))}
 
 
 def view_pattern(*kinds: str) -> re.Pattern:
@@ -397,7 +409,7 @@ def render_views(page: str | Path, results_dir: str | Path) -> str:
         names = match["rows"].split()
         if kind.body is not None:  # (claims: lines of their own, not one per named row)
             try:
-                lines = kind.body(names, rows)
+                lines = kind.body(names, rows, csv_path)
             except DataError as exc:  # (where in the page)
                 raise DataError(exc.message, path=page, line=text.count("\n", 0, match.start()) + 1,
                                 hint=exc.hint) from None
