@@ -125,13 +125,22 @@ def existing_dir(text: str) -> str:
     return _existing(text, want_dir=True)
 
 
+def device_form(text: str) -> str:
+    """auto, cpu, cuda or cuda:N (any case), by form only, lower-cased: whether this machine has that device is
+    checked when the work starts (itmatch.device.resolve names what is available), without importing torch.
+    A ConfigError otherwise (train.device's check, `option(check=...)`)."""
+    if not DEVICE_FORM.match(text.strip()):
+        raise ConfigError(f"{text!r} is not a device", hint="use auto, cpu, cuda or cuda:N")
+    return text.strip().lower()
+
+
 @_named("device")
 def device_name(text: str) -> str:
-    """auto, cpu, cuda or cuda:N, by form only: whether this machine has that device is checked when the verb
-    starts (itmatch.device.resolve names what is available), without importing torch for the parser."""
-    if not DEVICE_FORM.match(text.strip()):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use auto, cpu, cuda or cuda:N")
-    return text.strip().lower()
+    """`device_form` of the --device flag."""
+    try:
+        return device_form(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{exc.message}: {exc.hint}") from None
 
 
 @_named("checkpoint_ref")

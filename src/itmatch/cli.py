@@ -160,14 +160,16 @@ def _resume_overrides(args: argparse.Namespace) -> dict:
     starting command re-run with --resume continues the run), a change outside train.* and the data
     locations, such as another preset, is refused."""
     from itmatch.config import load_yaml, merge_overrides, parse_overrides
+    from itmatch.models.registry import preset_of
 
     from_file = load_yaml(args.config) if args.config else {}
-    if args.preset:  # (--preset wins over a preset the file names, as in a new run)
-        from_file.pop("preset", None)
+    set_pairs = parse_overrides(args.set or [])
+    preset_of(args.preset, from_file, set_pairs)  # (a file or --set naming another preset than --preset: refused,
+    # as in a new run)
     named = {key: value for key, value in (("preset", args.preset), ("name", args.name)) if value}
     placed = {key: value for key, value in (("device", args.device), ("precision", args.precision)) if value}
-    return merge_overrides(from_file, {"data": {"path": args.data}} if args.data else {},
-                           parse_overrides(args.set or []), named, {"train": placed} if placed else {})
+    return merge_overrides(from_file, {"data": {"path": args.data}} if args.data else {}, set_pairs, named,
+                           {"train": placed} if placed else {})
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -10,30 +10,40 @@ import dataclasses
 import difflib
 import functools
 import math
+import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from itmatch.argtypes import device_form
 from itmatch.errors import ConfigError
 
 #: the vocabulary's threshold: words seen fewer times in the training captions read as <unk> (SCAN's)
 MIN_WORD_COUNT = 4
 
 
+#: a field's own test of its value (`option(check=...)`), for what bounds and choices cannot say (a comma list, a
+#: registered name): it raises a ConfigError saying what is wrong with the value, with a hint; `update` adds the key
+#: and where it was written. What it returns is not used.
+Check = Callable[[Any], object]
+
+
 @dataclass(frozen=True)
 class Rule:
-    """Allowed values of one config key: bounds (inclusive `min`/`max`, exclusive `above`) or a set of
-    choices. Keys without a rule accept any value of their type."""
+    """Allowed values of one config key: bounds (inclusive `min`/`max`, exclusive `above`), a set of choices or a
+    `check`. Keys without a rule accept any value of their type."""
 
     min: float | None = None
     above: float | None = None
     max: float | None = None
     choices: tuple[str, ...] | None = None
+    check: Check | None = None
 
-    def check(self, key: str, value: Any) -> None:
+    def apply(self, key: str, value: Any) -> None:
         if self.choices is not None and value not in self.choices:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(self.choices)}",
                               hint=f"set {key} to one of {', '.join(self.choices)}")
@@ -41,17 +51,40 @@ class Rule:
                   (self.max, "<=", lambda b: value <= b)]
         for bound, op, ok in bounds:
             if bound is not None and not ok(bound):
-                raise ConfigError(f"{key}: {value!r} is out of range (must be {op} {bound:g})")
+                raise ConfigError(f"{key}: {value!r} is out of range (must be {op} {_number(bound)})")
+        if self.check is not None:
+            try:
+                self.check(value)
+            except ConfigError as exc:
+                raise ConfigError(f"{key}: {exc.message}", hint=exc.hint) from None
+
+
+def _number(bound: float) -> str:
+    """A bound as it reads best: a whole number exactly (2**32 - 1, not 4.29497e+09), any other in short."""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
 
 
 def option(default: Any, *, min: float | None = None, above: float | None = None, max: float | None = None,
-           choices: typing.Iterable[str] | None = None) -> Any:
+           choices: typing.Iterable[str] | None = None, check: Check | None = None) -> Any:
     """A config field declared with its allowed values, which `update` checks (e.g. `k_heads: int =
-    option(6, min=1)`), so that they are written once, beside the field."""
-    rule = Rule(min, above, max, tuple(choices) if choices is not None else None)
+    option(6, min=1)`, `scales: str = option("c5", check=parse_scales)`), so that they are written once, beside
+    the field."""
+    rule = Rule(min, above, max, tuple(choices) if choices is not None else None, check)
     return field(default=default, metadata={"rule": rule})
 
 
+#: model.arch's values: the arch of every model package (itmatch.models.registry.register_arch adds its name)
+ARCH_NAMES: list[str] = []
+
+
+def _registered_arch(name: str) -> None:
+    """model.arch's check: an arch some model package registered."""
+    if name not in ARCH_NAMES:
+        raise ConfigError(f"unknown arch {name!r}", hint=f"choose one of {', '.join(ARCH_NAMES)}")
+
+
+#: data.tokenizer's values (itmatch.data.vocab.TOKENIZERS, which imports this module; a test checks they agree)
+TOKENIZERS = ("word", "wordpiece")
 #: SCAN's pooling of region-word relevance (model.pool: read by SCAN, SAVE, SMAN and the text encoders, so it is
 #: ModelConfig's) and normalisations of the raw dots (model.scan.raw_feature_norm); its heads check their arguments
 #: against these
@@ -64,7 +97,7 @@ class ModelConfig:
     """What every model reads. A model family's own options are a section of their own (`model.oan`,
     `model.save`, ...), declared in its package with `@register_options` and added to this class there."""
 
-    arch: str = "scan"  # a registered arch (`itmatch models`); checked when the model is built
+    arch: str = option("scan", check=_registered_arch)  # a registered arch (`itmatch models`)
     img_dim: int = option(0, min=0)  # 0: taken from the data's feature dimension
     vocab_size: int = option(0, min=0)  # 0: taken from the vocabulary
     embed_size: int = option(1024, min=1)
@@ -167,7 +200,8 @@ class TrainConfig:
     bucket_by_length: bool = False  # batches of similar caption length (less padding; see docs/training.md)
     max_batches: int = option(0, min=0)  # >0: cap batches per epoch (quick runs); 0: the whole split
     val_images: int = option(1000, min=1)  # model selection on the first N dev images (SCAN)
-    val_rerank: int = 0  # >0: validate by re-ranking the top-K of the global stage (pair heads, e.g. MMCA)
+    # >0: validate by re-ranking the top-K of the global stage (pair heads, e.g. MMCA)
+    val_rerank: int = option(0, min=0)
     # validate with safe pruning: the exhaustive dev metrics, scoring only the pairs a head's score bound leaves
     # undecided (MMCA; docs/mmca.md)
     val_prune: bool = False
@@ -191,7 +225,7 @@ class TrainConfig:
     gather_negatives: bool = False
     # where training (and its validation) runs: auto (the GPU when torch sees one) | cpu | cuda | cuda:N; and its
     # arithmetic: fp32 (exact, no autocast) | bf16 | fp16 (autocast; fp16 with a gradient scaler). docs/gpu.md
-    device: str = "auto"
+    device: str = option("auto", check=device_form)  # (its form only: whether the machine has it is checked at start)
     precision: str = option("fp32", choices=("fp32", "bf16", "fp16"))
     # the training split's feature arrays copied to the device once, each batch's images gathered there by index:
     # auto (on when the device is CUDA and they fit in half its free memory) | on | off. Image files always stream.
@@ -213,7 +247,7 @@ class DataConfig:
     # is read at training only
     min_word_count: int = option(MIN_WORD_COUNT, min=1)
     # word (Treebank words, vocab from training captions) | wordpiece (the tokenizer the model brings: MMCA's)
-    tokenizer: str = "word"
+    tokenizer: str = option("word", choices=TOKENIZERS)
     backbone: str = ""  # the CNN the features came from (read from the data's meta.json); used by itmatch.load
     train_split: str = "train"
     val_split: str = "dev"
@@ -232,10 +266,25 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _coerce(value: Any, typ: Any, key: str) -> Any:
+#: a whole number as its text is read: base-10 digits (YAML 1.1 reads 0123 as octal 83, 1:30 as 90, 0x10 as 16)
+WHOLE_NUMBER = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*")
+
+
+def _coerce(value: Any, typ: Any, key: str, text: str | None = None) -> Any:
+    """`value` as a field of type `typ`. `text` is how the value was written, where known (`Layer.texts`): a text
+    field takes it as it is and a whole number is read from it in base 10, as YAML 1.1 does not (0123 -> 83,
+    1.10 -> 1.1, 12:30 -> 750, `run #2` -> run)."""
+    if text is not None and typ is str:
+        return text
+    if text is not None and typ is int:
+        if WHOLE_NUMBER.fullmatch(text):
+            return int(text)
+        raise ConfigError(f"{key}: expected int, got {text!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value
+        if isinstance(value, int) and value in (0, 1):  # (YAML reads 1 and 0 as numbers)
+            return bool(value)
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
     elif typ is int and isinstance(value, int) and not isinstance(value, bool):
@@ -261,13 +310,16 @@ Origin = tuple[str | Path, int | None]
 
 
 class Layer(dict):
-    """A layer of config values (a nested dict, as `update` takes) that knows where each key was written:
-    `origins` maps dotted key paths, intermediate ones included, to their Origin. `load_yaml` and
-    `parse_overrides` return one, `merge_overrides` keeps them, and `update` names them in its errors."""
+    """A layer of config values (a nested dict, as `update` takes) that knows, by dotted key path, where each key
+    was written (`origins`, intermediate keys included) and the text each scalar value was written as (`texts`),
+    which YAML may have read as something else (`_coerce`). `load_yaml` and `parse_overrides` return one,
+    `merge_overrides` keeps them, and `update` reads the texts and names the origins in its errors."""
 
-    def __init__(self, data: dict[str, Any] | None = None, origins: dict[str, Origin] | None = None) -> None:
+    def __init__(self, data: dict[str, Any] | None = None, origins: dict[str, Origin] | None = None,
+                 texts: dict[str, str] | None = None) -> None:
         super().__init__(data or {})
         self.origins: dict[str, Origin] = dict(origins or {})
+        self.texts: dict[str, str] = dict(texts or {})
 
 
 def locate(exc: ConfigError, origins: dict[str, Origin], key: str) -> None:
@@ -283,17 +335,18 @@ def locate(exc: ConfigError, origins: dict[str, Origin], key: str) -> None:
             return
 
 
-def update(obj: Any, values: dict[str, Any], prefix: str = "", origins: dict[str, Origin] | None = None) -> Any:
+def update(obj: Any, values: dict[str, Any]) -> Any:
     """Apply a nested dict onto a dataclass tree in place; unknown keys and values outside a field's
-    `option` rule are errors, naming where the key was written when `values` is a `Layer` (or `origins` are
-    given). Keys in MOVED_KEYS are read at their new place."""
-    if origins is None:
-        origins = getattr(values, "origins", {})
+    `option` rule are errors, naming where the key was written when `values` is a `Layer`, whose texts the
+    fields read (`_coerce`). Keys in MOVED_KEYS are read at their new place."""
     if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of its fields, got {values!r}")
-    if not prefix and MOVED_KEYS:
-        values = _moved(values)
-        origins = {MOVED_KEYS.get(k, k): origin for k, origin in origins.items()}
+        raise ConfigError(f"config: expected a mapping of its fields, got {values!r}")
+    layer = _moved(Layer(values, getattr(values, "origins", {}), getattr(values, "texts", {})))
+    return _apply(obj, layer, "", layer)
+
+
+def _apply(obj: Any, values: dict[str, Any], prefix: str, layer: Layer) -> Any:
+    """`update` of the fields under `prefix`: `values` is the part of `layer` there."""
     hints = typing.get_type_hints(type(obj))
     fields = {f.name: f for f in dataclasses.fields(obj)}
     for key, value in values.items():
@@ -306,23 +359,25 @@ def update(obj: Any, values: dict[str, Any], prefix: str = "", origins: dict[str
                                   f"valid keys here: {', '.join(sorted(prefix + n for n in fields))}")
             current = getattr(obj, key)
             if dataclasses.is_dataclass(current):
+                if value is None:  # a section with every key commented out (YAML reads `train:` as null)
+                    continue
                 if not isinstance(value, dict):
                     raise ConfigError(f"{full}: expected a mapping of its fields, got {value!r}")
-                update(current, value, f"{full}.", origins)
+                _apply(current, value, f"{full}.", layer)
                 continue
             rule = fields[key].metadata.get("rule")
             if isinstance(value, bool) and rule is not None and {"on", "off"} <= set(rule.choices or ()):
                 value = "on" if value else "off"  # YAML 1.1 reads on/off (and yes/no) as booleans
             try:
-                value = _coerce(value, hints[key], full)
+                value = _coerce(value, hints[key], full, layer.texts.get(full))
             except ConfigError as exc:
                 exc.hint = exc.hint or f"{full} takes {_a(hints[key].__name__)}, e.g. {current!r}"
                 raise
             if rule is not None:
-                rule.check(full, value)
+                rule.apply(full, value)
             setattr(obj, key, value)
         except ConfigError as exc:
-            locate(exc, origins, full)
+            locate(exc, layer.origins, full)
             raise
     return obj
 
@@ -331,16 +386,21 @@ def _a(noun: str) -> str:
     return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
 
 
-def _moved(values: dict[str, Any]) -> dict[str, Any]:
-    """`values` with every key of MOVED_KEYS at its new path (a config saved before the move, an old --set)."""
-    flat = flatten(values)
+def _moved(layer: Layer) -> Layer:
+    """`layer` with every key of MOVED_KEYS at its new path (a config saved before the move, an old --set), its
+    origins and texts too. An old key and its new one set to different values is an error where the old one was
+    written."""
+    flat = flatten(layer)
     if not any(old in flat for old in MOVED_KEYS):
-        return values
+        return layer
     for old, new in MOVED_KEYS.items():
         if old in flat:
             value = flat.pop(old)
             if flat.get(new, value) != value:
-                raise ConfigError(f"{old} (now {new}) and {new} are both set, to different values")
+                exc = ConfigError(f"{old} (now {new}) and {new} are both set, to different values",
+                                  hint=f"keep {new} only: {old} is its old name")
+                locate(exc, layer.origins, old)
+                raise exc
             flat[new] = value
     nested: dict[str, Any] = {}
     for key, value in flat.items():
@@ -349,12 +409,28 @@ def _moved(values: dict[str, Any]) -> dict[str, Any]:
         for part in parents:
             node = node.setdefault(part, {})
         node[last] = value
-    return nested
+    return Layer(nested, _renamed(layer.origins), _renamed(layer.texts))
+
+
+def _renamed(table: dict[str, Any]) -> dict[str, Any]:
+    """A table by dotted key path (`Layer.origins`, `Layer.texts`) with the keys of MOVED_KEYS at their new path."""
+    return {MOVED_KEYS.get(key, key): value for key, value in table.items()}
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.SafeLoader without YAML 1.1's dates: no config value is one, and a date-like text (a run named
+    2024-13-45, which the date constructor refuses) stays a string."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 
 
 def parse_overrides(pairs: list[str]) -> Layer:
-    """["model.embed_size=512", ...] -> nested dict (values parsed as YAML scalars), a Layer whose errors in
-    `update` name the `--set` pair they came from."""
+    """["model.embed_size=512", ...] -> nested dict (values parsed as YAML, which a value must be), a Layer whose
+    errors in `update` name the `--set` pair they came from. Its texts are the values as typed (a text field takes
+    `name=0123` as 0123, not 83) or, for one in YAML's quotes, the text inside them."""
     nested = Layer()
     for pair in pairs:
         if "=" not in pair:
@@ -363,11 +439,15 @@ def parse_overrides(pairs: list[str]) -> Layer:
         parts = key.strip().split(".")
         if not all(parts):
             raise ConfigError(f"override {pair!r}: {key!r} is not a key path", hint="e.g. --set model.embed_size=512")
+        text = raw.strip()
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError as exc:
+            value = yaml.load(text, Loader=_Loader) if text else ""
+        except (yaml.YAMLError, ValueError) as exc:  # (ValueError: a number YAML's int() refuses, e.g. 0x_)
             raise ConfigError(f"override {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', exc)})",
-                              hint="quote strings that contain YAML syntax, e.g. --set name='a: b'") from None
+                              hint="put it in YAML's quotes inside the shell's, e.g. --set \"name='@home'\""
+                              ) from None
+        if isinstance(value, str) and text[:1] in ("'", '"'):
+            text = value
         node = nested
         for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
@@ -380,6 +460,7 @@ def parse_overrides(pairs: list[str]) -> Layer:
         for n in range(1, len(parts) + 1):  # a parent key: named by the first pair that set one of its fields
             nested.origins.setdefault(".".join(parts[:n]), (f"--set {pair}", None))
         nested.origins[key.strip()] = (f"--set {pair}", None)  # (the last pair of a key wins)
+        nested.texts[key.strip()] = text
     return nested
 
 
@@ -403,15 +484,16 @@ def get_key(tree: Any, key: str) -> Any:
 
 def merge_overrides(*layers: dict[str, Any]) -> Layer:
     """Nested override dicts merged in order (a later layer's value wins, mappings merge key by key), e.g. a
-    YAML config file's keys, then --set's; each key keeps the origin of the layer its value came from."""
+    YAML config file's keys, then --set's; each key keeps the origin and text of the layer its value came from."""
     merged = Layer(_merged(*layers))
     for layer in layers:
-        origins = getattr(layer, "origins", {})
-        for key in _key_paths(layer):
-            if key in origins:
-                merged.origins[key] = origins[key]
-            else:  # (a layer that knows no origins, e.g. --data's, says nothing about where the key came from)
-                merged.origins.pop(key, None)
+        for table in ("origins", "texts"):
+            known, kept = getattr(layer, table, {}), getattr(merged, table)
+            for key in _key_paths(layer):
+                if key in known:
+                    kept[key] = known[key]
+                else:  # (a layer that knows none, e.g. --data's, says nothing about where the key came from)
+                    kept.pop(key, None)
     return merged
 
 
@@ -441,10 +523,10 @@ def load_yaml(path: str | Path) -> Layer:
     refused naming both lines (YAML keeps the last one silently)."""
     path = Path(path)
     try:
-        loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
+        loader = _Loader(path.read_text(encoding="utf-8"))
         try:
             node = loader.get_single_node()  # (what yaml.safe_load does, with the nodes' lines kept)
-            origins = _key_origins(node, path)
+            origins, texts = _key_sources(node, path)
             data = loader.construct_document(node) if node is not None else None
         finally:
             loader.dispose()
@@ -460,24 +542,27 @@ def load_yaml(path: str | Path) -> Layer:
         mark = getattr(exc, "problem_mark", None)
         raise ConfigError(f"invalid YAML: {getattr(exc, 'problem', exc)}", path=path,
                           line=mark.line + 1 if mark else None) from None
+    except ValueError as exc:  # (a number YAML's int() refuses, e.g. 0x_)
+        raise ConfigError(f"invalid YAML: {exc}", path=path) from None
     if data is None:
         return Layer()
     if not isinstance(data, dict):
         raise ConfigError("a config file must be a mapping", path=path)
-    return Layer(data, origins)
+    return Layer(data, origins, texts)
 
 
 MERGE_TAG = "tag:yaml.org,2002:merge"  # `<<: *anchor`
 
 
-def _key_origins(node: yaml.Node | None, path: Path, prefix: str = "",
-                 inside: frozenset[int] = frozenset()) -> dict[str, Origin]:
-    """(path, line) of every key of a mapping node and of the mappings in it, by dotted key path. A key given
-    twice in one mapping is a ConfigError naming both lines. Keys a merge (`<<:`) brings have no line of
-    their own (`locate` names their parent's)."""
-    if not isinstance(node, yaml.MappingNode) or id(node) in inside:  # (a mapping that holds itself by an alias)
-        return {}
+def _key_sources(node: yaml.Node | None, path: Path, prefix: str = "",
+                 inside: frozenset[int] = frozenset()) -> tuple[dict[str, Origin], dict[str, str]]:
+    """(path, line) of every key of a mapping node and of the mappings in it, and the text of every scalar value
+    (`Layer.texts`), by dotted key path. A key given twice in one mapping is a ConfigError naming both lines.
+    Keys a merge (`<<:`) brings have no line or text of their own (`locate` names their parent's line)."""
     origins: dict[str, Origin] = {}
+    texts: dict[str, str] = {}
+    if not isinstance(node, yaml.MappingNode) or id(node) in inside:  # (a mapping that holds itself by an alias)
+        return origins, texts
     for key_node, value_node in node.value:
         if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == MERGE_TAG:
             continue
@@ -486,8 +571,12 @@ def _key_origins(node: yaml.Node | None, path: Path, prefix: str = "",
             raise ConfigError(f"{key} is given twice, on lines {origins[key][1]} and {line} (YAML would keep the "
                               f"last one without a word)", path=path, line=line, hint="keep one of them")
         origins[key] = (path, line)
-        origins.update(_key_origins(value_node, path, f"{key}.", inside | {id(node)}))
-    return origins
+        if isinstance(value_node, yaml.ScalarNode):
+            texts[key] = value_node.value  # (as written: `0123`, `12:30`; a quoted one without its quotes)
+        inner_origins, inner_texts = _key_sources(value_node, path, f"{key}.", inside | {id(node)})
+        origins.update(inner_origins)
+        texts.update(inner_texts)
+    return origins, texts
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

@@ -161,7 +161,8 @@ def test_a_run_from_another_runs_weights_takes_its_vocabulary_kind_and_refuses_a
         take_init_vocabulary(cfg, Vocab(["a", "dog"]))
 
 
-def test_the_starting_command_with_resume_continues_even_where_its_flags_override_its_file(tiny_precomp, tmp_path):
+def test_the_starting_command_with_resume_continues_even_where_its_flags_override_its_file(tiny_precomp, tmp_path,
+                                                                                           capsys):
     """A new run layers --name and --device over its --config file; --resume layered them under it, so the starting
     command re-run with --resume was refused (the file's name: against the run's --name) and the resumed run's log
     recorded the file's train.device as applied while --device had won."""
@@ -179,3 +180,7 @@ def test_the_starting_command_with_resume_continues_even_where_its_flags_overrid
     resumed = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()
                if "resumed_at_step" in line]
     assert resumed[-1]["overrides"] == {"train.epochs": 2}
+    # a file naming another preset than --preset is refused on resume as in a new run (it was dropped unsaid)
+    config.write_text("preset: scan_t2i_avg\n" + config.read_text())
+    assert main([*start, "--resume", "--set", "train.epochs=3"]) == 2
+    assert "preset 'scan_t2i_avg' conflicts" in capsys.readouterr().err

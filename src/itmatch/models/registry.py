@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from itmatch.config import Config, ModelConfig, config_from_dict, locate, update
+from itmatch.config import ARCH_NAMES, Config, ModelConfig, config_from_dict, locate, update
 from itmatch.data.vocab import AnyVocab
 from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher
@@ -90,6 +90,7 @@ def register_arch(cls: type[Arch]) -> type[Arch]:
     if not cls.name or cls.name in ARCHS:
         raise ValueError(f"arch {cls.name!r} is empty or already registered")
     ARCHS[cls.name] = cls()
+    ARCH_NAMES.append(cls.name)  # (model.arch's check: the config knows no model package)
     return cls
 
 
@@ -120,31 +121,71 @@ def list_models() -> list[str]:
     return sorted(PRESETS)
 
 
-def preset_config(name: str) -> Config:
+def check_preset(name: str) -> None:
+    """A ConfigError unless `name` is a registered preset's, naming similar ones."""
     if name not in PRESETS:
         close = [p for p in PRESETS if name.split("_")[0] in p][:8]
         raise ConfigError(f"unknown model {name!r}",
                           hint=f"run `itmatch models` for the list; similar: {', '.join(close) or 'none'}")
+
+
+def preset_config(name: str) -> Config:
+    check_preset(name)
     cfg = config_from_dict(copy.deepcopy(PRESETS[name]))
     cfg.preset = cfg.name = name
     return cfg
 
 
 def resolve_config(preset: str | None, *layers: dict[str, Any]) -> Config:
-    """Defaults <- preset <- each layer (YAML file, CLI --set) in order. Errors name where a key was written
-    when its layer is a `Layer` (FILE:LINE, the --set pair)."""
-    cfg = preset_config(preset) if preset else Config()
+    """Defaults <- preset <- each layer (YAML file, --data, CLI --set) in order. Errors name where a key was
+    written when its layer is a `Layer` (FILE:LINE, the --set pair).
+
+    The preset is `preset` (--preset), else the one the last layer naming one names (`preset: NAME` in a file,
+    `--set preset=NAME`; "" names none: the defaults). Every layer applies on top of it, those before the one
+    naming it too. A layer naming a preset other than a given `preset` is refused where it names it (`--preset
+    vsepp --config FILE` with `preset: scan_t2i_avg` in FILE: which one was meant?); naming the same one is fine."""
+    name = preset_of(preset, *layers)
+    cfg = preset_config(name) if name else Config()
     for layer in layers:
-        origins = getattr(layer, "origins", {})
-        if "preset" in layer and layer["preset"] and not preset:
-            try:
-                cfg = preset_config(layer["preset"])
-            except ConfigError as exc:
-                locate(exc, origins, "preset")
-                raise
-        update(cfg, {key: value for key, value in layer.items() if key != "preset"}, origins=origins)
+        update(cfg, layer)  # (a preset a layer names is `name`, or one a later layer replaced: a known one)
     read_pixels_for_finetuning(cfg)
     return cfg
+
+
+def preset_of(preset: str | None, *layers: dict[str, Any]) -> str:
+    """The preset a config is built from (resolve_config): `preset`, else the last layer's that names one ("" for
+    none). A layer naming another than a given `preset` is a ConfigError where it names it."""
+    name = preset or ""
+    for layer in layers:
+        named = _named_preset(layer)
+        if named is None:
+            continue
+        if preset and named != preset:
+            instead = f", or pass --preset {named} instead" if named else ""
+            exc = ConfigError(f"preset {named!r} conflicts with the preset given, {preset!r} (--preset)",
+                              hint=f"name one preset: drop this one{instead}")
+            locate(exc, getattr(layer, "origins", {}), "preset")
+            raise exc
+        name = named
+    return name
+
+
+def _named_preset(layer: dict[str, Any]) -> str | None:
+    """The preset a config layer names (its `preset` key, as written: `Layer.texts`), None where it names none; a
+    ConfigError where it was written when that is no preset's name."""
+    if "preset" not in layer:
+        return None
+    name = getattr(layer, "texts", {}).get("preset", layer["preset"])
+    try:
+        if not isinstance(name, str):
+            raise ConfigError(f"preset: expected a preset's name, got {name!r}",
+                              hint="run `itmatch models` for the list")
+        if name:
+            check_preset(name)
+    except ConfigError as exc:
+        locate(exc, getattr(layer, "origins", {}), "preset")
+        raise
+    return name
 
 
 def pixel_backbone(mc: ModelConfig) -> str:

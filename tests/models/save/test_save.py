@@ -199,8 +199,10 @@ def test_tokens_round_trip_row_major():
 
 
 def test_bad_scales_rejected():
+    from itmatch.errors import ConfigError
+
     for spec in ("c6", "", "c5,c5"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ConfigError, match="is not a comma list of distinct scales"):
             parse_scales(spec)
     assert parse_scales("c5,c3") == ("c3", "c5")
 

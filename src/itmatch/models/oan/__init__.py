@@ -12,7 +12,7 @@ from itmatch.config import ModelConfig
 from itmatch.errors import ConfigError
 from itmatch.models.base import Matcher
 from itmatch.models.encoders import RegionEncoder, RNNTextEncoder
-from itmatch.models.oan.config import OANConfig
+from itmatch.models.oan.config import OANConfig, parse_kernels
 from itmatch.models.oan.head import OANHead
 from itmatch.models.oan.text import TextCNNEncoder
 from itmatch.models.registry import Arch, Preset, register_arch, register_presets
@@ -36,18 +36,6 @@ OAN_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "_no_attn": ("No attention", {"inter": False, "intra": "mean"}),  # mean pooling in each modality
     "_bilstm": ("No object-oriented textual encoder", {"text_encoder": "bilstm"}),  # a BiLSTM for the TextCNN
 }
-
-
-def parse_kernels(text: str) -> tuple[int, ...]:
-    """"1,2,3,5,7" -> (1, 2, 3, 5, 7)."""
-    try:
-        kernels = tuple(int(k) for k in str(text).replace(" ", "").split(",") if k)
-    except ValueError:
-        kernels = ()
-    if not kernels or min(kernels) < 1:
-        raise ConfigError(f"model.oan.kernels={text!r} is not a list of kernel widths",
-                          hint="e.g. --set model.oan.kernels=1,2,3,5,7")
-    return kernels
 
 
 @register_arch

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from itmatch.config import option, register_options
-from itmatch.models.save.encoder import ATTENTIONS, FUSIONS, SCALE_NORMS
+from itmatch.models.save.encoder import ATTENTIONS, FUSIONS, SCALE_NORMS, parse_scales
 
 
 @register_options("save")
@@ -15,7 +15,7 @@ class SaveConfig:
     (`model.scan.i2t_lambda_*`)."""
 
     attention: str = option("asa", choices=ATTENTIONS)  # none | dsa (Eq. 1-4) | asa (Eq. 5-8)
-    scales: str = "c5"  # comma list, finest first: c5 | c4,c5 (ms2) | c3,c4,c5 (ms3)
+    scales: str = option("c5", check=parse_scales)  # comma list, finest first: c5 | c4,c5 (ms2) | c3,c4,c5 (ms3)
     # concat (Fig. 3: max-pool + concat) | nl (NL-ms2: self-attention inside the backbone)
     fusion: str = option("concat", choices=FUSIONS)
     dsa_lambda: float = option(1.0, above=0)  # inverse temperature of the DSA softmax (Eq. 3 has none: 1)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from itmatch.errors import ConfigError
 from itmatch.models.base import ImageEmb, l2norm
 from itmatch.models.encoders import RegionEncoder
 
@@ -95,11 +96,13 @@ def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0, asa_bias: 
 
 
 def parse_scales(spec: str | Sequence[str]) -> tuple[str, ...]:
-    """"c4,c5" -> ("c4", "c5"), validated and ordered finest first."""
+    """"c4,c5" -> ("c4", "c5"), validated and ordered finest first; a ConfigError otherwise (model.save.scales'
+    check, `option(check=...)`, so a bad value is refused where it was written)."""
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
     bad = [s for s in names if s not in SCALES]
     if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"scales must be distinct names among {', '.join(SCALES)} (e.g. 'c4,c5'), got {spec!r}")
+        raise ConfigError(f"{spec!r} is not a comma list of distinct scales among {', '.join(SCALES)}",
+                          hint="write scale names separated by commas: c5, c4,c5 (ms2) or c3,c4,c5 (ms3)")
     return tuple(sorted(names, key=SCALES.index))
 
 
