@@ -225,6 +225,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # ms3 differs from ASA in two ways, c3/c4 added and every scale standardised per cell (scale_norm, which the
     # fused scales need: docs/save.md); ASA on c5 standardised alone tells which of the two a gain comes from
     "save_asa_layernorm": ("save_asa", ["model.save.scale_norm=layernorm"]),
+    # ... and its own no-attention control: while gamma ~ 0, ASA on standardised c5 is the FC on standardised c5, so
+    # no self-attention on the same standardised cells tells what the standardisation alone does (docs/save.md)
+    "save_nosa_layernorm": ("save_nosa", ["model.save.scale_norm=layernorm"]),
     # ASA's theta / phi / g as Eq. 6-7 write them (W u, no bias) beside the non-local block's biased convolutions that
     # every SAVE preset keeps (docs/save.md): only theta's bias changes the attention, a learned prior over the cells
     "save_asa_no_bias": ("save_asa", ["model.save.asa_bias=false"]),
