@@ -223,3 +223,12 @@ def test_validation_re_ranking_needs_a_first_stage_and_says_so_before_training(t
     with pytest.raises(ConfigError, match="train.val_rerank needs a model with a global embedding"):
         train(cfg, tmp_path / "run", progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_region_count_the_model_cannot_read_is_refused_before_the_run_directory(tiny_precomp, tmp_path):
+    """SMAN reads its grid in order, M = model.sman.regions cells: other data failed in the first batch, after
+    config.json and metrics.jsonl were written (the corrected command then needed --force)."""
+    cfg = resolve_config("sman", {**QUICK, "data": {"path": str(tiny_precomp)}})  # (49 regions; the data has 6)
+    with pytest.raises(ConfigError, match="model.sman.regions=49 but the features have 6 regions") as err:
+        train(cfg, tmp_path / "run", progress=False)
+    assert "model.sman.regions=6" in err.value.hint and not (tmp_path / "run").exists()

@@ -45,7 +45,14 @@ def image_dims(cfg: Config, split: PrecompSplit) -> dict[str, int]:
 
 def fill_image_dims(cfg: Config, split: PrecompSplit) -> None:
     """Set the channel counts the model's config takes from the data (image_dims); a conflicting override is an
-    error."""
+    error, and so is a region count other than the one the model reads (Arch.regions_key: found by the first
+    batch, after the run directory was written, until 2026-11-27)."""
+    regions_key = arch(cfg.model).regions_key(cfg.model)
+    shape = getattr(split.images, "shape", None)  # (the precomp array: N x regions x channels)
+    if regions_key is not None and shape is not None and get_key(cfg, regions_key) != shape[1]:
+        raise ConfigError(f"{regions_key}={get_key(cfg, regions_key)} but the features have {shape[1]} regions an "
+                          "image", hint=f"extract 7x7 grid features (e.g. EfficientNet-Lite0 at 224 px), or set "
+                                        f"{regions_key}={shape[1]} if this many cells in row-major order is intended")
     for key, dim in image_dims(cfg, split).items():
         parent, name = key.rsplit(".", 1)
         holder = get_key(cfg, parent)

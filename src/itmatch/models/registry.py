@@ -51,6 +51,11 @@ class Arch:
         """Feature name -> the config key its channel count fills when the trainer reads the data."""
         return {"c5": "model.img_dim"}
 
+    def regions_key(self, mc: ModelConfig) -> str | None:
+        """The config key of the number of regions an image must have, which the trainer checks against the data
+        before anything is written (SMAN reads its grid in order: model.sman.regions); None: any number."""
+        return None
+
     def tokenizer(self, mc: ModelConfig) -> AnyVocab | None:
         """The tokenizer the model brings (data.tokenizer=wordpiece: MMCA's frozen encoder's), or None: a
         word vocabulary built from the training captions."""

@@ -53,6 +53,9 @@ class SMAN(Arch):
                         intra_pair_margin=s.intra_pair_margin, intra_pair_form=s.intra_pair_form)
         return Matcher(image, text, head)
 
+    def regions_key(self, mc: ModelConfig) -> str | None:
+        return "model.sman.regions"
+
 
 @register_presets
 def sman_presets() -> dict[str, Preset]:
