@@ -110,8 +110,20 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         if len(table.skipped) > SKIPPED_SHOWN:
             print(f"skipped: ... and {len(table.skipped) - SKIPPED_SHOWN} more caption rows (meta.json "
                   "skipped_captions lists them all)", file=sys.stderr)
-        print(json.dumps(_without_file_records(meta), indent=2))
+        print(json.dumps(_without_file_records(meta), indent=2) if args.json else _extraction_summary(meta, args.out))
     return 0
+
+
+def _extraction_summary(meta: dict, out: str) -> str:
+    """What `itmatch extract` made, a line a split (the whole record is meta.json; --json prints it)."""
+    lines = [f"{out}: {meta.get('backbone', '?')} features, {meta.get('regions', '?')} regions x {meta.get('dim', '?')}"
+             f" channels an image"]
+    for name, info in meta.get("splits", {}).items():
+        seconds = info.get("seconds_this_run")
+        lines.append(f"  {name:<8} {info.get('images', 0):>7} images {info.get('captions', 0):>8} captions"
+                     + (f"  (extracted in {seconds:.0f} s)" if seconds is not None else ""))
+    lines.append(f"every detail (sources' digests, skipped rows, timings): {Path(out) / 'meta.json'}; --json prints it")
+    return "\n".join(lines)
 
 
 def _without_file_records(meta: dict) -> dict:
@@ -589,6 +601,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also cache the backbone's finer stage maps for multi-scale models (SAVE), e.g. "
                         "c3,c4,c5: writes {split}_ims_c3.npy, {split}_ims_c4.npy beside {split}_ims.npy (c5)")
     s.add_argument("--force", action="store_true", help="replace existing outputs")
+    s.add_argument("--json", action="store_true",
+                   help="print meta.json's record (per-file lists counted) instead of a line a split")
     _add_quiet_argument(s)
     _add_device_arguments(s, "auto")
     s.set_defaults(func=_cmd_extract)

@@ -770,7 +770,12 @@ def test_cli_extracts_a_csv_without_split_column_into_the_named_split(tmp_path, 
     assert main(["extract", str(images), str(csv), "--out", str(out), "--default-split", "train", "--quiet"]) == 0
     shown = capsys.readouterr()
     assert "extract train" not in shown.err  # --quiet: no progress bar
-    printed = json.loads(shown.out)
+    # a line a split (the whole record printed ~60 lines on every run, a no-op re-run included); --json prints it
+    assert [line.split()[:5] for line in shown.out.splitlines()[1:2]] == [["train", "2", "images", "10", "captions"]]
+    assert len(shown.out.splitlines()) == 3 and "meta.json" in shown.out.splitlines()[-1]
+    assert main(["extract", str(images), str(csv), "--out", str(out), "--default-split", "train", "--quiet",
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
     assert printed["splits"]["train"]["image_files"] == 2  # per-file records are in meta.json, not printed
     assert read_precomp(out, "train").ids == ["img0.jpg", "img1.png"]
 
@@ -794,7 +799,7 @@ def test_cli_names_each_skipped_row_once_and_prints_counts_of_the_lists_meta_jso
     with warnings.catch_warnings(record=True) as raised:
         warnings.simplefilter("always")
         assert main(["extract", str(images), str(csv), "--out", str(tmp_path / "out"), "--quiet",
-                     "--skip-bad-images"]) == 0
+                     "--skip-bad-images", "--json"]) == 0
     shown = capsys.readouterr()
     assert shown.err.count("gone.jpg") == 1 and not [w for w in raised if "gone.jpg" in str(w.message)]
     printed = json.loads(shown.out)
