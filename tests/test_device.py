@@ -54,7 +54,8 @@ def test_a_gpu_index_beyond_the_machine_says_how_many_there_are(monkeypatch):
     with pytest.raises(ConfigError, match=r"--device cuda:7: there is no GPU 7; torch sees 1 \(cpu, cuda:0 \(H100\)\)"):
         resolve_device("cuda:7")
     assert resolve_device("cuda") == torch.device("cuda", 0)
-    monkeypatch.setenv("LOCAL_RANK", "1")  # (torchrun with more processes than GPUs: the way out is fewer processes)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # (torchrun with more processes than GPUs: the way out is fewer processes)
+    monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ConfigError, match="there is no GPU 1") as err:
         resolve_device("cuda")
     assert "--nproc_per_node 1" in err.value.hint

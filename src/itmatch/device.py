@@ -9,7 +9,6 @@ of the weights; fp32, the default, is exact. What each setting does and allows: 
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from itmatch.distributed import env_world_size, local_rank
 from itmatch.errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -62,8 +62,8 @@ def resolve_device(spec: str | torch.device | None = "auto", setting: str = "--d
     kind, _, index = spec.partition(":")
     if kind != "cuda" or (index and not index.isdigit()):
         raise ConfigError(f"{setting} {spec!r} is not a device", hint=f"choose one of {', '.join(DEVICES)}")
-    local = os.environ.get("LOCAL_RANK")
-    if index and local is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(index) != int(local):
+    torchrun, local = env_world_size() > 1, local_rank()
+    if index and torchrun and int(index) != local:
         # (every rank would name the same GPU: NCCL refuses a GPU shared by two ranks, or waits forever)
         raise ConfigError(f"{setting} {spec} under torchrun: this process is local rank {local}, whose GPU is "
                           f"cuda:{local}", hint=f"use {setting} cuda: each rank takes the GPU of its LOCAL_RANK "
@@ -71,11 +71,11 @@ def resolve_device(spec: str | torch.device | None = "auto", setting: str = "--d
     if not torch.cuda.is_available():
         raise ConfigError(f"{setting} {spec}: {available_devices()}",
                           hint=f"use {setting} cpu (or auto), or install a CUDA build of torch on a GPU machine")
-    n = int(index) if index else int(os.environ.get("LOCAL_RANK", "0"))
+    n = int(index) if index else local
     count = torch.cuda.device_count()
     if n >= count:
         hint = (f"start at most {count} processes a machine (torchrun --nproc_per_node {count}): each takes the GPU "
-                "of its LOCAL_RANK" if not index and local is not None
+                "of its LOCAL_RANK" if not index and torchrun
                 else f"use cuda:0 .. cuda:{count - 1}, or cuda (this process's GPU)")
         raise ConfigError(f"{setting} {spec}: there is no GPU {n}; torch sees {count} ({available_devices()})",
                           hint=hint)

@@ -38,7 +38,8 @@ CARD = "card.json"  # a shipped model's card (itmatch.pretrained): its results r
 #: config keys (section, key) that name files or directories: stored relative to the checkpoint (or run) directory,
 #: so that they resolve wherever it is read from; the data directories, and what a run starts from (a vocabulary
 #: file, another run's weights), which a run killed before its first checkpoint is restarted with
-PATH_KEYS = (("data", "path"), ("data", "images"), ("data", "vocab"), ("train", "init_from"))
+DATA_DIR_KEYS = (("data", "path"), ("data", "images"))
+PATH_KEYS = (*DATA_DIR_KEYS, ("data", "vocab"), ("train", "init_from"))
 TRUST_HINT = ("if you changed it on purpose, pass --trust-modified (Python: trust_modified=True); to continue a "
               "run with other training settings use `itmatch train --out RUN --resume --set train.epochs=N` "
               "instead of editing config.json")
@@ -251,7 +252,7 @@ def _resolve_data_paths(config: Config, directory: Path, *versions: int) -> dict
         value = getattr(getattr(config, section), key)
         if not value:
             continue
-        data_directory = section == "data" and key in ("path", "images")
+        data_directory = (section, key) in DATA_DIR_KEYS
         # (what a run starts from was stored from the working directory until 2026-11-27, in checkpoints of
         # either manifest version: looked for there too)
         tried = versions if data_directory else (*versions, 1)
