@@ -293,13 +293,16 @@ def claim_lines(claims: list[str], rows: list[dict[str, str]], kept_last: dict[s
     """A paper's ordering or a goal checked against the table: `a>b` or `a>=b` between two rows' rsum, or a row
     against a number (`scan_i2t_lse>=300`). A claim decided by less than the seed spread of either side
     (seed_groups) says so; a side trained with one seed only is named, and its spread taken as the largest the
-    table measured (a margin of one-seed rows is no firmer than one between seeds); a side whose run kept its last
+    table measured between converged runs (a margin of one-seed rows is no firmer than one between seeds; a group
+    with a run that kept its last epoch measures a run still moving, not the seeds); a side whose run kept its last
     epoch (`kept_last`, runs_kept_last) is named as maybe not converged; a claim with a row not in the table yet
     says that instead."""
     kept_last = kept_last or {}
     by_name = {r["name"]: r for r in rows}
-    spread = {r["name"]: seed_spread(group) for group in seed_groups(rows) for r in group}
-    largest = max(spread.values(), default=0.0)
+    groups = seed_groups(rows)
+    spread = {r["name"]: seed_spread(group) for group in groups for r in group}
+    largest = max((seed_spread(group) for group in groups if not any(r["name"] in kept_last for r in group)),
+                  default=0.0)
     lines = []
     for claim in claims:
         match = CLAIM.fullmatch(claim)
