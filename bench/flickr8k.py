@@ -229,8 +229,10 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # no self-attention on the same standardised cells tells what the standardisation alone does (docs/save.md)
     "save_nosa_layernorm": ("save_nosa", ["model.save.scale_norm=layernorm"]),
     # ASA's theta / phi / g as Eq. 6-7 write them (W u, no bias) beside the non-local block's biased convolutions that
-    # every SAVE preset keeps (docs/save.md): only theta's bias changes the attention, a learned prior over the cells
-    "save_asa_no_bias": ("save_asa", ["model.save.asa_bias=false"]),
+    # every SAVE preset keeps (docs/save.md): only theta's bias changes the attention, a learned prior over the cells.
+    # On standardised c5, beside save_asa_layernorm: on raw c5 it collapsed as save_asa did (a GPU run stopped at
+    # epoch 7, docs/save.md), which would say nothing about the bias
+    "save_asa_layernorm_no_bias": ("save_asa", ["model.save.scale_norm=layernorm", "model.save.asa_bias=false"]),
     # save_asa (raw c5) collapsed onto all-alike scores in its first hardest-negative epoch on the GPU and did not
     # converge in 30 epochs (docs/save.md, "The GPU rows"): another seed tells whether that is the seed's
     "save_asa_seed1": ("save_asa", ["train.seed=1"]),
@@ -663,11 +665,15 @@ def study_status(preset: str, profile: Profile) -> str:
     from itmatch.data.perturb import PERTURBATIONS
 
     study = ROOT / profile.runs / "perturb" / preset
-    table = ROOT / f"docs/results/perturb/{profile.perturb_prefix}_{preset}.csv"
+    table = Path(f"docs/results/perturb/{profile.perturb_prefix}_{preset}.md")
     table_run = finished_table_run(preset, profile)
     states = [f"original: the {preset} row's run" if kind == "original" and table_run
               else f"{kind}: {run_state(study / kind)}" for kind in PERTURBATIONS]
-    return ("table in docs/results/perturb" if table.is_file() else "no table yet") + "; " + "; ".join(states)
+    if not (ROOT / table).is_file():
+        return "no table yet; " + "; ".join(states)
+    # (a study trained on a lent GPU leaves its table here and its runs there: seven "not started" would mislead)
+    gone = not table_run and not any((study / kind).exists() for kind in PERTURBATIONS)
+    return f"table in {table}; " + ("its runs are not on this machine" if gone else "; ".join(states))
 
 
 # settings a run may differ in from its row: filled from the data, or how (not what) it was trained

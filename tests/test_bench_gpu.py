@@ -412,7 +412,10 @@ def test_a_study_across_sessions_shows_where_each_training_stands(bench, tmp_pat
     some epochs reads as training, and only then resumed, never reused."""
     import dataclasses
 
-    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"))
+    # the committed GPU study's table, its runs trained on a lent GPU and not here
+    assert bench.study_status("vsepp", dataclasses.replace(bench.GPU, runs=str(tmp_path / "elsewhere"))) == (
+        "table in docs/results/perturb/flickr8k_gpu_vsepp.md; its runs are not on this machine")
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), perturb_prefix="flickr8k_unrun")
     _fake_run(bench, gpu, "vsepp", epochs_done=30, with_best=True)
     shuffle = tmp_path / "runs" / "perturb" / "vsepp" / "shuffle"  # stopped after 5 epochs, with their best
     shutil.copytree(tmp_path / "runs" / "vsepp", shuffle)
