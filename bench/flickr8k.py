@@ -370,10 +370,16 @@ def without_checkpoint(members: list[str], profile: Profile) -> list[str]:
 
 
 def finished_table_run(preset: str, profile: Profile) -> str | None:
-    """The table's run of `preset` when it has trained all its epochs: a study's unperturbed reference (not merely
-    with a `best`: on a GPU machine the row may be training beside the study)."""
+    """The table's run of `preset` when it has trained all its epochs: a study's unperturbed reference where the
+    study has none of its own (not merely with a `best`: on a GPU machine the row may be training beside the
+    study). A study that began its own `original` keeps it (resumed if stopped): the reference of a study's table
+    must not change with what else a machine holds (the GPU's VSE++ table is against its own)."""
     table_run = f"{profile.runs}/{preset}"
-    return table_run if training_finished(ROOT / table_run) else None
+    from itmatch.analysis.perturb import STUDY_FILE, started
+
+    own = ROOT / profile.runs / "perturb" / preset / "original"  # (with --original: only its evaluation cache)
+    began_own = started(own) or (own / STUDY_FILE).is_file()
+    return table_run if training_finished(ROOT / table_run) and not began_own else None
 
 
 def evaluation_command(row: str, profile: Profile, threads: int, record: list[str], members: list[str] | None = None,
@@ -743,8 +749,9 @@ def record_history(run: str, profile: Profile = CPU) -> None:
 
 def run_perturb(preset: str, threads: int, profile: Profile = CPU, jobs: int = 1) -> None:
     """The study's trainings (resumable), `jobs` at once, then the table and chart copied to docs/results/. The
-    unperturbed reference is the table's run of the preset when it has finished (the study checks that its settings
-    are the study's): six trainings; else the study trains it too, seven."""
+    unperturbed reference is the table's run of the preset when it has finished and the study has no `original` of
+    its own (finished_table_run; the study checks that its settings are the study's): six trainings; else the study
+    trains it too, seven."""
     out = f"{profile.runs}/perturb/{preset}"
     ensure_features(DATA, profile)  # (the schedule files' data.path, which the study's trainings read)
     table_run = finished_table_run(preset, profile)

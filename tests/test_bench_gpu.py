@@ -429,6 +429,18 @@ def test_a_study_across_sessions_shows_where_each_training_stands(bench, tmp_pat
     bench.run_perturb("vsepp", 1, gpu, jobs=2)
     study = next(cmd for cmd in commands if cmd[1:3] == ["analyze", "perturb"])  # (after an extraction if no Lite0)
     assert study[study.index("--original") + 1] == f"{tmp_path}/runs/vsepp"
+    # a study that began its own reference keeps it, whatever else the machine holds: its table's deltas must not
+    # change reference between two runs of the bench (the evaluation cache of an --original alone does not count)
+    own = tmp_path / "runs" / "perturb" / "vsepp" / "original"
+    own.mkdir(parents=True)
+    (own / "eval_test_1k.json").write_text("{}")
+    assert bench.finished_table_run("vsepp", gpu) == f"{tmp_path}/runs/vsepp"
+    (own / "study.json").write_text(json.dumps({"perturbation": "original"}))
+    assert bench.finished_table_run("vsepp", gpu) is None
+    assert bench.study_status("vsepp", gpu).startswith("no table yet; original: not started; shuffle: training")
+    commands.clear()
+    bench.run_perturb("vsepp", 1, gpu, jobs=2)
+    assert "--original" not in next(cmd for cmd in commands if cmd[1:3] == ["analyze", "perturb"])
 
 
 def test_an_ensemble_picked_on_dev_evaluates_test_once_with_the_pair_of_the_best_dev_rsum(bench, tmp_path,

@@ -333,7 +333,7 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     report = run_perturbation_study(cfg, Path(args.out), args.perturbations, split=args.split,
                                     protocol=args.protocol, seed=args.seed, force=args.force,
                                     tag_cache=args.tag_cache, progress=not args.quiet, jobs=args.jobs,
-                                    original=args.original)
+                                    original=args.original, device=args.device, precision=args.precision)
     print((Path(args.out) / "perturb.md").read_text(encoding="utf-8"))
     empty = {r["perturbation"]: r["empty_captions"] for r in report["rows"] if r["empty_captions"]}
     if empty:

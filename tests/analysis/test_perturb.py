@@ -516,3 +516,60 @@ def test_an_evaluation_cache_answers_only_for_its_own_checkpoint(tiny_precomp, t
     assert table_metrics == recalls(table_run, tmp_path / "fresh") != own_metrics
     cached = json.loads((own / "eval_test_full.json").read_text())
     assert cached["checkpoint"]["weights"] == str((table_run / "best" / "model.safetensors").resolve())
+    # the command's --device / --precision decide where a run is read, not the device it trained on (a GPU study's
+    # runs evaluated on a CPU); a fresh cache folder, so that the evaluation is attempted
+    with pytest.raises(ConfigError, match=r"--device"):
+        study._evaluate(table_run, tmp_path / "elsewhere", test, "full", False, device="cuda:7")
+
+
+def test_a_run_started_on_a_gpu_resumes_where_the_study_is_told(tiny_precomp, tmp_path):
+    """`analyze perturb --device cpu` continues a run begun on a GPU on the CPU: the flags were written into the
+    study's config only, and a resumed run takes its own saved one, so the study failed with 'train.device cuda:
+    this torch sees no GPU ... pass --device cpu', the flag already passed."""
+    from itmatch.analysis import perturb as study
+    from itmatch.data.precomp import read_precomp
+    from itmatch.engine.checkpoint import config_for_checkpoint
+
+    captions = read_precomp(tiny_precomp, "train").training_captions
+    tagged = [(caption_tokens(c), ["NN"] * len(caption_tokens(c))) for c in captions]
+    cfg = _tiny_study_config(tiny_precomp)
+    on_gpu = _tiny_study_config(tiny_precomp, device="cuda")
+    run = tmp_path / "study" / "nouns"
+    run.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps(config_for_checkpoint(on_gpu, run)))  # (stopped before a checkpoint)
+    stopped_there = study._Training(cfg.to_dict(), run, "nouns", 0, force=False, resume=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"train\.device"):
+            study._train_one(stopped_there, captions, tagged, progress=False)
+    study._train_one(study._Training(cfg.to_dict(), run, "nouns", 0, force=False, resume=True, device="cpu"),
+                     captions, tagged, progress=False)
+    assert study.training_finished(run)
+
+
+def test_a_reference_recall_of_zero_has_no_relative_change_and_the_report_names_its_reference():
+    """Δ% against a reference recall of 0 was written as +0.0% whatever the run reached; it is undefined ('-')."""
+    from itmatch.analysis.perturb import to_csv, to_markdown
+
+    def cells(r1):
+        return {"r1": r1, "r5": 1.0, "r10": 1.0, "r1_delta": r1, "r5_delta": 0.0, "r10_delta": 0.0,
+                "r1_delta_pct": None if r1 else 0.0, "r5_delta_pct": 0.0, "r10_delta_pct": 0.0}
+
+    rows = [{"perturbation": kind, "label": kind, "prior": None, "empty_captions": 0, "best_epoch": 1,
+             "text_to_image": cells(r1), "image_to_text": cells(r1)} for kind, r1 in (("original", 0.0),
+                                                                                      ("nouns", 0.2))]
+    report = {"model": "vsepp", "split": "test", "protocol": "1k", "train_captions": 2, "reference": "runs/vsepp",
+              "priors": dict.fromkeys(perturb.POS_CLASSES, 0.5), "rows": rows}
+    page = to_markdown(report)
+    assert "| nouns | 0.2 (+0.2, -) | 1.0 (+0.0, +0.0%) |" in page
+    assert "Δ against the unperturbed reference `runs/vsepp`." in page
+    assert to_csv(report).splitlines()[2].startswith("nouns,,0,0.20,0.20,,1.00,0.00,0.00,")
+
+
+def test_typographic_quotes_tokenize_as_the_vocabulary_reads_them():
+    """The perturbations split captions as the vocabulary does (its NFKC and ASCII quotes), so a dropped word is one
+    vocabulary token: a caption with ’s split as ' s, tokens the vocabulary does not have."""
+    from itmatch.data.vocab import tokenize
+
+    caption = "A man’s dog “runs” fast ."
+    assert [t.lower() for t in caption_tokens(caption)] == tokenize(caption)
+    assert "'s" in tokenize(caption)

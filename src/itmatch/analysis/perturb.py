@@ -57,7 +57,8 @@ STUDY_FILE = "study.json"  # in each run directory: the perturbation and its see
 def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence[str] = PERTURBATIONS, *,
                            split: str = "test", protocol: str = "1k", seed: int = 0, force: bool = False,
                            tag_cache: str | Path | None = None, progress: bool = True,
-                           jobs: int = 1, original: str | Path | None = None) -> dict[str, Any]:
+                           jobs: int = 1, original: str | Path | None = None, device: str | None = None,
+                           precision: str | None = None) -> dict[str, Any]:
     """Train `cfg` on each perturbation of its training captions, evaluate on the unperturbed `split`,
     write OUT/perturb.{json,csv,md,png}; returns the JSON report. `original` is always included (the
     reference of the deltas). force: retrain runs that exist. tag_cache: where the POS tags of the training
@@ -65,7 +66,9 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     once, each in its own process (a GPU runs the seven small models of a study side by side; on a CPU they
     share its cores: train.threads 0 becomes the cores / jobs each). original: a finished run of `cfg` (a
     results table's run of the same preset and schedule) used as the unperturbed reference instead of training
-    it again; its config is checked like a run of the study's, and its evaluation is cached in OUT/original."""
+    it again; its config is checked like a run of the study's, and its evaluation is cached in OUT/original.
+    device / precision (the command's --device / --precision): where the trainings run and the runs are evaluated,
+    a resumed run and one trained elsewhere included (else each run's own train.device / train.precision)."""
     unknown = [p for p in perturbations if p not in PERTURBATIONS]
     if unknown:
         raise ConfigError(f"unknown perturbation(s) {', '.join(unknown)}",
@@ -93,12 +96,13 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     to_train = [kind for kind in kinds  # (a run stopped after an epoch has a `best`, but is not finished)
                 if run_dirs[kind] == out / kind and (force or not training_finished(out / kind))]
     trainings = [_Training(_run_config(cfg, kind, jobs).to_dict(), out / kind, kind, seed, force,
-                           resume=started(out / kind) and not force) for kind in to_train]
+                           resume=started(out / kind) and not force, device=device, precision=precision)
+                 for kind in to_train]
     _train_all(trainings, train_split.training_captions, tagged, jobs, progress)
     rows = []
     for kind in kinds:
         transform = CaptionPerturbation(kind, train_split.training_captions, tagged, seed=seed)
-        result, best_epoch = _evaluate(run_dirs[kind], out / kind, test_split, protocol, progress)
+        result, best_epoch = _evaluate(run_dirs[kind], out / kind, test_split, protocol, progress, device, precision)
         rows.append({"perturbation": kind, "label": LABELS[kind], "empty_captions": len(transform.empty),
                      "prior": priors.get(kind), "best_epoch": best_epoch, "rsum": result["rsum"],
                      **_run_facts(run_dirs[kind]), **{d: {k: result[d][k] for k in KS} for d in DIRECTIONS}})
@@ -108,8 +112,10 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
             for k in KS:
                 delta = row[d][k] - base[d][k]
                 row[d][f"{k}_delta"] = delta
-                row[d][f"{k}_delta_pct"] = 100.0 * delta / base[d][k] if base[d][k] else 0.0
+                # (None against a reference recall of 0: no relative change to state; shown as "-")
+                row[d][f"{k}_delta_pct"] = 100.0 * delta / base[d][k] if base[d][k] else None
     report = {"model": cfg.preset or cfg.model.arch, "data": cfg.data.path, "split": split, "protocol": protocol,
+              "reference": str(run_dirs["original"]),
               "schedule": schedule_line(cfg), "train_captions": len(train_split.training_captions),
               "priors": priors, "rows": rows}
     write_json_atomic(out / "perturb.json", report)
@@ -129,6 +135,8 @@ class _Training:
     seed: int
     force: bool
     resume: bool
+    device: str | None = None
+    precision: str | None = None
 
 
 def _run_config(cfg: Config, kind: str, jobs: int) -> Config:
@@ -153,7 +161,7 @@ def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, pro
     write_json_atomic(run_dir / STUDY_FILE, study_record(training.kind, training.seed))
     new_run = not training.resume and not (run_dir / "best").exists()
     train(cfg, run_dir, resume=training.resume, force=training.force or new_run, transform=transform,
-          progress=progress, resume_overrides=saving)
+          progress=progress, resume_overrides=saving, device=training.device, precision=training.precision)
 
 
 def _train_all(trainings: list[_Training], captions: Sequence[str], tagged: Tagged, jobs: int,
@@ -283,8 +291,8 @@ def _run_facts(run_dir: Path) -> dict[str, Any]:
             "dev_rsum": state.get("best_rsum")}
 
 
-def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str,
-              progress: bool) -> tuple[dict[str, Any], Any]:
+def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str, progress: bool,
+              device: str | None = None, precision: str | None = None) -> tuple[dict[str, Any], Any]:
     """Test metrics of run_dir/best on the unperturbed split, cached in cache_dir with the checkpoint they are of
     (where its weights are, their size and time), so re-running the study only evaluates new runs, and the cache of
     OUT/original never answers for another checkpoint (a study's own reference, then a table's run as --original)."""
@@ -300,8 +308,10 @@ def _evaluate(run_dir: Path, cache_dir: Path, split: PrecompSplit, protocol: str
         if cached.get("checkpoint") == checkpoint and cached.get("n_captions") == len(split.captions):
             return cached["result"], cached["best_epoch"]
     ckpt = load_checkpoint(run_dir / "best")
-    where = resolve(ckpt.config.train.device, ckpt.config.train.precision, device_setting="train.device",
-                    precision_setting="train.precision")  # (evaluated where and as it trained)
+    # evaluated where and as it trained, unless the command says where (a GPU study's runs read on a CPU)
+    where = resolve(device or ckpt.config.train.device, precision or ckpt.config.train.precision,
+                    device_setting="--device" if device else "train.device",
+                    precision_setting="--precision" if precision else "train.precision")
     result = evaluate_models([(ckpt.model.to(where.device), ckpt.vocab)], split, protocol, progress=progress,
                              precision=where.precision)
     best_epoch = ckpt.state.get("best_epoch")
@@ -316,6 +326,10 @@ def _shown(value: Any, missing: str = "-", spec: str = "") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}%"
+
+
 def to_csv(report: dict[str, Any]) -> str:
     """One line per perturbation: both directions' R@K, delta and delta %, then its run's test rsum, best dev epoch,
     epochs and device setting."""
@@ -327,7 +341,7 @@ def to_csv(report: dict[str, Any]) -> str:
     writer.writerow(header)
     for row in report["rows"]:
         line = [row["perturbation"], _shown(row["prior"], "", ".4f"), row["empty_captions"]]
-        line += [f"{row[d][c]:.2f}" for d, c in columns]
+        line += [_shown(row[d][c], "", ".2f") for d, c in columns]
         line += [_shown(row.get("rsum"), "", ".2f"),
                  *(_shown(row.get(key), "") for key in ("best_epoch", "epochs", "trained_on"))]
         writer.writerow(line)
@@ -341,12 +355,14 @@ def to_markdown(report: dict[str, Any]) -> str:
              f"unperturbed `{report['split']}` split ({report['protocol']} protocol). Cells: R@K (Δ, Δ%).\n"]
     if report.get("schedule"):  # (reports written before it was recorded have none)
         parts.append(f"Every run: {report['schedule']}; each evaluated at its best dev epoch (Runs, below).\n")
+    if report.get("reference"):  # (which run the deltas are against: the study's own, or a table's via --original)
+        parts.append(f"Δ against the unperturbed reference `{report['reference']}`.\n")
     for d in DIRECTIONS:
         parts.append(f"\n## {d.replace('_', ' ')}\n")
         parts.append("| perturbation | R@1 | R@5 | R@10 | captions left without a word |")
         parts.append("|---|---|---|---|---|")
         for row in report["rows"]:
-            cells = [f"{row[d][k]:.1f} ({row[d][k + '_delta']:+.1f}, {row[d][k + '_delta_pct']:+.1f}%)" for k in KS]
+            cells = [f"{row[d][k]:.1f} ({row[d][k + '_delta']:+.1f}, {_percent(row[d][k + '_delta_pct'])})" for k in KS]
             parts.append(f"| {row['label']} | {' | '.join(cells)} | {row['empty_captions']} |")
     if all("rsum" in row for row in report["rows"]):
         parts.append("\n## Runs\n\n| perturbation | test rsum | best dev rsum | at epoch | of | trained on |")
@@ -373,7 +389,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (ax, ax_prior) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1.3]})
     width = 0.26
     for i, k in enumerate(KS):
-        values = [r["text_to_image"][f"{k}_delta_pct"] for r in rows]
+        values = [r["text_to_image"][f"{k}_delta_pct"] or 0.0 for r in rows]  # (no bar where it is undefined)
         ax.bar([x + (i - 1) * width for x in range(len(rows))], values, width, label=f"R@{k[1:]}")
     ax.axhline(0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), [r["label"].replace("Drop ", "drop\n").replace("Random ", "random\n")

@@ -15,6 +15,7 @@ from typing import Any
 
 from nltk.tokenize import NLTKWordTokenizer
 
+from itmatch.data.vocab import normalize_text
 from itmatch.errors import ConfigError, DataError
 from itmatch.io import write_text_atomic
 
@@ -54,8 +55,10 @@ def load_tagger() -> Any:
 
 
 def caption_tokens(caption: str) -> list[str]:
-    """The vocabulary's Treebank tokens, case kept for the tagger (the vocabulary lower-cases them)."""
-    return _tokenizer.tokenize(caption)
+    """The vocabulary's Treebank tokens, case kept for the tagger (the vocabulary lower-cases them): the same
+    normalisation first (vocab.normalize_text), so a dropped word is one vocabulary token also in a caption with
+    typographic quotes (’s would otherwise split as ' s)."""
+    return _tokenizer.tokenize(normalize_text(caption))
 
 
 def tag_captions(captions: Sequence[str], cache_dir: str | Path | None = None, nlp: Any = None,

@@ -40,12 +40,16 @@ TYPOGRAPHIC = str.maketrans({"\u2018": "'", "\u2019": "'", "\u201a": "'", "\u201
                              "\u201c": '"', "\u201d": '"', "\u201e": '"', "\u2013": "-", "\u2014": "-"})
 
 
+def normalize_text(caption: str) -> str:
+    """A caption read in Unicode's compatibility form (NFKC: full-width letters, ligatures) with typographic quotes
+    and dashes as ASCII ones (TYPOGRAPHIC), case kept: what the tokenizer splits."""
+    return unicodedata.normalize("NFKC", caption).translate(TYPOGRAPHIC)
+
+
 def tokenize(caption: str) -> list[str]:
-    """Lower-case Treebank tokens of one caption, read in Unicode's compatibility form (NFKC: full-width letters,
-    ligatures) with typographic quotes and dashes as ASCII ones (TYPOGRAPHIC). Flickr8K's captions are ASCII, so
-    they tokenize as before."""
-    text = unicodedata.normalize("NFKC", caption).translate(TYPOGRAPHIC)
-    return _word_tokenizer().tokenize(text.lower())
+    """Lower-case Treebank tokens of one caption (normalize_text first). Flickr8K's captions are ASCII, so they
+    tokenize as before the normalisation."""
+    return _word_tokenizer().tokenize(normalize_text(caption).lower())
 
 
 def is_word(token: str) -> bool:
