@@ -321,8 +321,10 @@ def claim_lines(claims: list[str], rows: list[dict[str, str]], kept_last: dict[s
         sides = (left,) if goal else (left, right)
         one_seed = [n for n in sides if n not in spread]
         rising = [n for n in sides if n in kept_last]
-        noise = max([spread[n] for n in sides if n in spread] + ([largest] if one_seed else []))
-        within = "the seed spread" if not one_seed else "the table's largest seed spread"
+        own = max((spread[n] for n in sides if n in spread), default=0.0)
+        noise = max(own, largest if one_seed else 0.0)
+        # (named after where the yardstick came from: a side's own seeds, or the table's widest for a one-seed side)
+        within = "the table's largest seed spread" if one_seed and largest > own else "the seed spread"
         verdict = ("holds" if holds else "does not hold") + (
             f", within {within} ({noise:.1f})" if noise and abs(a - b) <= noise else "") + (
             f"; one seed: {', '.join(one_seed)}" if one_seed else "") + (
