@@ -22,6 +22,11 @@ last lines) through $OUT, until every row is done:
 
     python3 scripts/device_session.py poll --wait 540
 
+and, to end a row or study that runs (or waits) before its time (its bench and the trainings it started; the driver
+logs `ITEM: stopped` and gives its slot to the next item):
+
+    python3 scripts/device_session.py stop save_asa_seed1 [perturb:vsepp ...]
+
 and, for a model to ship, its fp16 package (scripts/ship_pretrained.py) into $OUT:
 
     python3 scripts/device_session.py ship mmca mmca-flickr8k
@@ -41,10 +46,13 @@ copy), the runs and features inside it, the logs in logs/. This script itself ne
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -75,6 +83,7 @@ GROUPS = [*WHEELS, "perturb"]
 STUDY = "perturb:"  # a plan item that is a perturbation study (bench/flickr8k.py --perturb PRESET), not a row
 STUDY_JOBS = 7  # a study's trainings (original, shuffle, five parts of speech), side by side on the GPU
 CHUNK = ".chunk"  # NAME.chunkK-of-N: the K-th piece of a file too large for one call
+TICK = 5  # seconds between a driver's looks at its items (one that ended frees its slot at the next look)
 
 
 def piece_name(name: str, k: int, total: int) -> str:
@@ -144,12 +153,14 @@ def prepare(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown --with group(s) {', '.join(unknown)}: choose from {', '.join(GROUPS[1:])}")
         return 2
+    # emptied first: a version downloaded by an earlier prepare would travel too, and two versions of one package
+    # stop the install there (so would a group not asked for this time)
+    shutil.rmtree(wheels, ignore_errors=True)
     for group in [g for g in groups if WHEELS.get(g)]:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.12", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
                         "--platform", "manylinux2014_x86_64", "-d", str(wheels), *WHEELS[group]], check=True)
-    wanted = {name.replace("-", "_") for group in groups for name in WHEELS.get(group, [])}
-    files = [(w, f"whl/{w.name}") for w in sorted(wheels.glob("*.whl")) if w.name.split("-")[0].lower() in wanted]
+    files = [(w, f"whl/{w.name}") for w in sorted(wheels.glob("*.whl"))]
     flickr = SHARED / "data" / "flickr8k"
     files += [(f, f"shared/data/flickr8k/{f.name}") for f in sorted(flickr.glob("*.txt"))]
     # the Flickr30K / COCO caption files (3 MB) of bench/gpu.py's evaluation at Flickr30K scale
@@ -283,25 +294,44 @@ def work_copy(_: argparse.Namespace | None = None) -> int:
 
 
 def start(args: argparse.Namespace) -> int:
-    """Make the working copy and start in it, in a new process session that outlives the call, the features'
-    extraction (once: a later `start` waits for it or finds it done) and then the rows, `--parallel` at a time.
-    A later `start` adds its rows beside those running: its own driver, the same `poll`."""
+    """Refresh the working copy (the code `check_items` checked: a copy left from an earlier call may predate this
+    call's edits; its runs, features and results stay) and launch the items there."""
+    work_copy()
+    return launch(args)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Start in the working copy, in a new process session that outlives the call, a driver of the features'
+    extraction (once: a later driver waits for it or finds it done) and then this call's items, `--parallel` at a
+    time. A later `start` adds its items beside those running: its own driver, the same `poll`. The driver gets all
+    it needs in its argument; plan.json (the drivers' pids and items, for `poll` and `stop`) is replaced whole."""
     work, logs = DEVICE_ROOT / "itmatch", DEVICE_ROOT / "logs"
-    if not work.exists():
-        work_copy()
     logs.mkdir(parents=True, exist_ok=True)
-    earlier = json.loads((logs / "plan.json").read_text()) if (logs / "plan.json").exists() else None
-    items = [*args.row, *(STUDY + preset for preset in args.perturb)]
-    plan = {"rows": [*(earlier["rows"] if earlier else []), *items],
-            "started": earlier["started"] if earlier else time.time()}
-    (logs / "plan.json").write_text(json.dumps(plan))
-    driver = {"rows": items, "parallel": args.parallel, "bench": args.bench_args}
-    subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_run", json.dumps(driver)], cwd=work,
-                     env=_environment(), stdout=(logs / "driver.log").open("ab"), stderr=subprocess.STDOUT,
-                     start_new_session=True)
+    plan = read_plan(logs) or {"started": time.time(), "drivers": []}
+    items = planned_items(args)
+    for item in items:  # (a stop of an earlier copy that no driver took up must not stop this one)
+        _stop_file(logs, item).unlink(missing_ok=True)
+    driver = {"rows": items, "parallel": args.parallel, "bench": args.bench_args, "started": plan["started"]}
+    with (logs / "driver.log").open("ab") as log:  # (the driver holds its own descriptor)
+        process = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "_run", json.dumps(driver)],
+                                   cwd=work, env=_environment(), stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    plan["drivers"].append({"pid": process.pid, "rows": items})
+    _write_atomic(logs / "plan.json", json.dumps(plan).encode())
     print(f"started {len(args.row)} rows and {len(args.perturb)} perturbation studies ({STUDY_JOBS} trainings "
           f"each), {args.parallel} trainings at a time; logs in {logs}")
     return 0
+
+
+def planned_items(args: argparse.Namespace) -> list[str]:
+    """The plan items a `start` or `kickoff` names: its rows, then its studies (STUDY + preset)."""
+    return [*args.row, *(STUDY + preset for preset in args.perturb)]
+
+
+def read_plan(logs: Path) -> dict[str, Any] | None:
+    """What `start` wrote: {"started": time of the first start, "drivers": [{"pid": ..., "rows": [items]}, ...]}."""
+    path = logs / "plan.json"
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 KICKOFF_TESTS = ["tests/test_cuda.py", "tests/models/scan/test_fused.py"]
@@ -323,7 +353,7 @@ def kickoff(args: argparse.Namespace) -> int:
     benches = [bench for bench in benches if bench[0].removeprefix("gpu_") in wanted]
     for name, section, seconds in benches:
         _gpu_bench(out, name, section, args.device, seconds, ["--smoke"] if args.smoke else [])
-    start(args)
+    launch(args)  # (in the copy refreshed above)
     _bounded(out / "cuda_tests.txt", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *KICKOFF_TESTS],
              170, DEVICE_ROOT / "itmatch")
     for name in [name for name, _, _ in benches] + ["cuda_tests"]:
@@ -392,28 +422,46 @@ def extract_once(logs: Path, work: Path, dry_run: bool = False) -> None:
 
 def run_rows(args: argparse.Namespace) -> int:
     """(a background driver) the features once, then this driver's rows and studies of the bench, at most
-    `parallel` trainings at once."""
+    `parallel` trainings at once; a line `ITEM: exit CODE ...` or `ITEM: stopped ...` in driver.log as each ends."""
     plan = json.loads(args.driver)
     logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
     extract_once(logs, work, dry_run="--dry-run" in plan["bench"])
-    started = json.loads((logs / "plan.json").read_text())["started"]
     parallel, waiting, running = plan["parallel"], list(plan["rows"]), {}  # running: item -> (process, trainings)
     while waiting or running:
         while waiting:
             arguments, trainings = bench_item(waiting[0], parallel)
+            if _take_stop(logs, waiting[0]):  # stopped before its turn: it never starts
+                _log_ending(waiting.pop(0), "stopped", plan["started"])
+                continue
             if running and sum(n for _, n in running.values()) + trainings > parallel:
-                break  # (a study waits for room for all its trainings; it alone may exceed --parallel)
-            row = waiting.pop(0)
-            log = (logs / f"{row}.log").open("ab")
-            running[row] = (subprocess.Popen(
-                [sys.executable, "bench/flickr8k.py", "--config", "gpu", *arguments, *plan["bench"]],
-                cwd=work, env=_environment(parallel), stdout=log, stderr=subprocess.STDOUT), trainings)
-        time.sleep(5)
-        for row, (proc, _) in list(running.items()):
+                break  # (a study waits for room for all its trainings; bench_item keeps them within --parallel)
+            item = waiting.pop(0)
+            running[item] = (_launch_item(logs, work, item, [*arguments, *plan["bench"]], parallel), trainings)
+        time.sleep(TICK)
+        for item, (proc, _) in list(running.items()):
             if proc.poll() is not None:
-                print(f"{row}: exit {proc.returncode} after {time.time() - started:.0f} s", flush=True)
-                del running[row]
+                ending = "stopped" if _take_stop(logs, item) else f"exit {proc.returncode}"
+                _log_ending(item, ending, plan["started"])
+                del running[item]
     return 0
+
+
+def _launch_item(logs: Path, work: Path, item: str, arguments: list[str], parallel: int) -> subprocess.Popen:
+    """The bench of one item in a process session of its own: its process group is the bench and the trainings it
+    starts, and nothing else, which is what `stop` signals (logs/ITEM.pid records it)."""
+    with (logs / f"{item}.log").open("ab") as log:  # (the bench holds its own descriptor)
+        proc = subprocess.Popen([sys.executable, "bench/flickr8k.py", "--config", "gpu", *arguments], cwd=work,
+                                env=_environment(parallel), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _write_atomic(_pid_file(logs, item), json.dumps({"pgid": proc.pid, "driver": os.getpid()}).encode())
+    if _stop_file(logs, item).exists():  # a stop that came while it started found no group to signal
+        _signal_group(proc.pid)
+    return proc
+
+
+def _log_ending(item: str, ending: str, started: float) -> None:
+    """The driver's line for an item that ended, tagged with the driver (ENDING reads it back)."""
+    print(f"{item}: {ending} after {time.time() - started:.0f} s (driver {os.getpid()})", flush=True)
 
 
 def bench_item(item: str, parallel: int) -> tuple[list[str], int]:
@@ -431,11 +479,11 @@ def poll(args: argparse.Namespace) -> int:
     if not (logs / "plan.json").exists():
         print(f"nothing started under {DEVICE_ROOT}: run `start --row ROW ...` first (a machine given back loses it)")
         return 1
-    plan = json.loads((logs / "plan.json").read_text())
+    plan = read_plan(logs)
     deadline = time.time() + args.wait
     # $OUT holds where things stand at every pass, not only after the wait: a call cut short by the session's device
     # time (its limit is what is left) still brings back what it had
-    while time.time() < deadline and not _all_done(logs, plan["rows"]):
+    while time.time() < deadline and not _all_done(logs, plan):
         _report(logs, work, plan, quiet=True)
         time.sleep(10)
     _report(logs, work, plan)
@@ -448,18 +496,21 @@ POLLED = "polled.tar"
 
 
 def _report(logs: Path, work: Path, plan: dict[str, Any], quiet: bool = False) -> None:
-    """Where each row stands (printed unless `quiet`) and, under $OUT, poll.txt, the results CSVs and POLLED: each
-    finished study's table and chart and each row's evaluation JSONs (`take FILES_AT` here puts them in place)."""
+    """Where each row stands (printed unless `quiet`) and, under $OUT, poll.txt, the results CSVs and POLLED: the
+    table and chart of each study that ended with exit 0 and each row's evaluation JSONs (`take FILES_AT` here puts
+    them in place)."""
     import tarfile
 
+    copies = item_states(logs, plan)
+    states = dict(copies)  # (an item's latest copy)
     lines = [f"{time.time() - plan['started']:.0f} s since start"]
-    for name in ["driver", "extract", *plan["rows"]]:
+    for name in ["driver", "extract", *states]:
         log = logs / f"{name}.log"
         # (progress bars redraw with \r: the last few redraws are the last "lines")
         text = log.read_bytes()[-4000:].decode(errors="replace") if log.exists() else ""
         tail = text.replace("\r", "\n").strip().splitlines()
-        epochs = f": {_progress(work / RUNS, name)}" if name in plan["rows"] else ""
-        shown = len(plan["rows"]) if name == "driver" else 3  # (the driver's log: one line per finished row)
+        epochs = f": {_progress(work / RUNS, name)} [{states[name]}]" if name in states else ""
+        shown = len(copies) if name == "driver" else 3  # (the driver's log: one line per finished row)
         lines.append(f"== {name}{epochs}" + ("".join(f"\n   {t}" for t in tail[-shown:]) if tail else " (no log yet)"))
     report = "\n".join(lines)
     if not quiet:
@@ -472,11 +523,13 @@ def _report(logs: Path, work: Path, plan: dict[str, Any], quiet: bool = False) -
     for path in RESULTS:
         if (work / path).exists():
             _write_atomic(Path(out) / path.replace("/", SEP), (work / path).read_bytes())
+    # a study's table only once it has written it here (the copy has the checkout's: an older one, committed)
     studies = [f"docs/results/perturb/flickr8k_gpu_{item.removeprefix(STUDY)}.{ext}"
-               for item in plan["rows"] if item.startswith(STUDY) for ext in ("csv", "md", "png")]
+               for item in dict.fromkeys(item for item, state in copies if state == "exit 0" and item.startswith(STUDY))
+               for ext in ("csv", "md", "png")]
     # each row's evaluation JSON: its recall curve, for `bench/flickr8k.py --recall` here; a dev-picked row's
     # pairs' dev rsums (the evidence of its pick)
-    evaluations = [f"{RUNS}/{item}.{kind}.json" for item in plan["rows"] if not item.startswith(STUDY)
+    evaluations = [f"{RUNS}/{item}.{kind}.json" for item in states if not item.startswith(STUDY)
                    for kind in ("test", "dev_pairs")]
     present = [path for path in [*studies, *evaluations] if (work / path).exists()]
     if present:
@@ -494,9 +547,117 @@ def _write_atomic(path: Path, data: bytes) -> None:
     partial.replace(path)
 
 
-def _all_done(logs: Path, rows: list[str]) -> bool:
-    driver = (logs / "driver.log").read_text(errors="replace") if (logs / "driver.log").exists() else ""
-    return all(f"{row}: exit" in driver for row in rows) or "Traceback" in driver
+# a driver's line for an item that ended (_log_ending): the whole item name, its ending, the driver that ran it
+ENDING = re.compile(r"^(?P<item>\S+): (?P<ending>exit -?\d+|stopped) .*\(driver (?P<driver>\d+)\)$")
+RUNNING, WAITING = "running", "waiting"
+ORPHANED = "running, its driver gone (`stop` ends it)"
+LOST = "lost: its driver ended first (driver.log says why)"
+
+
+def endings(logs: Path) -> dict[tuple[int, str], str]:
+    """(driver pid, item) -> 'exit CODE' or 'stopped', from the driver lines of driver.log."""
+    log = logs / "driver.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return {(int(m["driver"]), m["item"]): m["ending"] for m in map(ENDING.match, lines) if m}
+
+
+def item_states(logs: Path, plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each copy of each item in the plan (an item may be started again once it ended), in plan order, with where it
+    stands: its driver's ending, else RUNNING or WAITING while the driver lives, else ORPHANED while its own
+    process group outlives the driver (it runs in a session of its own), else LOST (the driver died: OOM, killed)."""
+    ended = endings(logs)
+    return [(item, ended.get((driver["pid"], item)) or _unended(logs, item, driver["pid"]))
+            for driver in plan["drivers"] for item in driver["rows"]]
+
+
+def _unended(logs: Path, item: str, driver: int) -> str:
+    record = _read_pids(logs, item)
+    launched = record is not None and record["driver"] == driver
+    if alive(driver):
+        return RUNNING if launched else WAITING
+    return ORPHANED if launched and alive(record["pgid"]) else LOST
+
+
+def pending(state: str) -> bool:
+    """Whether an item in this state may still train (what poll waits for, what start refuses to start again)."""
+    return state in (RUNNING, WAITING, ORPHANED)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs; a zombie (ended, never reaped: a container's first process may not reap the
+    orphans it inherits) does not."""
+    if pid <= 0:  # (0 and -1 would signal groups)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # (no /proc: the signal's answer stands)
+
+
+def _all_done(logs: Path, plan: dict[str, Any]) -> bool:
+    return not any(pending(state) for _, state in item_states(logs, plan))
+
+
+def _pid_file(logs: Path, item: str) -> Path:
+    return logs / f"{item}.pid"
+
+
+def _read_pids(logs: Path, item: str) -> dict[str, int] | None:
+    """{"pgid": the item's bench and trainings, "driver": the driver that started it}, of its latest copy."""
+    path = _pid_file(logs, item)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _stop_file(logs: Path, item: str) -> Path:
+    """`stop`'s request, which tells the driver that the item's ending is a stop (or that it must not start)."""
+    return logs / f"{item}.stop"
+
+
+def _take_stop(logs: Path, item: str) -> bool:
+    """Whether a stop of the item was asked for; the request is used up (a later copy of the item runs)."""
+    try:
+        _stop_file(logs, item).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _signal_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # (it ended meanwhile)
+        os.killpg(pgid, signal.SIGTERM)
+
+
+def stop(args: argparse.Namespace) -> int:
+    """(there) End items before their time: SIGTERM to a running item's process group (its bench and the trainings
+    it started), a waiting item never started; its driver logs `ITEM: stopped` and starts the next item."""
+    logs = DEVICE_ROOT / "logs"
+    plan = read_plan(logs)
+    states = dict(item_states(logs, plan)) if plan else {}  # (an item's latest copy)
+    refused = [item for item in dict.fromkeys(args.items) if not stop_item(logs, item, states.get(item))]
+    return 1 if refused else 0
+
+
+def stop_item(logs: Path, item: str, state: str | None) -> bool:
+    """Stop one item in `state`; whether there was anything to stop."""
+    if state is None or not pending(state):
+        print(f"{item}: nothing to stop ({state or 'not in the plan'})")
+        return False
+    _stop_file(logs, item).touch()  # (first: the driver may see the item end before this call's next line)
+    if state == WAITING:
+        print(f"{item}: will not start (its driver logs `{item}: stopped`)")
+        return True
+    pgid = _read_pids(logs, item)["pgid"]
+    _signal_group(pgid)
+    after = (f"its driver logs `{item}: stopped` within {TICK} s and frees its slot" if state == RUNNING
+             else "its driver is gone: poll reports it lost")
+    print(f"{item}: SIGTERM sent to process group {pgid} (its bench and trainings); {after}")
+    return True
 
 
 def _progress(runs: Path, item: str) -> str:
@@ -513,8 +674,17 @@ def _epochs(metrics: Path) -> str:
     """'epoch E: dev rsum R' of each finished epoch of a run, from its metrics.jsonl."""
     if not metrics.exists():
         return "no epoch yet"
-    done = [json.loads(line) for line in metrics.read_text().splitlines() if '"val_rsum"' in line]
+    done = [epoch for epoch in map(_json_line, metrics.read_text().splitlines()) if "val_rsum" in epoch]
     return ", ".join(f"{e['epoch']}: {e['val_rsum']:.1f}" for e in done) or "no epoch yet"
+
+
+def _json_line(line: str) -> dict[str, Any]:
+    """A line of a metrics.jsonl, or {} for one that does not parse (the last, while the trainer writes it)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 OUT_FILE_MAX = 16 * 2**20  # the most a file may weigh to come back through $OUT (device README)
@@ -525,12 +695,12 @@ def ship(args: argparse.Namespace) -> int:
     """A converged row's model in its shipped form (fp16, with its results row) into $OUT/NAME/; one with a file over
     what $OUT returns (a SCAN at D = 960: 18.8 MB of weights) is taken out again, and the way that works is said:
     `fetch` the run, ship it here."""
-    work = DEVICE_ROOT / "itmatch"
+    work, out = DEVICE_ROOT / "itmatch", _out_dir()
     # (its own error, e.g. a model over the 20 MB a shipped one may weigh, is the message: no traceback around it)
     rc = subprocess.run([sys.executable, "scripts/ship_pretrained.py", f"{RUNS}/{args.row}/best",
-                         args.name, "--results", RESULTS[0], "--row", args.row, "--out-root", os.environ["OUT"]],
+                         args.name, "--results", RESULTS[0], "--row", args.row, "--out-root", str(out)],
                         cwd=work, env=_environment()).returncode
-    package = Path(os.environ["OUT"]) / args.name
+    package = out / args.name
     too_large = [] if rc else oversized(package)
     if not too_large:
         return rc
@@ -567,8 +737,7 @@ def fetch(args: argparse.Namespace) -> int:
     if not run_finished(run):  # (without its last/ weights it could be resumed nowhere)
         print(f"{run} has epochs left to train (see `poll`): fetch it once it has finished")
         return 1
-    out = Path(os.environ["OUT"])
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir()
     archive = DEVICE_ROOT / f"{args.row.replace('/', SEP)}.tar"  # (a study's run: perturb__scan_t2i_avg__shuffle)
     with tarfile.open(archive, "w") as tar:
         tar.add(run, arcname=args.row,
@@ -659,8 +828,17 @@ def _row_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--perturb", action="append", default=[], metavar="PRESET",
                         help="a perturbation study (`bench/flickr8k.py --config gpu --perturb PRESET`: seven "
                              "trainings side by side; its POS tags come in a bundle of `prepare --with perturb`)")
-    parser.add_argument("--parallel", type=int, default=6, help="rows training at once on the GPU (default 6)")
+    parser.add_argument("--parallel", type=positive_int, default=6,
+                        help="rows training at once on the GPU (default 6)")
     parser.add_argument("--bench-args", nargs=argparse.REMAINDER, default=[], help="passed to bench/flickr8k.py")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (a driver divides the host's cores by --parallel)."""
+    value = int(text)  # (a ValueError is argparse's "invalid positive_int value")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -693,11 +871,14 @@ def build_parser() -> argparse.ArgumentParser:
     _row_arguments(p)  # (last: --bench-args takes the rest of the line)
     p.set_defaults(func=kickoff)
     p = sub.add_parser("_run")
-    p.add_argument("driver", help="(JSON) this driver's rows, parallel and bench arguments")
+    p.add_argument("driver", help="(JSON) this driver's rows, parallel, bench arguments and the plan's start time")
     p.set_defaults(func=run_rows)
     p = sub.add_parser("poll", help="(there) wait for the rows, report them, copy the results to $OUT")
     p.add_argument("--wait", type=float, default=540, help="seconds to wait at most (default 540: inside a call)")
     p.set_defaults(func=poll)
+    p = sub.add_parser("stop", help="(there) end running or waiting items: SIGTERM to each one's bench and trainings")
+    p.add_argument("items", nargs="+", metavar="ITEM", help="a row, or perturb:PRESET for a study")
+    p.set_defaults(func=stop)
     p = sub.add_parser("ship", help="(there) a trained row's model in its shipped form, into $OUT")
     p.add_argument("row")
     p.add_argument("name")
@@ -727,8 +908,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.func in (start, kickoff):
         if not (args.row or args.perturb):
             parser.error(f"{args.verb}: name at least one --row or --perturb")
+        args.row, args.perturb = list(dict.fromkeys(args.row)), list(dict.fromkeys(args.perturb))  # (once each)
+        busy = already_planned(args)
+        if busy:
+            print(f"{args.verb}: nothing started: {', '.join(busy)} running or waiting already (two copies would "
+                  "train into one run directory; `poll` says where each stands, `stop ITEM` ends one)",
+                  file=sys.stderr)
+            return 1
         check_items(args)
     return args.func(args)
+
+
+def already_planned(args: argparse.Namespace) -> list[str]:
+    """The items this call names that the plan has running or waiting."""
+    logs = DEVICE_ROOT / "logs"
+    plan = read_plan(logs)
+    busy = {item for item, state in item_states(logs, plan) if pending(state)} if plan else set()
+    return [item for item in planned_items(args) if item in busy]
 
 
 def check_items(args: argparse.Namespace) -> None:
@@ -740,7 +936,8 @@ def check_items(args: argparse.Namespace) -> None:
                            env={**_environment(), "PYTHONPATH": f"{DEVICE_ROOT / 'site'}:{ROOT / 'src'}"},
                            capture_output=True, text=True)
     if check.returncode:
-        sys.exit(f"{args.verb}: nothing started: {check.stderr.strip().splitlines()[-1]}")
+        said = (check.stderr.strip() or check.stdout.strip()).splitlines()
+        sys.exit(f"{args.verb}: nothing started: {said[-1] if said else f'the bench exited {check.returncode}'}")
     print(check.stdout, end="")
 
 

