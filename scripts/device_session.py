@@ -288,9 +288,23 @@ def work_copy(_: argparse.Namespace | None = None) -> int:
         kept = {"results"} if Path(folder) == ROOT / "docs" and (work / "docs" / "results").is_dir() else set()
         return set(skipped(folder, names)) | kept
 
-    shutil.copytree(ROOT, work, dirs_exist_ok=True, ignore=ignored)
+    shutil.copytree(ROOT, work, dirs_exist_ok=True, ignore=ignored, copy_function=_refresh_file)
     print(f"working copy: {work}")
     return 0
+
+
+def _refresh_file(src: str, dst: str) -> None:
+    """copytree's copy for a working copy that rows may be running in: a file of the same size and time is left
+    alone, a changed one replaced whole (written beside it, then renamed), so that a row's next step (its
+    evaluation, a study's workers) never imports a source file half-written."""
+    source, target = os.stat(src), Path(dst)
+    with contextlib.suppress(FileNotFoundError):
+        there = target.stat()
+        if (there.st_size, there.st_mtime_ns) == (source.st_size, source.st_mtime_ns):
+            return
+    partial = target.with_name(target.name + ".partial")
+    shutil.copy2(src, partial)
+    partial.replace(target)
 
 
 def start(args: argparse.Namespace) -> int:
@@ -440,7 +454,9 @@ def run_rows(args: argparse.Namespace) -> int:
         time.sleep(TICK)
         for item, (proc, _) in list(running.items()):
             if proc.poll() is not None:
-                ending = "stopped" if _take_stop(logs, item) else f"exit {proc.returncode}"
+                _signal_group(proc.pid)  # (a trainer whose bench died would train on unseen, into the same run)
+                asked = _take_stop(logs, item)  # (taken either way: a later copy of the item must not see it)
+                ending = "stopped" if asked and proc.returncode != 0 else f"exit {proc.returncode}"
                 _log_ending(item, ending, plan["started"])
                 del running[item]
     return 0
@@ -575,7 +591,7 @@ def _unended(logs: Path, item: str, driver: int) -> str:
     launched = record is not None and record["driver"] == driver
     if alive(driver):
         return RUNNING if launched else WAITING
-    return ORPHANED if launched and alive(record["pgid"]) else LOST
+    return ORPHANED if launched and group_alive(record["pgid"]) else LOST
 
 
 def pending(state: str) -> bool:
@@ -598,6 +614,21 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except (OSError, IndexError):
         return True  # (no /proc: the signal's answer stands)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` runs (not a zombie): the bench, or a trainer that outlived it."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return alive(pgid)
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()  # (state, ppid, pgrp, ... after the name)
+        except OSError:
+            continue  # (it ended meanwhile)
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
 
 
 def _all_done(logs: Path, plan: dict[str, Any]) -> bool:
@@ -639,7 +670,17 @@ def stop(args: argparse.Namespace) -> int:
     logs = DEVICE_ROOT / "logs"
     plan = read_plan(logs)
     states = dict(item_states(logs, plan)) if plan else {}  # (an item's latest copy)
-    refused = [item for item in dict.fromkeys(args.items) if not stop_item(logs, item, states.get(item))]
+    items = list(dict.fromkeys(args.items))
+    refused = [item for item in items if not stop_item(logs, item, states.get(item))]
+    # back once the drivers have logged the ends (at their next look, within TICK), so that `stop X && start --row X`
+    # in one call finds X ended and starts it again
+    deadline = time.time() + 3 * TICK
+    while any(pending(state) for item, state in item_states(logs, plan) if item in items and item not in refused):
+        if time.time() > deadline:
+            print(f"not yet ended after {3 * TICK} s (poll says when): "
+                  + ", ".join(i for i, st in item_states(logs, plan) if i in items and pending(st)))
+            break
+        time.sleep(0.2)
     return 1 if refused else 0
 
 
@@ -650,7 +691,12 @@ def stop_item(logs: Path, item: str, state: str | None) -> bool:
         return False
     _stop_file(logs, item).touch()  # (first: the driver may see the item end before this call's next line)
     if state == WAITING:
-        print(f"{item}: will not start (its driver logs `{item}: stopped`)")
+        # its driver may have launched it between the state's reading and the touch, and looked for a stop before
+        # it: then its group is there to signal (each side writes first and reads second, so one sees the other)
+        record = _read_pids(logs, item)
+        if record is not None and group_alive(record["pgid"]):
+            _signal_group(record["pgid"])
+        print(f"{item}: will not start, or is ended as it starts (its driver logs `{item}: stopped`)")
         return True
     pgid = _read_pids(logs, item)["pgid"]
     _signal_group(pgid)

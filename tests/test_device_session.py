@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tarfile
 import threading
@@ -126,7 +127,7 @@ def test_poll_does_not_wait_for_the_items_of_a_dead_driver_and_says_they_are_los
     plan = {"started": time.time(), "drivers": [{"pid": GONE, "rows": ["oan", "vsepp", "sman"]}]}
     (logs / "plan.json").write_text(json.dumps(plan))
     (logs / "driver.log").write_text(ended("oan", GONE))
-    (logs / "vsepp.pid").write_text(json.dumps({"pgid": os.getpid(), "driver": GONE}))  # still running
+    (logs / "vsepp.pid").write_text(json.dumps({"pgid": os.getpgrp(), "driver": GONE}))  # still running
     assert dict(session.item_states(logs, plan))["vsepp"] == session.ORPHANED
     assert not session._all_done(logs, plan)
     (logs / "vsepp.pid").write_text(json.dumps({"pgid": GONE, "driver": GONE}))  # ended after its driver
@@ -524,6 +525,9 @@ def test_stop_ends_one_rows_bench_and_trainer_and_its_slot_goes_to_the_next_item
         wait_for(lambda: trainer_of("save_asa") and trainer_of("save_asa_ms3"))
         bench = json.loads((logs / "save_asa.pid").read_text())["pgid"]
         assert session.main(["stop", "ensemble_a+b", "save_asa"]) == 0
+        # back once the driver logged both: `stop X && start --row X` in one call finds X ended
+        assert {i: st for i, st in session.item_states(logs, plan) if i in ("save_asa", "ensemble_a+b")} == {
+            "save_asa": "stopped", "ensemble_a+b": "stopped"}
         wait_for(lambda: trainer_of("vsepp"))  # the slot save_asa freed
         assert not session.alive(bench) and not session.alive(trainer["save_asa"])
         assert session.alive(trainer["save_asa_ms3"])
@@ -533,7 +537,12 @@ def test_stop_ends_one_rows_bench_and_trainer_and_its_slot_goes_to_the_next_item
                           "vsepp": "running"}
         assert not session._all_done(logs, plan)
         assert session.main(["stop", "save_asa"]) == 1  # nothing left to stop
-        assert session.main(["stop", "save_asa_ms3", "vsepp"]) == 0
+        # a bench that dies alone (a stray kill, a crash): its driver ends the trainer it leaves, which would train
+        # on unseen into the run directory a restarted row trains into
+        os.kill(json.loads((logs / "save_asa_ms3.pid").read_text())["pgid"], signal.SIGTERM)
+        wait_for(lambda: not session.alive(trainer["save_asa_ms3"]))
+        assert dict(session.item_states(logs, plan))["save_asa_ms3"] == "exit -15"
+        assert session.main(["stop", "vsepp"]) == 0
         assert driver.wait(10) == 0
         assert session._all_done(logs, plan) and not session.alive(trainer["vsepp"])
         assert not list(logs.glob("*.stop"))  # each stop request taken up by the driver
@@ -581,6 +590,7 @@ def test_each_start_refreshes_the_working_copy_and_keeps_its_runs_and_results(se
     """`start` runs the code check_items checked (this checkout's), not a copy an earlier call left there; the runs,
     features and result rows written there stay."""
     monkeypatch.setattr(session.subprocess, "Popen", Launched)
+    (checkout / "src" / "itmatch" / "cli.py").write_text("unchanged\n")
     session.main(["start", "--row", "oan"])
     work = session.DEVICE_ROOT / "itmatch"
     kept = {"runs/data/flickr8k_lite0/train_ims.npy": "features", "runs/flickr8k_gpu/oan/best/model.safetensors":
@@ -589,9 +599,32 @@ def test_each_start_refreshes_the_working_copy_and_keeps_its_runs_and_results(se
         (work / name).parent.mkdir(parents=True, exist_ok=True)
         (work / name).write_text(text)
     (checkout / "src" / "itmatch" / "version.py").write_text("V = 2\n")  # edited here since the last call
+    unchanged, changed = (work / "src" / "itmatch" / "cli.py").stat(), (work / "src" / "itmatch" / "version.py").stat()
     session.main(["start", "--row", "vsepp"])
     assert (work / "src" / "itmatch" / "version.py").read_text() == "V = 2\n"
     assert {name: (work / name).read_text() for name in kept} == kept
+    # rows may be running there: an unchanged file is not rewritten (a reader saw it half-written), a changed one is
+    # replaced whole
+    assert (work / "src" / "itmatch" / "cli.py").stat().st_ctime_ns == unchanged.st_ctime_ns  # (not written)
+    assert (work / "src" / "itmatch" / "version.py").stat().st_ino != changed.st_ino  # (not truncated in place)
+    assert not list(work.rglob("*.partial"))
+
+
+def test_a_stop_of_a_waiting_item_that_its_driver_launches_meanwhile_ends_it(session):
+    """The driver may launch a waiting item between stop's reading of its state and the stop request, and look for
+    a request before it was made: stop then finds the item's process group recorded, and ends it."""
+    logs = session.DEVICE_ROOT / "logs"
+    logs.mkdir(parents=True)
+    bench = subprocess.Popen([session.sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        (logs / "oan.pid").write_text(json.dumps({"pgid": bench.pid, "driver": os.getpid()}))
+        assert session.stop_item(logs, "oan", session.WAITING)
+        assert bench.wait(10) == -signal.SIGTERM
+        assert (logs / "oan.stop").exists()  # (the driver logs it as stopped)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
 
 
 def test_prepare_carries_the_wheels_of_this_prepare_only(session, tmp_path, monkeypatch):
