@@ -468,6 +468,54 @@ def test_trainer_runs_save_on_multiscale_data(tiny_multiscale, tmp_path):
     assert (tmp_path / "dev.json").is_file()
 
 
+
+def test_asa_state_tells_a_collapsed_block_from_a_working_one():
+    """scripts/asa_state.py's measures on hand-set blocks: at init (gamma 0) the branch is nothing and the images are
+    as alike as before; a block whose branch adds one large vector to every cell (the collapse the GPU's save_asa
+    fell into: docs/save.md) makes every image alike; sharp logits show as one-hot attention."""
+    from conftest import load_script
+
+    script = load_script("scripts/asa_state.py")
+    torch.manual_seed(0)
+    u = torch.randn(12, 9, 8)
+    block = AdaptiveSelfAttention(8)
+    fresh = script.asa_state(block, u)
+    assert fresh["gamma"] == 0.0 and fresh["branch_over_cells"] == 0.0
+    assert fresh["images_alike_after"] == pytest.approx(fresh["images_alike_before"])
+    assert fresh["uniform_entropy"] == pytest.approx(math.log(9)) and fresh["entropy"] <= fresh["uniform_entropy"]
+    with torch.no_grad():
+        block.gamma.fill_(1.0)
+        block.out.weight.zero_()
+        block.out.bias.fill_(10.0)  # the same vector for every cell of every image, ~10x a cell's norm
+        block.theta.weight.mul_(100.0)
+    collapsed = script.asa_state(block, u)
+    assert collapsed["branch_over_cells"] > 5 and collapsed["images_alike_after"] > 0.95
+    assert collapsed["largest_weight"] > 0.9 and collapsed["entropy"] < 0.3 * fresh["entropy"]
+
+
+def test_asa_state_reads_every_scale_of_a_trained_checkpoint(tiny_multiscale, tmp_path, capsys):
+    """The script on a trained multi-scale run (c4 and c5 standardised, as the ms presets read them): a line for the
+    run and one per ASA block."""
+    from conftest import load_script
+
+    from itmatch.config import config_from_dict
+    from itmatch.engine.train import train
+
+    cfg = preset_config("save_asa_ms2")
+    cfg = config_from_dict({**cfg.to_dict(), "data": {"path": str(tiny_multiscale)},
+                            "train": {**cfg.to_dict()["train"], "epochs": 1, "batch_size": 32, "val_images": 24}})
+    cfg.model.embed_size, cfg.model.word_dim = 16, 8
+    train(cfg, tmp_path / "run", progress=False)
+    script = load_script("scripts/asa_state.py")
+    states, alike = script.model_state(tmp_path / "run" / "best", None, "dev", 20)
+    assert set(states) == {"c4", "c5"} and -1.0 <= alike <= 1.0
+    assert all(0 < s["largest_weight"] <= 1 and math.isfinite(s["branch_over_cells"]) for s in states.values())
+    cfg.model.save.attention = "dsa"  # (no weights of its own: nothing for the script to read)
+    train(cfg, tmp_path / "dsa", progress=False)
+    with pytest.raises(SystemExit, match="no adaptive self-attention"):
+        script.model_state(tmp_path / "dsa" / "best", None, "dev", 20)
+
+
 # ------------------------------------------------------------------------- pixels (end to end)
 
 def _write_images(folder, n: int = 4):
