@@ -15,13 +15,12 @@ import argparse
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from itmatch.data.precomp import MultiScaleArray, read_precomp
+from itmatch.data.precomp import batch_tensor, read_precomp
 from itmatch.engine.checkpoint import load_checkpoint
-from itmatch.models.save.encoder import AdaptiveSelfAttention, to_tokens
+from itmatch.models.save.encoder import AdaptiveSelfAttention
 
 
 def mean_cosine_between_images(x: torch.Tensor) -> float:
@@ -34,9 +33,9 @@ def mean_cosine_between_images(x: torch.Tensor) -> float:
 @torch.no_grad()
 def asa_state(asa: AdaptiveSelfAttention, u: torch.Tensor) -> dict[str, float]:
     """The state of one ASA block on its input cells u: [N, k, C] (after any standardisation the model applies)."""
-    logits = asa.theta(u) @ asa.phi(u).transpose(1, 2)  # s_ij, Eq. 6
+    logits = asa.logits(u)
     alpha = torch.softmax(logits, dim=2)  # Eq. 5
-    branch = asa.gamma * asa.out(alpha @ asa.g(u))  # gamma * W_z a, a of Eq. 7
+    branch = asa.branch(u, alpha)
     entropy = -(alpha * alpha.clamp_min(1e-12).log()).sum(-1)
     return {"gamma": float(asa.gamma), "largest_weight": float(alpha.max(-1).values.mean()),
             "entropy": float(entropy.mean()), "uniform_entropy": math.log(u.shape[1]),
@@ -56,17 +55,9 @@ def model_state(checkpoint: Path, data: str | None, split: str, images: int) -> 
     if not blocks:
         raise SystemExit(f"{checkpoint}: no adaptive self-attention (ASA) block in this model")
     scales = tuple(fusion.inputs) if len(fusion.inputs) > 1 else ()  # (a single scale is the grid itself)
-    source = read_precomp(data or ckpt.data_path(), split, scales=scales).images
-    head = source[:images]
-    feats = ({k: torch.from_numpy(np.array(v, dtype=np.float32)) for k, v in head.arrays.items()}
-             if isinstance(head, MultiScaleArray) else torch.from_numpy(np.array(head, dtype=np.float32)))
+    feats = batch_tensor(read_precomp(data or ckpt.data_path(), split, scales=scales).head(images).images)
     maps = encoder.maps(feats)
-    states = {}
-    for scale, block in blocks.items():
-        cells = to_tokens(maps[scale])
-        if fusion.standardise:  # (as the model reads them: MultiScaleSelfAttention._attend)
-            cells = F.layer_norm(cells, cells.shape[-1:])
-        states[scale] = asa_state(block, cells)
+    states = {scale: asa_state(block, fusion.cells(maps[scale])) for scale, block in blocks.items()}
     embedded = encoder(feats).regions  # [N, k, D], the cells the word attention reads
     return states, mean_cosine_between_images(embedded.mean(1))
 

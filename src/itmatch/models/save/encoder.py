@@ -79,10 +79,16 @@ class AdaptiveSelfAttention(nn.Module):
         self.out = nn.Linear(inner, channels)
         self.gamma = nn.Parameter(torch.zeros(1))
 
+    def logits(self, u: torch.Tensor) -> torch.Tensor:
+        """s_ij = theta(u_i)^T phi(u_j) (Eq. 6), [N, i, j]."""
+        return self.theta(u) @ self.phi(u).transpose(1, 2)
+
+    def branch(self, u: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """gamma W_z a_i with a_i = sum_j alpha_ij g(u_j) (Eq. 7-8): what the block adds to each cell."""
+        return self.gamma * self.out(alpha @ self.g(u))
+
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        s = self.theta(u) @ self.phi(u).transpose(1, 2)  # [N, i, j]
-        a = torch.softmax(s, dim=2) @ self.g(u)
-        return self.gamma * self.out(a) + u
+        return self.branch(u, torch.softmax(self.logits(u), dim=2)) + u  # (alpha: Eq. 5)
 
 
 def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0, asa_bias: bool = True) -> nn.Module:
@@ -151,11 +157,15 @@ class MultiScaleSelfAttention(nn.Module):
         """The maps forward() reads."""
         return ("c4",) if self.fusion == "nl" else self.scales
 
-    def _attend(self, scale: str, fmap: torch.Tensor) -> torch.Tensor:
+    def cells(self, fmap: torch.Tensor) -> torch.Tensor:
+        """A stage map [N, C, H, W] as the cells its self-attention reads, [N, H*W, C]."""
         tokens = to_tokens(fmap)
         if self.standardise:  # each cell: zero mean, unit variance over its channels
             tokens = F.layer_norm(tokens, tokens.shape[-1:])
-        return to_map(self.attend[scale](tokens), fmap.shape[-1])
+        return tokens
+
+    def _attend(self, scale: str, fmap: torch.Tensor) -> torch.Tensor:
+        return to_map(self.attend[scale](self.cells(fmap)), fmap.shape[-1])
 
     def forward(self, maps: Mapping[str, torch.Tensor]) -> torch.Tensor:
         if self.fusion == "nl":
