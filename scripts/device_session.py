@@ -610,10 +610,17 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+    stat = _proc_stat(Path(f"/proc/{pid}/stat"))
+    return stat is None or stat[0] != "Z"  # (no /proc: the signal's answer stands)
+
+
+def _proc_stat(path: Path) -> tuple[str, str] | None:
+    """(state, process group) from a /proc/PID/stat, or None where it cannot be read (no /proc, or it ended)."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # (no /proc: the signal's answer stands)
+        fields = path.read_text().rpartition(")")[2].split()  # (state, ppid, pgrp, ... after the name)
+    except OSError:
+        return None
+    return (fields[0], fields[2]) if len(fields) > 2 else None
 
 
 def group_alive(pgid: int) -> bool:
@@ -621,14 +628,8 @@ def group_alive(pgid: int) -> bool:
     proc = Path("/proc")
     if not proc.is_dir():
         return alive(pgid)
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()  # (state, ppid, pgrp, ... after the name)
-        except OSError:
-            continue  # (it ended meanwhile)
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
+    return any(stat is not None and stat[1] == str(pgid) and stat[0] != "Z"
+               for stat in map(_proc_stat, proc.glob("[0-9]*/stat")))
 
 
 def _all_done(logs: Path, plan: dict[str, Any]) -> bool:
