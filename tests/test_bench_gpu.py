@@ -69,8 +69,9 @@ def test_gpu_rows_keep_their_papers_schedules(bench):
     # the warm-up epoch for the attention heads, which stall without it, with the control that measures it; none
     # for VSE++ (it stalls three epochs, then ends higher: docs/training.md), with its warm-up runs as the control
     assert scan.loss.warmup_epochs == oan.loss.warmup_epochs == config("vsepp_warmup").loss.warmup_epochs == 1
-    assert mmca.loss.warmup_epochs == sman.loss.warmup_epochs == config("vsepp").loss.warmup_epochs == 0
-    assert config("scan_t2i_avg_no_warmup").loss.warmup_epochs == 0
+    assert sman.loss.warmup_epochs == config("sman_adam5e-4").loss.warmup_epochs == 1  # (it stalls without: sman.md)
+    assert mmca.loss.warmup_epochs == config("vsepp").loss.warmup_epochs == 0
+    assert config("scan_t2i_avg_no_warmup").loss.warmup_epochs == config("sman_no_warmup").loss.warmup_epochs == 0
     assert config("vsepp_warmup_seed1").train.seed == config("vsepp_seed1").train.seed == 1
     both = config("save_asa_ms3_both").model
     assert both.direction == "both" and (both.scan.lambda_softmax, both.scan.i2t_lambda_softmax) == (9.0, 4.0)
