@@ -368,9 +368,12 @@ def kickoff(args: argparse.Namespace) -> int:
     for name, section, seconds in benches:
         _gpu_bench(out, name, section, args.device, seconds, ["--smoke"] if args.smoke else [])
     launch(args)  # (in the copy refreshed above)
-    _bounded(out / "cuda_tests.txt", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *KICKOFF_TESTS],
-             170, DEVICE_ROOT / "itmatch")
-    for name in [name for name, _, _ in benches] + ["cuda_tests"]:
+    # (--no-cuda-tests: a row that needs the whole GPU, SMAN's 60 epochs, leaves them to another session)
+    tests = ["cuda_tests"] if args.cuda_tests else []
+    for name in tests:
+        _bounded(out / f"{name}.txt", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "cuda", *KICKOFF_TESTS],
+                 170, DEVICE_ROOT / "itmatch")
+    for name in [name for name, _, _ in benches] + tests:
         print((out / f"{name}.txt").read_text(errors="replace")[-1500:])
     return 0
 
@@ -915,6 +918,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the timed benches to run first, comma-separated (default eval,blocks,train; '' none)")
     p.add_argument("--train-presets", default="vsepp,scan_t2i_avg,scan_i2t_lse,oan,sman,save_dsa",
                    help="presets of the training bench (mmca needs --with mmca's MiniLM; '' leaves it out)")
+    p.add_argument("--no-cuda-tests", dest="cuda_tests", action="store_false",
+                   help="leave the CUDA tests out (they share the GPU with the rows' first minute)")
     _row_arguments(p)  # (last: --bench-args takes the rest of the line)
     p.set_defaults(func=kickoff)
     p = sub.add_parser("_run")

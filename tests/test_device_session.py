@@ -307,6 +307,9 @@ def test_kickoff_times_the_benches_before_the_rows_start_and_tests_beside_them(s
     events.clear()
     session.main(["kickoff", "--benches", "", "--perturb", "vsepp"])
     assert [e[0] for e in events] == ["start", "run"]
+    events.clear()  # a row that needs the GPU to itself: nothing but the row
+    session.main(["kickoff", "--benches", "", "--no-cuda-tests", "--row", "sman"])
+    assert [e[0] for e in events] == ["start"]
 
 
 def test_a_row_or_study_the_bench_does_not_have_stops_start_and_kickoff_before_anything(tmp_path, monkeypatch):
