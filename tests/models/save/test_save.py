@@ -51,9 +51,10 @@ def asa_reference(m: AdaptiveSelfAttention, u: torch.Tensor) -> torch.Tensor:
         return layer.weight @ x + (layer.bias if layer.bias is not None else 0.0)
 
     k = u.shape[0]
+    scale = 1 / math.sqrt(m.theta.out_features) if m.logit_scale != 1.0 else 1.0  # (`scaled`: over sqrt(C/2))
     y = torch.zeros_like(u)
     for i in range(k):
-        s = torch.stack([conv(m.theta, u[i]) @ conv(m.phi, u[j]) for j in range(k)])  # Eq. 6
+        s = torch.stack([conv(m.theta, u[i]) @ conv(m.phi, u[j]) * scale for j in range(k)])  # Eq. 6
         alpha = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()  # Eq. 5
         a = sum(alpha[j] * conv(m.g, u[j]) for j in range(k))  # Eq. 7
         y[i] = m.gamma * conv(m.out, a) + u[i]  # Eq. 8
@@ -109,21 +110,40 @@ def test_only_thetas_bias_changes_the_asa_attention():
     assert (m(u) - before).abs().max() > 1e-3
 
 
-def test_asa_bias_reaches_the_model_through_the_config():
+@pytest.mark.parametrize("bias", [True, False])
+def test_scaled_asa_matches_the_equations_with_sqrt_d_logits(bias):
+    """model.save.asa_scaled: Eq. 6's dot products over sqrt(C/2), checked loop by loop; the same weights
+    unscaled give logits sqrt(C/2) times larger."""
+    torch.manual_seed(3)
+    m = AdaptiveSelfAttention(8, bias=bias, scaled=True).double()
+    torch.nn.init.constant_(m.gamma, 0.7)
+    u = torch.randn(2, 10, 8, dtype=torch.float64)
+    got = m(u)
+    for n in range(2):
+        assert (got[n] - asa_reference(m, u[n])).abs().max() <= 1e-10
+    plain = AdaptiveSelfAttention(8, bias=bias).double()
+    plain.load_state_dict(m.state_dict())
+    assert torch.allclose(plain.logits(u), m.logits(u) * 2.0)  # (C/2 = 4)
+
+
+def test_asa_switches_reach_the_model_through_the_config():
     from itmatch.config import parse_overrides
     from itmatch.errors import ConfigError
     from itmatch.models.registry import resolve_config
 
-    for sets, has_bias in (([], True), (["model.save.asa_bias=false"], False)):
+    for sets, has_bias, scaled in (([], True, False), (["model.save.asa_bias=false"], False, False),
+                                   (["model.save.asa_scaled=true"], True, True)):
         mc = resolve_config("save_asa_ms2", parse_overrides(sets)).model
         mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = 20, DIMS["c5"], 16, 8
         mc.save.c3_dim, mc.save.c4_dim = DIMS["c3"], DIMS["c4"]
-        blocks = build_model(mc).image_encoder.fusion.attend.values()
+        blocks = list(build_model(mc).image_encoder.fusion.attend.values())
         assert [(b.theta.bias is not None, b.phi.bias is not None, b.g.bias is not None) for b in blocks] == \
             [(has_bias,) * 3] * 2
         assert all(b.out.bias is not None for b in blocks)  # (W_z, the block's own output layer, keeps its bias)
-    with pytest.raises(ConfigError, match="asa_bias=false applies to ASA, not to model.save.attention=dsa"):
-        _save_head_through_config("save_dsa", "model.save.asa_bias=false")
+        assert [b.logit_scale for b in blocks] == [b.theta.out_features ** -0.5 if scaled else 1.0 for b in blocks]
+    for setting in ("asa_bias=false", "asa_scaled=true"):
+        with pytest.raises(ConfigError, match=f"{setting} applies to ASA, not to model.save.attention=dsa"):
+            _save_head_through_config("save_dsa", f"model.save.{setting}")
 
 
 def test_asa_is_identity_at_init():

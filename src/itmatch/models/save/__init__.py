@@ -43,9 +43,13 @@ class Save(Arch):
         sc = mc.save
         scales = parse_scales(sc.scales)
         pixels = bool(self.pixel_backbone(mc))
-        if not sc.asa_bias and sc.attention != "asa":  # (it would be ignored: DSA has no weights, none no block)
-            raise ConfigError(f"model.save.asa_bias=false applies to ASA, not to model.save.attention={sc.attention}",
-                              hint="leave asa_bias out, or set model.save.attention=asa")
+        asa = {"bias": sc.asa_bias, "scaled": sc.asa_scaled}  # (AdaptiveSelfAttention's switches)
+        changed = [f"asa_{name}" for name in asa if getattr(sc, f"asa_{name}") != getattr(SaveConfig, f"asa_{name}")]
+        if changed and sc.attention != "asa":  # (it would be ignored: DSA has no weights, none no block)
+            value = str(getattr(sc, changed[0])).lower()
+            raise ConfigError(f"model.save.{changed[0]}={value} applies to ASA, not to "
+                              f"model.save.attention={sc.attention}",
+                              hint=f"leave {changed[0]} out, or set model.save.attention=asa")
         if sc.finetune and not pixels:
             raise ValueError("model.save.finetune needs model.save.pixels=true (the backbone runs inside the model)")
         backbone = tail = None
@@ -66,7 +70,7 @@ class Save(Arch):
                 raise ValueError(f"channels of cached scale(s) {unset} unknown: set model.save.c3_dim/c4_dim "
                                  "(the trainer takes them from the data)")
         fusion = MultiScaleSelfAttention(scales, dims, sc.attention, sc.fusion, sc.dsa_lambda, tail, sc.scale_norm,
-                                         sc.asa_bias)
+                                         asa)
         image = SaveImageEncoder(fusion, mc.embed_size, norm=mc.img_norm, backbone=backbone)
         text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
                               bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm)

@@ -22,6 +22,9 @@ class SaveConfig:
     # ASA's theta, phi, g with biases (the non-local block's 1x1 convolutions; every SAVE run so far) or without,
     # as Eq. 6-7 write them (false); only theta's bias changes the attention (docs/save.md)
     asa_bias: bool = True
+    # Eq. 6's logits divided by sqrt(C/2), the transformer's scaling (true); not in the paper, whose unscaled logits
+    # make ASA's attention nearly one-hot on raw Lite0 c5 (docs/save.md, "How it collapses")
+    asa_scaled: bool = False
     # none (the paper: raw maps) | layernorm: each stage map is standardised per cell over its channels (no
     # affine) before its self-attention, so that no fused scale outweighs the others by magnitude alone
     # (EfficientNet's c3/c4 are linear-bottleneck outputs, larger in norm than c5's cells; the ms2/ms3 presets);

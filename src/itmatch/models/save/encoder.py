@@ -68,9 +68,12 @@ class AdaptiveSelfAttention(nn.Module):
     `bias`: theta, phi and g with biases, as the non-local block's convolutions have them (the default), or
     without, as Eq. 6-7 write them (W u). Only theta's changes the attention: it adds b_theta^T phi(u_j), a
     learned prior over the candidates j; phi's adds a term constant over j (the softmax cancels it), and g's a
-    constant that W_z's own bias can hold (docs/save.md)."""
+    constant that W_z's own bias can hold (docs/save.md).
+    `scaled`: Eq. 6's dot products divided by sqrt(C/2), the transformer's scaling; not in the paper (nor in the
+    non-local block's embedded Gaussian), which the default follows. On raw Lite0 c5 the unscaled logits make the
+    attention nearly one-hot from the start (docs/save.md, "How it collapses")."""
 
-    def __init__(self, channels: int, reduction: int = 2, bias: bool = True) -> None:
+    def __init__(self, channels: int, reduction: int = 2, bias: bool = True, scaled: bool = False) -> None:
         super().__init__()
         inner = max(1, channels // reduction)
         self.theta = nn.Linear(channels, inner, bias=bias)
@@ -78,10 +81,11 @@ class AdaptiveSelfAttention(nn.Module):
         self.g = nn.Linear(channels, inner, bias=bias)
         self.out = nn.Linear(inner, channels)
         self.gamma = nn.Parameter(torch.zeros(1))
+        self.logit_scale = inner ** -0.5 if scaled else 1.0
 
     def logits(self, u: torch.Tensor) -> torch.Tensor:
-        """s_ij = theta(u_i)^T phi(u_j) (Eq. 6), [N, i, j]."""
-        return self.theta(u) @ self.phi(u).transpose(1, 2)
+        """s_ij = theta(u_i)^T phi(u_j) (Eq. 6; times 1/sqrt(C/2) if `scaled`), [N, i, j]."""
+        return self.theta(u) @ self.phi(u).transpose(1, 2) * self.logit_scale
 
     def branch(self, u: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
         """gamma W_z a_i with a_i = sum_j alpha_ij g(u_j) (Eq. 7-8): what the block adds to each cell."""
@@ -91,13 +95,15 @@ class AdaptiveSelfAttention(nn.Module):
         return self.branch(u, torch.softmax(self.logits(u), dim=2)) + u  # (alpha: Eq. 5)
 
 
-def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0, asa_bias: bool = True) -> nn.Module:
+def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0,
+                   asa: Mapping[str, bool] | None = None) -> nn.Module:
+    """One scale's self-attention; `asa`: AdaptiveSelfAttention's switches (bias, scaled), for ASA only."""
     if kind == "none":
         return nn.Identity()
     if kind == "dsa":
         return DeterministicSelfAttention(dsa_lambda)
     if kind == "asa":
-        return AdaptiveSelfAttention(channels, bias=asa_bias)
+        return AdaptiveSelfAttention(channels, **(asa or {}))
     raise ValueError(f"unknown self-attention {kind!r}; choose one of {ATTENTIONS}")
 
 
@@ -135,7 +141,8 @@ class MultiScaleSelfAttention(nn.Module):
 
     def __init__(self, scales: Sequence[str], dims: Mapping[str, int], attention: str = "asa",
                  fusion: str = "concat", dsa_lambda: float = 1.0,
-                 tail: nn.Module | Borrowed | None = None, scale_norm: str = "none", asa_bias: bool = True) -> None:
+                 tail: nn.Module | Borrowed | None = None, scale_norm: str = "none",
+                 asa: Mapping[str, bool] | None = None) -> None:
         super().__init__()
         if fusion not in FUSIONS:
             raise ValueError(f"unknown fusion {fusion!r}; choose one of {FUSIONS}")
@@ -149,7 +156,7 @@ class MultiScaleSelfAttention(nn.Module):
         if fusion == "nl" and (self.scales != ("c4", "c5") or tail is None):
             raise ValueError("fusion 'nl' (NL-ms2) needs scales c4,c5 and the backbone's c4 -> c5 tail")
         self.tail = tail
-        self.attend = nn.ModuleDict({s: make_attention(attention, dims[s], dsa_lambda, asa_bias) for s in self.scales})
+        self.attend = nn.ModuleDict({s: make_attention(attention, dims[s], dsa_lambda, asa) for s in self.scales})
         self.out_dim = dims["c5"] if fusion == "nl" else sum(dims[s] for s in self.scales)
 
     @property
