@@ -155,7 +155,8 @@ CPU = Profile("cpu", SCHEDULE, SCHEDULES, OVERRIDES, CONTROLS, ENSEMBLES,
 # Every preset trains with its own paper's schedule (optimizer, lr, decay step, epochs, D), which the presets
 # carry (`itmatch models`; docs/training.md lists them); the two files add only what is not the papers':
 # one warm-up epoch on the sum over negatives where a model stalls without it (gpu.yaml: SCAN, Sum-Max, SAVE,
-# OAN, all region-word attention heads, and SMAN, which sat at chance for five epochs without it: docs/sman.md),
+# OAN, all region-word attention heads, and SMAN: without it its Adam control sat at chance for five epochs and
+# the paper's Adadelta below 52 dev rsum for twelve, docs/sman.md),
 # none elsewhere (gpu_no_warmup.yaml: MMCA, meanpool, and VSE++, which stalls three epochs without it at D = 1024
 # and then ends 8-12 rsum above its warm-up runs: docs/training.md), bucketed batches, model selection on dev rsum.
 GPU_SCHEDULE = "configs/flickr8k/gpu.yaml"

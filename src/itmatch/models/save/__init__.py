@@ -70,7 +70,7 @@ class Save(Arch):
                 raise ValueError(f"channels of cached scale(s) {unset} unknown: set model.save.c3_dim/c4_dim "
                                  "(the trainer takes them from the data)")
         fusion = MultiScaleSelfAttention(scales, dims, sc.attention, sc.fusion, sc.dsa_lambda, tail, sc.scale_norm,
-                                         asa)
+                                         asa=asa)
         image = SaveImageEncoder(fusion, mc.embed_size, norm=mc.img_norm, backbone=backbone)
         text = RNNTextEncoder(mc.vocab_size, mc.word_dim, mc.embed_size, num_layers=mc.text_layers,
                               bidirectional=mc.bidirectional, rnn=mc.text_rnn, norm=mc.txt_norm)

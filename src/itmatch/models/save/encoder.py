@@ -95,7 +95,7 @@ class AdaptiveSelfAttention(nn.Module):
         return self.branch(u, torch.softmax(self.logits(u), dim=2)) + u  # (alpha: Eq. 5)
 
 
-def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0,
+def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0, *,
                    asa: Mapping[str, bool] | None = None) -> nn.Module:
     """One scale's self-attention; `asa`: AdaptiveSelfAttention's switches (bias, scaled), for ASA only."""
     if kind == "none":
@@ -141,7 +141,7 @@ class MultiScaleSelfAttention(nn.Module):
 
     def __init__(self, scales: Sequence[str], dims: Mapping[str, int], attention: str = "asa",
                  fusion: str = "concat", dsa_lambda: float = 1.0,
-                 tail: nn.Module | Borrowed | None = None, scale_norm: str = "none",
+                 tail: nn.Module | Borrowed | None = None, scale_norm: str = "none", *,
                  asa: Mapping[str, bool] | None = None) -> None:
         super().__init__()
         if fusion not in FUSIONS:
@@ -156,7 +156,7 @@ class MultiScaleSelfAttention(nn.Module):
         if fusion == "nl" and (self.scales != ("c4", "c5") or tail is None):
             raise ValueError("fusion 'nl' (NL-ms2) needs scales c4,c5 and the backbone's c4 -> c5 tail")
         self.tail = tail
-        self.attend = nn.ModuleDict({s: make_attention(attention, dims[s], dsa_lambda, asa) for s in self.scales})
+        self.attend = nn.ModuleDict({s: make_attention(attention, dims[s], dsa_lambda, asa=asa) for s in self.scales})
         self.out_dim = dims["c5"] if fusion == "nl" else sum(dims[s] for s in self.scales)
 
     @property
