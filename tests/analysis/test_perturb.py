@@ -226,6 +226,10 @@ def test_analyze_perturb_end_to_end(tiny_precomp, tmp_path, capsys):
     assert (out / "perturb.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     page = (out / "perturb.md").read_text()
     assert "Random shuffling" in page
+    # which tagger's parts of speech were dropped (the cache's, the installed one's here)
+    tagger = perturb.load_tagger().meta
+    assert report["tagger"] == f"{tagger['name']}-{tagger['version']}"
+    assert f"Penn tags of the training captions by spaCy's `{report['tagger']}`." in page
     # what the runs were, so that a reader can tell a converged study from a short one and where it trained
     assert report["schedule"].startswith("D = 32, 1 epochs, batch 32, adam lr 0.002")
     assert f"Every run: {report['schedule']}" in page

@@ -26,6 +26,7 @@ from itmatch.data.perturb import (
     POS_CLASSES,
     CaptionPerturbation,
     Tagged,
+    cached_tagger,
     prior_probabilities,
     tag_captions,
 )
@@ -91,7 +92,8 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
             check_existing_run(run_dirs[kind], cfg, study_record(kind, seed))
     train_split = read_precomp(cfg.data.path, cfg.data.train_split)
     test_split = read_precomp(cfg.data.path, split)
-    tagged = tag_captions(train_split.training_captions, cache_dir=tag_cache or out / "cache", progress=progress)
+    tag_dir = tag_cache or out / "cache"
+    tagged = tag_captions(train_split.training_captions, cache_dir=tag_dir, progress=progress)
     priors = prior_probabilities(tagged)
     to_train = [kind for kind in kinds  # (a run stopped after an epoch has a `best`, but is not finished)
                 if run_dirs[kind] == out / kind and (force or not training_finished(out / kind))]
@@ -117,7 +119,7 @@ def run_perturbation_study(cfg: Config, out: str | Path, perturbations: Sequence
     report = {"model": cfg.preset or cfg.model.arch, "data": cfg.data.path, "split": split, "protocol": protocol,
               "reference": str(run_dirs["original"]),
               "schedule": schedule_line(cfg), "train_captions": len(train_split.training_captions),
-              "priors": priors, "rows": rows}
+              "tagger": cached_tagger(train_split.training_captions, tag_dir), "priors": priors, "rows": rows}
     write_json_atomic(out / "perturb.json", report)
     write_text_atomic(out / "perturb.csv", to_csv(report))
     write_text_atomic(out / "perturb.md", to_markdown(report))
@@ -370,7 +372,10 @@ def to_markdown(report: dict[str, Any]) -> str:
         for row in report["rows"]:
             parts.append(f"| {row['label']} | {row['rsum']:.1f} | {_shown(row['dev_rsum'], spec='.1f')} | "
                          f"{_shown(row['best_epoch'])} | {row['epochs']} | {row['trained_on']} |")
-    parts.append("\n## Prior probability that a training caption contains the class\n\n| class | Penn tags | prior |")
+    parts.append("\n## Prior probability that a training caption contains the class\n")
+    if report.get("tagger"):  # (the parts of speech dropped above are this tagger's; older reports lack it)
+        parts.append(f"Penn tags of the training captions by spaCy's `{report['tagger']}`.\n")
+    parts.append("| class | Penn tags | prior |")
     parts.append("|---|---|---|")
     for name, tags in POS_CLASSES.items():
         parts.append(f"| {name} | {', '.join(tags)} | {100 * report['priors'][name]:.1f}% |")

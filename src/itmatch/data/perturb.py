@@ -101,6 +101,13 @@ def tag_cache_path(captions: Sequence[str], cache_dir: str | Path) -> Path:
     return Path(cache_dir) / f"pos_tags_{digest}.json"
 
 
+def cached_tagger(captions: Sequence[str], cache_dir: str | Path) -> str | None:
+    """The tagger (name-version) that made the cached tags of `captions`, None without a cache: what a study says
+    its tags came from (tag_captions leaves a cache of the installed tagger's, or uses one made elsewhere)."""
+    cache = tag_cache_path(captions, cache_dir)
+    return _read_tag_cache(cache)["tagger"] if cache.is_file() else None
+
+
 def _read_tag_cache(cache: Path) -> dict[str, Any]:
     """A tag cache's tagger and (tokens, tags) per caption; a DataError naming the file when it is unreadable."""
     try:
