@@ -234,9 +234,6 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # On standardised c5, beside save_asa_layernorm: on raw c5 it collapsed as save_asa did (a GPU run stopped at
     # epoch 7, docs/save.md), which would say nothing about the bias
     "save_asa_layernorm_no_bias": ("save_asa", ["model.save.scale_norm=layernorm", "model.save.asa_bias=false"]),
-    # ASA on raw c5 with Eq. 6's logits over sqrt(C/2) (the transformer's scaling, not the paper's): whether the
-    # unscaled, nearly one-hot attention is what collapses save_asa (docs/save.md, "How it collapses")
-    "save_asa_scaled": ("save_asa", ["model.save.asa_scaled=true"]),
     # save_asa (raw c5) collapsed onto all-alike scores in its first hardest-negative epoch on the GPU and did not
     # converge in 30 epochs (docs/save.md, "The GPU rows"): another seed tells whether that is the seed's
     "save_asa_seed1": ("save_asa", ["train.seed=1"]),

@@ -23,7 +23,8 @@ class SaveConfig:
     # as Eq. 6-7 write them (false); only theta's bias changes the attention (docs/save.md)
     asa_bias: bool = True
     # Eq. 6's logits divided by sqrt(C/2), the transformer's scaling (true); not in the paper, whose unscaled logits
-    # make ASA's attention nearly one-hot on raw Lite0 c5 (docs/save.md, "How it collapses")
+    # make ASA's attention nearly one-hot on raw Lite0 c5; scaled, it collapses there all the same (docs/save.md,
+    # "How it collapses")
     asa_scaled: bool = False
     # none (the paper: raw maps) | layernorm: each stage map is standardised per cell over its channels (no
     # affine) before its self-attention, so that no fused scale outweighs the others by magnitude alone
