@@ -354,9 +354,9 @@ KICKOFF_TESTS = ["tests/test_cuda.py", "tests/models/scan/test_fused.py"]
 def kickoff(args: argparse.Namespace) -> int:
     """(there, in the last bundle's call) the order a session's device time is best spent in: the timed benches
     while the GPU is idle (their figures are the accelerator issue's), then the rows in the background (`start`),
-    then the CUDA tests beside the features' extraction (correctness only, so sharing the GPU is harmless; unless
-    --no-cuda-tests). The
-    benches' and the tests' output goes to $OUT; each is bounded, so one that hangs cannot eat the session."""
+    then the CUDA tests beside the features' extraction (correctness only, so sharing the GPU is harmless; left out
+    with --no-cuda-tests). The benches' and the tests' output goes to $OUT; each is bounded, so one that hangs
+    cannot eat the session."""
     work_copy()
     out = _out_dir()
     # the timed benches (docs/gpu.md, "Speed"), each with the seconds it may take: the evaluation compiles the fused

@@ -71,7 +71,8 @@ class AdaptiveSelfAttention(nn.Module):
     constant that W_z's own bias can hold (docs/save.md).
     `scaled`: Eq. 6's dot products divided by sqrt(C/2), the transformer's scaling; not in the paper (nor in the
     non-local block's embedded Gaussian), which the default follows. On raw Lite0 c5 the unscaled logits make the
-    attention nearly one-hot from the start (docs/save.md, "How it collapses")."""
+    attention nearly one-hot from the start; scaled, ASA collapses there all the same (docs/save.md, "How it
+    collapses")."""
 
     def __init__(self, channels: int, reduction: int = 2, bias: bool = True, scaled: bool = False) -> None:
         super().__init__()
