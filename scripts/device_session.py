@@ -680,10 +680,9 @@ def stop(args: argparse.Namespace) -> int:
     # back once the drivers have logged the ends (at their next look, within TICK), so that `stop X && start --row X`
     # in one call finds X ended and starts it again
     deadline = time.time() + 3 * TICK
-    while any(pending(state) for item, state in item_states(logs, plan) if item in items and item not in refused):
-        if time.time() > deadline:
-            print(f"not yet ended after {3 * TICK} s (poll says when): "
-                  + ", ".join(i for i, st in item_states(logs, plan) if i in items and pending(st)))
+    while left := [item for item, state in item_states(logs, plan) if item in items and pending(state)]:
+        if time.time() > deadline:  # (a refused item is not pending: it is never waited for)
+            print(f"not yet ended after {3 * TICK} s (poll says when): {', '.join(left)}")
             break
         time.sleep(0.2)
     return 1 if refused else 0

@@ -488,7 +488,6 @@ def test_trainer_runs_save_on_multiscale_data(tiny_multiscale, tmp_path):
     assert (tmp_path / "dev.json").is_file()
 
 
-
 def test_asa_state_tells_a_collapsed_block_from_a_working_one():
     """scripts/asa_state.py's measures on hand-set blocks: at init (gamma 0) the branch is nothing and the images are
     as alike as before; a block whose branch adds one large vector to every cell (the collapse the GPU's save_asa

@@ -44,12 +44,12 @@ class Save(Arch):
         scales = parse_scales(sc.scales)
         pixels = bool(self.pixel_backbone(mc))
         asa = {"bias": sc.asa_bias, "scaled": sc.asa_scaled}  # (AdaptiveSelfAttention's switches)
-        changed = [f"asa_{name}" for name in asa if getattr(sc, f"asa_{name}") != getattr(SaveConfig, f"asa_{name}")]
+        changed = [(f"asa_{name}", value) for name, value in asa.items() if value != getattr(SaveConfig, f"asa_{name}")]
         if changed and sc.attention != "asa":  # (it would be ignored: DSA has no weights, none no block)
-            value = str(getattr(sc, changed[0])).lower()
-            raise ConfigError(f"model.save.{changed[0]}={value} applies to ASA, not to "
+            key, value = changed[0]
+            raise ConfigError(f"model.save.{key}={str(value).lower()} applies to ASA, not to "
                               f"model.save.attention={sc.attention}",
-                              hint=f"leave {changed[0]} out, or set model.save.attention=asa")
+                              hint=f"leave {key} out, or set model.save.attention=asa")
         if sc.finetune and not pixels:
             raise ValueError("model.save.finetune needs model.save.pixels=true (the backbone runs inside the model)")
         backbone = tail = None
