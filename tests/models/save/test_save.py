@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from torch.nn.utils import parametrize
 
 from itmatch.config import ModelConfig
 from itmatch.models.registry import build_model, preset_config
@@ -126,13 +127,40 @@ def test_scaled_asa_matches_the_equations_with_sqrt_d_logits(bias):
     assert torch.allclose(plain.logits(u), m.logits(u) * 2.0)  # (C/2 = 4)
 
 
+def test_spectral_norm_asa_matches_the_equations_with_unit_norm_weights():
+    """model.save.asa_spectral_norm: the block computes Eq. 5-8 with theta, phi, g and W_z each divided by its
+    largest singular value (what the power iterations of training steps converge to)."""
+    torch.manual_seed(4)
+    m = AdaptiveSelfAttention(8, spectral_norm=True).double()
+    torch.nn.init.constant_(m.gamma, 0.7)
+    u = torch.randn(2, 10, 8, dtype=torch.float64)
+    for _ in range(50):  # (each forward in training mode is one power iteration)
+        m(u)
+    m.eval()
+    layers = (m.theta, m.phi, m.g, m.out)
+    for layer in layers:  # (the weight the block uses: the trained one over its largest singular value)
+        original = layer.parametrizations.weight.original
+        assert torch.allclose(layer.weight, original / torch.linalg.matrix_norm(original, ord=2), atol=1e-7)
+    got = m(u)
+    for n in range(2):
+        assert (got[n] - asa_reference(m, u[n])).abs().max() <= 1e-10
+    # the bound it puts on the gated branch: |gamma W_z a_i| <= |gamma| max_j |u_j| plus what the biases add
+    with torch.no_grad():
+        for layer in layers:
+            layer.bias.zero_()
+    branch = m(u) - u
+    assert float(branch.norm(dim=2).max()) <= 0.7 * float(u.norm(dim=2).max()) + 1e-9
+
+
 def test_asa_switches_reach_the_model_through_the_config():
     from itmatch.config import parse_overrides
     from itmatch.errors import ConfigError
     from itmatch.models.registry import resolve_config
 
-    for sets, has_bias, scaled in (([], True, False), (["model.save.asa_bias=false"], False, False),
-                                   (["model.save.asa_scaled=true"], True, True)):
+    for sets, has_bias, scaled, normed in (([], True, False, False),
+                                           (["model.save.asa_bias=false"], False, False, False),
+                                           (["model.save.asa_scaled=true"], True, True, False),
+                                           (["model.save.asa_spectral_norm=true"], True, False, True)):
         mc = resolve_config("save_asa_ms2", parse_overrides(sets)).model
         mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = 20, DIMS["c5"], 16, 8
         mc.save.c3_dim, mc.save.c4_dim = DIMS["c3"], DIMS["c4"]
@@ -141,7 +169,9 @@ def test_asa_switches_reach_the_model_through_the_config():
             [(has_bias,) * 3] * 2
         assert all(b.out.bias is not None for b in blocks)  # (W_z, the block's own output layer, keeps its bias)
         assert [b.logit_scale for b in blocks] == [b.theta.out_features ** -0.5 if scaled else 1.0 for b in blocks]
-    for setting in ("asa_bias=false", "asa_scaled=true"):
+        assert [parametrize.is_parametrized(layer, "weight") for b in blocks
+                for layer in (b.theta, b.phi, b.g, b.out)] == [normed] * 8
+    for setting in ("asa_bias=false", "asa_scaled=true", "asa_spectral_norm=true"):
         with pytest.raises(ConfigError, match=f"{setting} applies to ASA, not to model.save.attention=dsa"):
             _save_head_through_config("save_dsa", f"model.save.{setting}")
 

@@ -43,7 +43,8 @@ class Save(Arch):
         sc = mc.save
         scales = parse_scales(sc.scales)
         pixels = bool(self.pixel_backbone(mc))
-        asa = {"bias": sc.asa_bias, "scaled": sc.asa_scaled}  # (AdaptiveSelfAttention's switches)
+        # (AdaptiveSelfAttention's switches)
+        asa = {"bias": sc.asa_bias, "scaled": sc.asa_scaled, "spectral_norm": sc.asa_spectral_norm}
         changed = [(f"asa_{name}", value) for name, value in asa.items() if value != getattr(SaveConfig, f"asa_{name}")]
         if changed and sc.attention != "asa":  # (it would be ignored: DSA has no weights, none no block)
             key, value = changed[0]

@@ -26,6 +26,9 @@ class SaveConfig:
     # make ASA's attention nearly one-hot on raw Lite0 c5; scaled, it collapses there all the same (docs/save.md,
     # "How it collapses")
     asa_scaled: bool = False
+    # theta, phi, g and W_z spectrally normalised, as SAGAN (cited at Eq. 8) normalises every convolution (true); not
+    # in SAVE: a bound on the gated branch that collapses ASA on raw c5 (docs/save.md, "How it collapses")
+    asa_spectral_norm: bool = False
     # none (the paper: raw maps) | layernorm: each stage map is standardised per cell over its channels (no
     # affine) before its self-attention, so that no fused scale outweighs the others by magnitude alone
     # (EfficientNet's c3/c4 are linear-bottleneck outputs, larger in norm than c5's cells; the ms2/ms3 presets);

@@ -72,9 +72,13 @@ class AdaptiveSelfAttention(nn.Module):
     `scaled`: Eq. 6's dot products divided by sqrt(C/2), the transformer's scaling; not in the paper (nor in the
     non-local block's embedded Gaussian), which the default follows. On raw Lite0 c5 the unscaled logits make the
     attention nearly one-hot from the start; scaled, ASA collapses there all the same (docs/save.md, "How it
-    collapses")."""
+    collapses").
+    `spectral_norm`: theta, phi, g and W_z spectrally normalised (one power iteration a training step), as SAGAN
+    (Zhang et al. 2018, which Eq. 8 follows for gamma) does with every convolution; not in SAVE. It bounds the gated
+    branch by |gamma| times the largest cell, where the paper's form let it grow to 29 cells' norm on raw c5."""
 
-    def __init__(self, channels: int, reduction: int = 2, bias: bool = True, scaled: bool = False) -> None:
+    def __init__(self, channels: int, reduction: int = 2, bias: bool = True, scaled: bool = False,
+                 spectral_norm: bool = False) -> None:
         super().__init__()
         inner = max(1, channels // reduction)
         self.theta = nn.Linear(channels, inner, bias=bias)
@@ -83,6 +87,9 @@ class AdaptiveSelfAttention(nn.Module):
         self.out = nn.Linear(inner, channels)
         self.gamma = nn.Parameter(torch.zeros(1))
         self.logit_scale = inner ** -0.5 if scaled else 1.0
+        if spectral_norm:
+            for layer in (self.theta, self.phi, self.g, self.out):
+                nn.utils.parametrizations.spectral_norm(layer)
 
     def logits(self, u: torch.Tensor) -> torch.Tensor:
         """s_ij = theta(u_i)^T phi(u_j) (Eq. 6; times 1/sqrt(C/2) if `scaled`), [N, i, j]."""
@@ -98,7 +105,8 @@ class AdaptiveSelfAttention(nn.Module):
 
 def make_attention(kind: str, channels: int, dsa_lambda: float = 1.0, *,
                    asa: Mapping[str, bool] | None = None) -> nn.Module:
-    """One scale's self-attention; `asa`: AdaptiveSelfAttention's switches (bias, scaled), for ASA only."""
+    """One scale's self-attention; `asa`: AdaptiveSelfAttention's switches (bias, scaled, spectral_norm), for ASA
+    only."""
     if kind == "none":
         return nn.Identity()
     if kind == "dsa":
