@@ -32,10 +32,12 @@ and, for a model to ship, its fp16 package (scripts/ship_pretrained.py) into $OU
     python3 scripts/device_session.py ship mmca mmca-flickr8k
 
 and, for a checkpoint to keep (they leave with the machine: an ensemble or an analysis here needs them), the run
-directory in pieces through $OUT, one SCAN run (~43 MB) a call, joined here from the call's files_at:
+directory in pieces through $OUT, a finished SCAN run (~43 MB) a call, joined here from the calls' files_at; a run
+stopped with epochs left comes whole (~218 MB, four calls), and a later session's `prepare --runs ROW` carries it
+back there to be resumed (docs/gpu.md, "A row across sessions"):
 
-    python3 scripts/device_session.py fetch scan_i2t_lse          # there
-    python scripts/device_session.py take /work/.device/N          # here: runs/flickr8k_gpu/scan_i2t_lse
+    python3 scripts/device_session.py fetch scan_i2t_lse          # there, again until every piece was sent
+    python scripts/device_session.py take /work/.device/N [...]    # here: runs/flickr8k_gpu/scan_i2t_lse
 
 On the GPU machine everything lives under /root/device (DEVICE_ROOT): the photos and captions where the bench
 expects ../shared (shared/data/flickr8k), the wheels installed in site/, a working copy of this checkout in
@@ -192,17 +194,18 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def run_files(row: str, runs: Path = ROOT / RUNS) -> list[tuple[Path, str]]:
-    """The trained run `runs/row` of this machine as a bundle's files (what `fetch` brings back: its `best`
-    checkpoint, config, history and last state), landing where the bench there looks for it, so that a row that
-    continues it (`<row>_ft`, `<row>_frozen_more`) need not train it again there. `row` may be a study's run
-    (`perturb/scan_t2i_avg/shuffle`): a finished one is reused there, not trained again."""
+    """The run `runs/row` of this machine as a bundle's files (what `fetch` brings back), landing where the bench
+    there looks for it: a finished run's `best` checkpoint, config, history and last state, so that a row that
+    continues it (`<row>_ft`, `<row>_frozen_more`) need not train it again there; a stopped run whole, so that the
+    row (`start --row ROW`) resumes it where it stopped. `row` may be a study's run (`perturb/scan_t2i_avg/shuffle`):
+    a finished one is reused there, a stopped one resumed."""
     run = runs / row
-    if not (run / "best" / "config.json").is_file():
-        raise SystemExit(f"no trained run at {run} (a run to carry needs its best/ checkpoint)")
-    if not run_finished(run):  # (its last/ weights are not carried: there it could not be resumed)
-        raise SystemExit(f"{run} has epochs left to train: finish it here first, or let the session train it")
-    return [(f, f"itmatch/{RUNS}/{row}/{f.relative_to(run).as_posix()}")
-            for f in sorted(run.rglob("*")) if f.is_file() and f.relative_to(run).as_posix() not in FETCH_SKIPS]
+    if not (run / "best" / "config.json").is_file() and not (run / "last" / "state.json").is_file():
+        raise SystemExit(f"no trained run at {run} (a run to carry needs its best/ or last/ checkpoint)")
+    if not resumable(run):
+        raise SystemExit(f"{run} has epochs left but no last/ weights and optimizer to resume from: it can only be "
+                         "trained again")
+    return [(f, f"itmatch/{RUNS}/{row}/{f.relative_to(run).as_posix()}") for f in travelling_files(run)]
 
 
 def run_finished(run: Path) -> bool:
@@ -768,61 +771,134 @@ def oversized(folder: Path) -> list[Path]:
     return sorted(f for f in folder.rglob("*") if f.is_file() and f.stat().st_size > OUT_FILE_MAX)
 
 
-# what a fetched run leaves behind: the last epoch's weights and optimizer (best/ holds the model that is evaluated;
-# last/state.json stays, so that the bench here sees the run's training as finished)
+# what a finished run leaves behind when fetched or carried: the last epoch's weights and optimizer (best/ holds the
+# model that is evaluated; last/state.json stays, so that the bench sees the run's training as finished). A run with
+# epochs left travels whole, so that a later session resumes it where it stopped.
 FETCH_SKIPS = {"last/model.safetensors", "last/optimizer.pt", "last/trainer.pt"}
 SEP = "__"  # a run's path in the name of its pieces, as poll names the files it copies (docs__results__...)
+OUT_CALL_PIECES = 4  # pieces a `fetch` call puts into $OUT: 4 x 15 MiB, under the 64 MiB (and 8 files) of a call
+
+
+def travelling_files(run: Path) -> list[Path]:
+    """The files of `run` that fetch and `prepare --runs` move: all of them while it has epochs left (a later session
+    resumes it from last/), all but FETCH_SKIPS once it has finished."""
+    finished = run_finished(run)
+    return sorted(f for f in run.rglob("*") if f.is_file()
+                  and not (finished and f.relative_to(run).as_posix() in FETCH_SKIPS))
+
+
+def resumable(run: Path) -> bool:
+    """Whether `run` has what a resumed training reads: a finished run, or last/'s state, weights and optimizer."""
+    return run_finished(run) or all((run / "last" / name).is_file()
+                                    for name in ("state.json", "model.safetensors", "optimizer.pt"))
+
+
+@contextlib.contextmanager
+def run_unlocked(run: Path):
+    """Holds the bench's lock on `run` (bench/flickr8k.py's run_lock: RUNS/.ROW.lock, a filelock, i.e. flock) so that
+    no trainer starts while the run is packed; yields False, holding nothing, when a trainer holds it now."""
+    lock = run.with_name(f".{run.name}.lock")
+    with lock.open("a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def busy_item(row: str) -> str:
+    """The plan's item that may still train the run `row` (the row itself, or the study perturb/PRESET/... belongs
+    to: a study's trainings hold no lock of their own), or ""."""
+    logs = DEVICE_ROOT / "logs"
+    plan = read_plan(logs)
+    parts = row.split("/")
+    item = f"{STUDY}{parts[1]}" if parts[0] == "perturb" and len(parts) > 2 else row
+    return item if plan and any(i == item and pending(state) for i, state in item_states(logs, plan)) else ""
 
 
 def fetch(args: argparse.Namespace) -> int:
-    """(there) A trained row's run directory (its `best` checkpoint, config, history, last state) into $OUT as
-    ROW.tar pieces of at most OUT_FILE_LIMIT bytes, so that the checkpoint outlives the machine: `take` joins them
-    here. One SCAN run at D = 1024 is ~43 MB, 3 pieces; a call brings back at most 64 MiB."""
+    """(there) A row's run directory into $OUT as ROW.tar pieces of at most OUT_FILE_LIMIT bytes, OUT_CALL_PIECES a
+    call, so that it outlives the machine: `take` joins them here. A finished run comes without its last epoch's
+    weights (one SCAN run at D = 1024: ~43 MB, one call); a stopped one whole, to be resumed in a later session
+    (`prepare --runs ROW`): a SCAN's with its Adam state is ~170 MB, three calls. The archive stays here between
+    calls; each call sends the next pieces (`--from K` sends again from piece K, e.g. after a failed call)."""
     import tarfile
 
     run = DEVICE_ROOT / "itmatch" / RUNS / args.row
-    if not (run / "best" / "config.json").is_file():
+    if not (run / "best" / "config.json").is_file() and not (run / "last" / "state.json").is_file():
         print(f"no trained run at {run} (rows done so far: see `poll`)")
         return 1
-    if not run_finished(run):  # (without its last/ weights it could be resumed nowhere)
-        print(f"{run} has epochs left to train (see `poll`): fetch it once it has finished")
+    archive = DEVICE_ROOT / "fetched" / f"{args.row.replace('/', SEP)}.tar"  # (perturb__scan_t2i_avg__shuffle.tar)
+    sent_file = archive.with_name(archive.name + ".sent.json")
+    sent = json.loads(sent_file.read_text()) if sent_file.is_file() and archive.is_file() else {}
+    files = travelling_files(run)
+    stamp = [[f.relative_to(run).as_posix(), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    if sent.get("files") != stamp:  # (a new archive when the run changed since the last call's)
+        with run_unlocked(run) as free:
+            item = busy_item(args.row) or ("" if free else args.row)
+            if item:
+                print(f"{args.row} is training there: `stop {item}` first (its last checkpoint is kept), then fetch "
+                      "it, and resume it in a later session with `prepare --runs`")
+                return 1
+            if not resumable(run):
+                print(f"{run} has epochs left but no last/ weights and optimizer to resume from: let it train on")
+                return 1
+            archive.parent.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(archive, "w") as tar:
+                for f in files:
+                    tar.add(f, arcname=f"{args.row}/{f.relative_to(run).as_posix()}")
+            count = max(1, -(-archive.stat().st_size // OUT_FILE_LIMIT))
+            sent = {"files": stamp, "pieces": count, "sent": 0}
+    count = sent["pieces"]
+    first = args.from_piece if args.from_piece else sent["sent"] + 1
+    if first > count:
+        print(f"{args.row}: all {count} pieces were sent; `--from 1` sends them again")
         return 1
+    last = min(count, first + OUT_CALL_PIECES - 1)
     out = _out_dir()
-    archive = DEVICE_ROOT / f"{args.row.replace('/', SEP)}.tar"  # (a study's run: perturb__scan_t2i_avg__shuffle)
-    with tarfile.open(archive, "w") as tar:
-        tar.add(run, arcname=args.row,
-                filter=lambda info: None if info.name.removeprefix(args.row + "/") in FETCH_SKIPS else info)
-    size = archive.stat().st_size
-    count = -(-size // OUT_FILE_LIMIT)
     with archive.open("rb") as src:
-        for k in range(1, count + 1):
+        src.seek((first - 1) * OUT_FILE_LIMIT)
+        for k in range(first, last + 1):
             (out / piece_name(archive.name, k, count)).write_bytes(src.read(OUT_FILE_LIMIT))
-    archive.unlink()
-    print(f"{args.row}: {size / 2**20:.1f} MiB in {count} pieces in $OUT; here: python scripts/device_session.py "
-          f"take FILES_AT")
+    sent["sent"] = last
+    _write_atomic(sent_file, json.dumps(sent).encode())
+    state = "finished" if run_finished(run) else "with epochs left, whole (resumable)"
+    rest = (f"; call `fetch {args.row}` again for pieces {last + 1}-{count}" if last < count else "")
+    print(f"{args.row} ({state}): {archive.stat().st_size / 2**20:.1f} MiB, pieces {first}-{last} of {count} in "
+          f"$OUT{rest}; here: python scripts/device_session.py take FILES_AT [FILES_AT of the other calls]")
     return 0
 
 
 def take(args: argparse.Namespace) -> int:
-    """(here) What a call brought back, from `folder` (its files_at): the run directories that `fetch` cut into
-    pieces, joined and unpacked into `--runs`; `poll`'s POLLED (study tables, evaluation JSONs) unpacked into the
-    checkout `--checkout`. An existing run directory or file is kept unless --force. (poll's results CSVs stay in
-    `folder`: their new rows are copied over the checkout's by hand, docs/gpu.md.)"""
+    """(here) What calls brought back, from their `folders` (each call's files_at): the run directories that `fetch`
+    cut into pieces (over several calls for a large run: name each call's folder), joined and unpacked into `--runs`;
+    `poll`'s POLLED (study tables, evaluation JSONs) unpacked into the checkout `--checkout`. An existing run
+    directory or file is kept unless --force. (poll's results CSVs stay in the folders: their new rows are copied over
+    the checkout's by hand, docs/gpu.md.)"""
     import tarfile
 
     runs = Path(args.runs)
-    fetched = dict(all_pieces(piece) for piece in sorted(Path(args.folder).glob(f"*.tar{CHUNK}*-of-*")))
-    polled = Path(args.folder) / POLLED
-    if polled.is_file() and take_polled(polled, Path(args.checkout), args.force):
+    folders = [Path(f) for f in args.folders]
+    found = {piece.name: piece for folder in folders for piece in sorted(folder.glob(f"*.tar{CHUNK}*-of-*"))}
+    fetched = {stem: [found.get(p.name, p) for p in parts]
+               for stem, parts in (all_pieces(piece) for piece in found.values())}
+    polled = [folder / POLLED for folder in folders if (folder / POLLED).is_file()]
+    if any(take_polled(p, Path(args.checkout), args.force) for p in polled):
         return 1
     if not fetched:
-        if polled.is_file():
+        if polled:
             return 0
-        print(f"no fetched runs (*.tar{CHUNK}K-of-N) and no {POLLED} in {args.folder}")
+        print(f"no fetched runs (*.tar{CHUNK}K-of-N) and no {POLLED} in {', '.join(map(str, folders))}")
         return 1
     for stem, parts in fetched.items():
         if not all(part.exists() for part in parts):
-            print(f"{stem}: {sum(p.exists() for p in parts)} of {len(parts)} pieces here; fetch it again")
+            missing = [k for k, p in enumerate(parts, 1) if not p.exists()]
+            print(f"{stem}: pieces {', '.join(map(str, missing))} of {len(parts)} are in none of the folders: name "
+                  "the files_at of every `fetch` call of it, or send them again there (`fetch ROW --from K`)")
             return 1
         row = stem.removesuffix(".tar").replace(SEP, "/")
         if (runs / row).exists() and not args.force:
@@ -935,8 +1011,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("row")
     p.add_argument("name")
     p.set_defaults(func=ship)
-    p = sub.add_parser("fetch", help="(there) a trained row's checkpoint and history into $OUT, in pieces")
+    p = sub.add_parser("fetch", help="(there) a trained (or stopped) row's run into $OUT, in pieces, a few a call")
     p.add_argument("row", help=f"a run of {RUNS}: a row, or a study's run (perturb/scan_t2i_avg/shuffle)")
+    p.add_argument("--from", dest="from_piece", type=positive_int, default=0, metavar="K",
+                   help="send again from piece K (default: the piece after the last call's)")
     p.set_defaults(func=fetch)
     p = sub.add_parser("bench", help="(there) sections of bench/gpu.py in the working copy, output into $OUT")
     p.add_argument("sections", nargs="+", help="e.g. syncs (after the extraction: it trains a few steps)")
@@ -946,7 +1024,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=bench)
     p = sub.add_parser("take", help="(here) join and unpack the runs `fetch` brought back, and put the tables and "
                                     "evaluations `poll` brought back in place")
-    p.add_argument("folder", help="the call's files_at")
+    p.add_argument("folders", nargs="+", metavar="FOLDER",
+                   help="a call's files_at (several: the calls that each brought back part of one run)")
     p.add_argument("--runs", default=str(ROOT / RUNS), help="where the run directories go")
     p.add_argument("--checkout", default=str(ROOT), help=f"where {POLLED}'s files go (this checkout)")
     p.add_argument("--force", action="store_true", help="replace a run directory or a file that exists")

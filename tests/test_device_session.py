@@ -329,6 +329,7 @@ def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(sessi
     directory the bench reads: best/ byte for byte, last/state.json (training finished), without the last epoch's
     weights and optimizer; an existing run directory is kept unless --force."""
     monkeypatch.setattr(session, "OUT_FILE_LIMIT", 4096)
+    monkeypatch.setattr(session, "OUT_CALL_PIECES", 8)  # (all in one call; over several: the test after the next)
     run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / "scan_i2t_lse"
     files = {"config.json": b'{"train": {"epochs": 30}}', "metrics.jsonl": b"{}\n", "best/config.json": b"{}",
              "best/model.safetensors": os.urandom(10_000), "last/state.json": b'{"epoch": 30}',
@@ -342,10 +343,7 @@ def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(sessi
     pieces = sorted(out.iterdir())
     assert len(pieces) >= 3 and all(p.stat().st_size <= 4096 for p in pieces)
     assert session.main(["fetch", "oan"]) == 1  # not trained there: said, nothing written
-    (run / "last" / "state.json").write_bytes(b'{"epoch": 12}')
-    assert session.main(["fetch", "scan_i2t_lse"]) == 1  # epochs left: it could be resumed nowhere without last/
     assert sorted(out.iterdir()) == pieces
-    (run / "last" / "state.json").write_bytes(files["last/state.json"])
 
     here = tmp_path / "runs"
     assert session.main(["take", str(out), "--runs", str(here)]) == 0
@@ -365,7 +363,8 @@ def test_a_fetched_run_comes_back_whole_in_pieces_and_is_never_overwritten(sessi
 
 def test_a_trained_run_travels_there_as_fetch_brings_one_back(session, tmp_path):
     """`prepare --runs vsepp` carries a run trained here (its best checkpoint, config, history, last state; not the
-    last epoch's weights and optimizer) to where the bench there looks, so vsepp_ft need not retrain vsepp."""
+    last epoch's weights and optimizer) to where the bench there looks, so vsepp_ft need not retrain vsepp; a run
+    with epochs left travels whole, to be resumed there, unless it lacks what a resume reads."""
     run = tmp_path / "vsepp"
     for name in ["best/config.json", "best/model.safetensors", "config.json", "metrics.jsonl", "last/state.json",
                  "last/model.safetensors", "last/optimizer.pt", "last/trainer.pt"]:
@@ -378,18 +377,109 @@ def test_a_trained_run_travels_there_as_fetch_brings_one_back(session, tmp_path)
         "best/config.json", "best/model.safetensors", "config.json", "last/state.json", "metrics.jsonl"]]
     assert all(source.read_text() == dest.split("vsepp/", 1)[1] for source, dest in files
                if not dest.endswith(("/config.json", "state.json")) or "best/" in dest)
-    (run / "last" / "state.json").write_text('{"epoch": 30, "batch": 17}')  # stopped in its last epoch
-    with pytest.raises(SystemExit, match="has epochs left to train"):
+    (run / "last" / "state.json").write_text('{"epoch": 30, "batch": 17}')  # stopped in its last epoch: all of it,
+    assert len(session.run_files("vsepp", tmp_path)) == 8  # so that the row resumes there
+    (run / "last" / "optimizer.pt").unlink()
+    with pytest.raises(SystemExit, match="no last/ weights and optimizer to resume from"):
         session.run_files("vsepp", tmp_path)
     (run / "best" / "config.json").unlink()
+    (run / "last" / "state.json").unlink()
     with pytest.raises(SystemExit, match="no trained run"):
         session.run_files("vsepp", tmp_path)
+
+
+def _stopped_run(root: Path, row: str) -> dict[str, bytes]:
+    """A run stopped at epoch 12 of 30 under root/itmatch/RUNS/row, with what a resume reads; its files' bytes."""
+    run = root / "itmatch" / "runs" / "flickr8k_gpu" / row
+    files = {"config.json": b'{"train": {"epochs": 30}}', "metrics.jsonl": b"{}\n", "best/config.json": b"{}",
+             "best/model.safetensors": os.urandom(7000), "last/state.json": b'{"epoch": 12, "batch": 40}',
+             "last/model.safetensors": os.urandom(7000), "last/optimizer.pt": os.urandom(9000),
+             "last/trainer.pt": os.urandom(500)}
+    for name, data in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(data)
+    return files
+
+
+def test_a_stopped_run_comes_back_whole_over_several_calls_to_be_resumed(session, tmp_path, monkeypatch, capsys):
+    """A run with epochs left (`stop`ped at the session's end) is fetched whole, last/ weights and optimizer too, a
+    few pieces a call (a call brings back 64 MiB: a SCAN's ~170 MB with Adam's state takes three); `take` joins the
+    pieces of every call's folder and names those missing; `--from K` sends again; a run that changed between
+    calls is packed again from its first piece."""
+    monkeypatch.setattr(session, "OUT_FILE_LIMIT", 4096)
+    monkeypatch.setattr(session, "OUT_CALL_PIECES", 3)
+    files = _stopped_run(session.DEVICE_ROOT, "sman")
+    calls = []
+    while True:  # (each call has its own $OUT, which comes back as its own files_at)
+        calls.append(tmp_path / f"call{len(calls)}")
+        monkeypatch.setenv("OUT", str(calls[-1]))
+        if session.main(["fetch", "sman"]):
+            break  # (said: all pieces were sent)
+    calls.pop()
+    assert "pieces 1-3 of" in capsys.readouterr().out
+    sent = [sorted(p.name for p in call.iterdir()) for call in calls]
+    total = int(sent[0][0].rsplit("-of-", 1)[1])
+    assert len(calls) == -(-total // 3) >= 3 and [len(names) for names in sent[:-1]] == [3] * (len(calls) - 1)
+    assert sorted(n for names in sent for n in names) == sorted(session.piece_name("sman.tar", k, total)
+                                                                for k in range(1, total + 1))
+    here = tmp_path / "runs"
+    left_out = [str(c) for c in calls if c != calls[1]]
+    assert session.main(["take", *left_out, "--runs", str(here)]) == 1  # one call's folder left out
+    assert f"pieces 4, 5, 6 of {total} are in none of the folders" in capsys.readouterr().out
+    assert not (here / "sman").exists()
+    assert session.main(["take", *map(str, calls), "--runs", str(here)]) == 0
+    got = here / "sman"
+    assert {p.relative_to(got).as_posix(): p.read_bytes() for p in got.rglob("*") if p.is_file()} == files
+    assert sorted(dest for _, dest in session.run_files("sman", here)) == sorted(
+        f"itmatch/runs/flickr8k_gpu/sman/{name}" for name in files)  # and so it travels there again, whole
+
+    resent = tmp_path / "resent"
+    monkeypatch.setenv("OUT", str(resent))
+    assert session.main(["fetch", "sman", "--from", "4"]) == 0
+    assert sorted(p.name for p in resent.iterdir()) == sent[1]
+    run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / "sman"
+    (run / "last" / "state.json").write_bytes(b'{"epoch": 13, "batch": 0}')  # it trained on meanwhile
+    again = tmp_path / "again"
+    monkeypatch.setenv("OUT", str(again))
+    assert session.main(["fetch", "sman"]) == 0
+    assert sorted(p.name for p in again.iterdir())[0].startswith("sman.tar.chunk1-of-")
+
+
+def test_a_run_is_not_fetched_while_it_trains_nor_without_what_a_resume_reads(session, tmp_path, monkeypatch,
+                                                                             capsys):
+    """While the bench holds the run's lock (its trainer writes last/), or the plan has its study running, fetch says
+    what to `stop` first; a stopped run without last/'s weights and optimizer could be resumed nowhere: refused,
+    nothing written."""
+    import fcntl
+
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    _stopped_run(session.DEVICE_ROOT, "oan")
+    lock = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / ".oan.lock"
+    with lock.open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (as filelock takes it, in the bench's process)
+        assert session.main(["fetch", "oan"]) == 1
+        assert "`stop oan` first" in capsys.readouterr().out
+    study = "perturb/scan_t2i_avg/shuffle"  # (a study's trainings hold no lock: its item in the plan says it trains)
+    _stopped_run(session.DEVICE_ROOT, study)
+    logs = session.DEVICE_ROOT / "logs"
+    logs.mkdir(parents=True)
+    (logs / "plan.json").write_text(json.dumps({"started": 0, "drivers": [
+        {"pid": os.getpid(), "rows": ["vsepp", "perturb:scan_t2i_avg"]}]}))
+    assert session.main(["fetch", study]) == 1
+    assert "`stop perturb:scan_t2i_avg` first" in capsys.readouterr().out
+    (logs / "plan.json").write_text(json.dumps({"started": 0, "drivers": [{"pid": GONE, "rows": ["vsepp"]}]}))
+    (lock.parent / "oan" / "last" / "optimizer.pt").unlink()
+    assert session.main(["fetch", "oan"]) == 1
+    assert "no last/ weights and optimizer" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+    assert session.main(["fetch", study]) == 0  # (its study has ended)
 
 
 def test_a_studys_finished_run_travels_back_and_there_again_under_its_own_path(session, tmp_path, monkeypatch):
     """A perturbation study's run (`perturb/scan_t2i_avg/shuffle`) is fetched, taken and carried under its path in
     the study, so that a study split over two sessions reuses the first session's finished runs."""
     monkeypatch.setattr(session, "OUT_FILE_LIMIT", 4096)
+    monkeypatch.setattr(session, "OUT_CALL_PIECES", 8)
     row = "perturb/scan_t2i_avg/shuffle"
     run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / row
     files = {"config.json": b'{"train": {"epochs": 30}}', "study.json": b"{}", "eval_test_1k.json": b"{}",
@@ -700,3 +790,44 @@ def test_ship_and_fetch_without_out_write_where_a_rehearsal_looks(session, monke
         argv[argv.index("--out-root") + 1]) or subprocess.CompletedProcess(argv, 1))
     assert session.main(["ship", "oan", "oan-flickr8k"]) == 1
     assert roots == [str(session.DEVICE_ROOT / "out")]
+
+
+def test_a_real_run_stopped_there_resumes_here_as_if_never_moved(session, tiny_precomp, tmp_path, monkeypatch):
+    """End to end on a real training: a run killed mid-epoch on "the GPU machine" is fetched over several calls,
+    taken into another checkout's runs, and resumed there; it ends exactly as the same training never interrupted
+    (its data found through the path its config stores from the run directory)."""
+    from test_validation import QUICK, Crash, _log, _untimed
+
+    from itmatch.engine.train import train
+    from itmatch.models.registry import resolve_config
+
+    monkeypatch.setattr(session, "OUT_FILE_LIMIT", 2**15)  # (a ~0.2 MiB run: several pieces, several calls)
+    monkeypatch.setattr(session, "OUT_CALL_PIECES", 2)
+    there, here = session.DEVICE_ROOT / "itmatch", tmp_path / "here"
+    for root in (there, here):
+        shutil.copytree(tiny_precomp, root / "runs" / "data" / "tiny")
+    monkeypatch.chdir(there)
+    cfg = lambda: resolve_config("vsepp", {**QUICK, "data": {"path": "runs/data/tiny"}})  # noqa: E731
+    whole = train(cfg(), "runs/flickr8k_gpu/whole", progress=False)
+    batches = 0
+
+    def crash_in_epoch_two(caption, j):  # (after the save at batch 5 of epoch 2)
+        nonlocal batches
+        batches += 1
+        if batches > 32 * (12 + 7):
+            raise Crash
+        return caption
+
+    with pytest.raises(Crash):
+        train(cfg(), "runs/flickr8k_gpu/vsepp", progress=False, transform=crash_in_epoch_two)
+    calls = []
+    while not calls or calls[-1].exists():  # (a call that sends nothing writes nothing: all were sent)
+        calls.append(tmp_path / f"call{len(calls)}")
+        monkeypatch.setenv("OUT", str(calls[-1]))
+        session.main(["fetch", "vsepp"])
+    assert len(calls) - 1 >= 2
+    assert session.main(["take", *map(str, calls[:-1]), "--runs", str(here / "runs" / "flickr8k_gpu")]) == 0
+    monkeypatch.chdir(here)
+    resumed = train(cfg(), "runs/flickr8k_gpu/vsepp", resume=True, progress=False)
+    assert _untimed(resumed) == _untimed(whole)
+    assert _log(here / "runs" / "flickr8k_gpu" / "vsepp") == _log(there / "runs" / "flickr8k_gpu" / "whole")
