@@ -812,11 +812,15 @@ def run_unlocked(run: Path):
 
 def busy_item(row: str) -> str:
     """The plan's item that may still train the run `row` (the row itself, or the study perturb/PRESET/... belongs
-    to: a study's trainings hold no lock of their own), or ""."""
+    to: a study's trainings hold no lock of their own), or "": one the plan has pending, or one whose process group
+    still runs (after `stop`, the driver logs the end once the bench is gone; its trainer may still be exiting)."""
     logs = DEVICE_ROOT / "logs"
     plan = read_plan(logs)
     parts = row.split("/")
     item = f"{STUDY}{parts[1]}" if parts[0] == "perturb" and len(parts) > 2 else row
+    record = _read_pids(logs, item)
+    if record is not None and group_alive(record["pgid"]):
+        return item
     return item if plan and any(i == item and pending(state) for i, state in item_states(logs, plan)) else ""
 
 
@@ -841,8 +845,8 @@ def fetch(args: argparse.Namespace) -> int:
         with run_unlocked(run) as free:
             item = busy_item(args.row) or ("" if free else args.row)
             if item:
-                print(f"{args.row} is training there: `stop {item}` first (its last checkpoint is kept), then fetch "
-                      "it, and resume it in a later session with `prepare --runs`")
+                print(f"{args.row} is training there (or its trainer is exiting): `stop {item}` first (its last "
+                      "checkpoint is kept), then fetch it, and resume it in a later session with `prepare --runs`")
                 return 1
             if not resumable(run):
                 print(f"{run} has epochs left but no last/ weights and optimizer to resume from: let it train on")

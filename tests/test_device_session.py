@@ -468,6 +468,11 @@ def test_a_run_is_not_fetched_while_it_trains_nor_without_what_a_resume_reads(se
     assert session.main(["fetch", study]) == 1
     assert "`stop perturb:scan_t2i_avg` first" in capsys.readouterr().out
     (logs / "plan.json").write_text(json.dumps({"started": 0, "drivers": [{"pid": GONE, "rows": ["vsepp"]}]}))
+    # its driver gone (the item ended, as after `stop`) while a process of its group still runs: a trainer exiting
+    (logs / "perturb:scan_t2i_avg.pid").write_text(json.dumps({"pgid": os.getpgrp(), "driver": GONE}))
+    assert session.main(["fetch", study]) == 1
+    assert "`stop perturb:scan_t2i_avg` first" in capsys.readouterr().out
+    (logs / "perturb:scan_t2i_avg.pid").write_text(json.dumps({"pgid": GONE, "driver": GONE}))
     (lock.parent / "oan" / "last" / "optimizer.pt").unlink()
     assert session.main(["fetch", "oan"]) == 1
     assert "no last/ weights and optimizer" in capsys.readouterr().out
