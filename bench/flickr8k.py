@@ -237,6 +237,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # save_asa (raw c5) collapsed onto all-alike scores in its first hardest-negative epoch on the GPU and did not
     # converge in 30 epochs (docs/save.md, "The GPU rows"): another seed tells whether that is the seed's
     "save_asa_seed1": ("save_asa", ["train.seed=1"]),
+    # what collapses it is the gated branch gamma W_z a growing to ~29 cells' norm on raw c5 (docs/save.md, "How it
+    # collapses"); SAGAN, which Eq. 8 follows for gamma, spectrally normalises theta, phi, g and W_z, which bounds it
+    "save_asa_sn": ("save_asa", ["model.save.asa_spectral_norm=true"]),
     **{f"{p}_seed1": (p, ["train.seed=1"]) for p in HEADLINE},
     # the warm-up decision, measured again on converged runs (docs/training.md, "The paper schedules"): SCAN t-i
     # AVG stalled without it on the CPU; VSE++ at D = 1024 stalled too, but only for three epochs, and ended
