@@ -801,7 +801,7 @@ def test_a_real_run_stopped_there_resumes_here_as_if_never_moved(session, tiny_p
     """End to end on a real training: a run killed mid-epoch on "the GPU machine" is fetched over several calls,
     taken into another checkout's runs, and resumed there; it ends exactly as the same training never interrupted
     (its data found through the path its config stores from the run directory)."""
-    from test_validation import QUICK, Crash, _log, _untimed
+    from test_validation import QUICK, Crash, _log, _untimed, crash_in_epoch_two
 
     from itmatch.engine.train import train
     from itmatch.models.registry import resolve_config
@@ -814,17 +814,8 @@ def test_a_real_run_stopped_there_resumes_here_as_if_never_moved(session, tiny_p
     monkeypatch.chdir(there)
     cfg = lambda: resolve_config("vsepp", {**QUICK, "data": {"path": "runs/data/tiny"}})  # noqa: E731
     whole = train(cfg(), "runs/flickr8k_gpu/whole", progress=False)
-    batches = 0
-
-    def crash_in_epoch_two(caption, j):  # (after the save at batch 5 of epoch 2)
-        nonlocal batches
-        batches += 1
-        if batches > 32 * (12 + 7):
-            raise Crash
-        return caption
-
     with pytest.raises(Crash):
-        train(cfg(), "runs/flickr8k_gpu/vsepp", progress=False, transform=crash_in_epoch_two)
+        train(cfg(), "runs/flickr8k_gpu/vsepp", progress=False, transform=crash_in_epoch_two())
     calls = []
     while not calls or calls[-1].exists():  # (a call that sends nothing writes nothing: all were sent)
         calls.append(tmp_path / f"call{len(calls)}")

@@ -108,6 +108,21 @@ class Crash(Exception):
     pass
 
 
+def crash_in_epoch_two():
+    """A caption transform for QUICK's schedule (12 batches of 32 an epoch, a save every 5) that raises while batch 8
+    of epoch 2 is built, after its mid-epoch save at batch 5."""
+    calls = 0
+
+    def transform(caption, j):
+        nonlocal calls
+        calls += 1
+        if calls > 32 * (12 + 7):
+            raise Crash
+        return caption
+
+    return transform
+
+
 def _untimed(obj):
     if isinstance(obj, dict):
         return {k: _untimed(v) for k, v in obj.items() if not k.endswith("_seconds")}
@@ -125,17 +140,8 @@ def test_crash_mid_epoch_resumes_to_the_same_run_and_same_seed_is_deterministic(
     # same seed, same data, same config: the same metrics
     assert _untimed(a) == _untimed(b) and _log(tmp_path / "a") == _log(tmp_path / "b")
 
-    calls = 0
-
-    def crash_in_epoch_two(caption, j):  # raises while building batch 8 of epoch 2 (after a mid-epoch save)
-        nonlocal calls
-        calls += 1
-        if calls > 32 * (12 + 7):
-            raise Crash
-        return caption
-
     with pytest.raises(Crash):
-        train(cfg(), tmp_path / "c", progress=False, transform=crash_in_epoch_two)
+        train(cfg(), tmp_path / "c", progress=False, transform=crash_in_epoch_two())
     state = json.loads((tmp_path / "c" / "last" / "state.json").read_text())
     assert (state["epoch"], state["batch"]) == (1, 5) and state["epoch_cpu_seconds"] > 0
     resumed = train(cfg(), tmp_path / "c", resume=True, progress=False)
