@@ -172,6 +172,10 @@ SAVE_GPU_ROWS = ["save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_n
 GPU_SINGLE = ["meanpool", "vsepp", "summax_t2i", "summax_i2t", *SCAN_ROWS, *OAN_ROWS, *MMCA_ROWS, *SAVE_GPU_ROWS,
               *SMAN_ROWS]
 GPU_SCHEDULES = {row: GPU_NO_WARMUP for row in ["meanpool", "vsepp", *MMCA_ROWS]}
+# Members that are shipped models (src/itmatch/pretrained, by name), each with the row it was shipped from: that row's
+# run is gone with a machine (runs/ is not kept), its fp16 weights are in the package (within 0.1 rsum of the run's,
+# docs/training.md), so an ensemble reads them instead of training the row again (two hours on two cores)
+SHIPPED_MEMBERS = {"mmca_alpha0_lite2-flickr8k": "mmca_alpha0_lite2"}
 GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"],
                  "scan_ensemble_t2i_avg+i2t_lse_seed1": ["scan_t2i_avg_seed1", "scan_i2t_lse_seed1"],
                  # the best single model's two seeds averaged (safe pruning holds for an ensemble too)
@@ -185,7 +189,7 @@ GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse
                                                              "vsepp_seed1"],
                  # the two best single models (SCAN i-t LSE, Lite0 cells, GPU; MMCA alpha = 0, Lite2 cells): the SCAN
                  # run comes back from a GPU session with device_session.py's fetch / take
-                 "ensemble_mmca_alpha0_lite2+scan_i2t_lse": ["mmca_alpha0_lite2", "scan_i2t_lse"],
+                 "ensemble_mmca_alpha0_lite2+scan_i2t_lse": ["mmca_alpha0_lite2-flickr8k", "scan_i2t_lse"],
                  # SAVE without self-attention is SCAN on the grid cells: the same FC, head, lambdas and schedule, the
                  # same initial weights (tests/test_bench_gpu.py checks it), so its rows evaluate SCAN's runs rather
                  # than train one model twice on a GPU (the row's `model` column names the SCAN preset)
@@ -194,7 +198,8 @@ GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse
 # been seen (docs/training.md, "Ensembles across families and backbones"). Every pair of the best single model of each
 # family is evaluated on the dev split (1k), and only the pair with the best dev rsum is evaluated on test; every
 # pair's dev rsum is kept beside the row (RUNS/<row>.dev_pairs.json) and the row's model column names the pair.
-GPU_DEV_PICKED = {"ensemble_dev_pick": ["scan_i2t_lse", "oan", "mmca_alpha0_lite2", "vsepp", "save_asa_ms3", "sman"]}
+GPU_DEV_PICKED = {"ensemble_dev_pick": ["scan_i2t_lse", "oan", "mmca_alpha0_lite2-flickr8k", "vsepp", "save_asa_ms3",
+                                         "sman"]}
 GPU_ENSEMBLES.update(GPU_DEV_PICKED)
 # two seeds for the headline rows (the spread is stated beside them), and for each shipped pretrained model
 HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "mmca_alpha0", "save_dsa", "save_asa_ms3", "sman"]
@@ -277,7 +282,7 @@ GPU_PRUNE = {row for row in [*MMCA_ROWS, *GPU_CONTROLS] if GPU_CONTROLS.get(row,
 # bounds its score around a global cosine (VSE++: the cosine itself, bound 0)
 GLOBAL_BOUND = {*MMCA_ROWS, "vsepp", "meanpool"}  # presets whose score is bounded around a global cosine
 GPU_PRUNE |= {row for row, members in GPU_ENSEMBLES.items() if set(members) & GPU_PRUNE
-              and {GPU_CONTROLS.get(m, (m,))[0] for m in members} <= GLOBAL_BOUND}
+              and {GPU_CONTROLS.get(SHIPPED_MEMBERS.get(m, m), (m,))[0] for m in members} <= GLOBAL_BOUND}
 GPU_OVERRIDES = {row: [*GPU_CONTROLS.get(row, (row, []))[1], *(["train.val_prune=true"] if row in GPU_PRUNE else [])]
                  for row in [*GPU_SINGLE, *GPU_CONTROLS]}
 GPU_PREREQUISITES = {**{f"{p}_{kind}": p for p in FINETUNED for kind in ("ft", "frozen_more")},
@@ -299,8 +304,21 @@ class MissingCheckpoint(RuntimeError):
 
 
 def base_preset(row: str, profile: Profile = CPU) -> str:
-    """The preset a row trains: a control row's preset, else the row's own name."""
+    """The preset a row trains: a control row's preset, else the row's own name (a shipped member's: its row's)."""
+    row = SHIPPED_MEMBERS.get(row, row)
     return profile.controls.get(row, (row,))[0]
+
+
+def checkpoint_of(member: str, profile: Profile) -> str:
+    """What a row's evaluation reads for `member`: its run's best checkpoint, or a shipped model by name."""
+    return member if member in SHIPPED_MEMBERS else f"{profile.runs}/{member}/best"
+
+
+def shipped_card(member: str) -> dict[str, Any]:
+    """The card of a shipped member (src/itmatch/pretrained/NAME/card.json: its results row, the command)."""
+    from itmatch.pretrained import shipped
+
+    return shipped()[member].card
 
 
 def run(cmd: list[str], ranks: int = 1) -> None:
@@ -362,7 +380,8 @@ def row_members(row: str, profile: Profile) -> tuple[list[str], list[str]]:
     preset = trained_row(row, profile)
     members = profile.ensembles.get(preset, [preset])
     data = profile.row_data.get(base_preset(preset, profile), profile.row_data.get(preset, DATA))
-    return members, [profile.row_data.get(member, data) for member in members]  # (an ensemble may mix features)
+    # (an ensemble may mix features; a shipped member reads its row's)
+    return members, [profile.row_data.get(SHIPPED_MEMBERS.get(member, member), data) for member in members]
 
 
 def features_of(row: str, profile: Profile, members: list[str]) -> list[str]:
@@ -373,7 +392,8 @@ def features_of(row: str, profile: Profile, members: list[str]) -> list[str]:
 
 def without_checkpoint(members: list[str], profile: Profile) -> list[str]:
     """The runs among `members` that have no `best` checkpoint here (what a row's evaluation reads)."""
-    return [m for m in members if not (ROOT / profile.runs / m / "best" / "config.json").is_file()]
+    return [m for m in members if m not in SHIPPED_MEMBERS and not (ROOT / checkpoint_of(m, profile) / "config.json"
+                                                                   ).is_file()]
 
 
 def finished_table_run(preset: str, profile: Profile) -> str | None:
@@ -405,14 +425,20 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
                # exhaustive scoring of a pair head takes hours (MMCA): a killed bench continues from finished blocks
                else ["--resume-dir", f"runs/eval_blocks/{Path(profile.runs).name}/{blocks}"])
     data_args = ["--data", datas[0]] if len(set(datas)) == 1 else [a for d in datas for a in ("--data", d)]
-    return ["itmatch", "evaluate", *[f"{profile.runs}/{p}/best" for p in members], *data_args, "--split", split,
+    return ["itmatch", "evaluate", *[checkpoint_of(p, profile) for p in members], *data_args, "--split", split,
             "--protocol", "1k", "--quiet", *record, *(["--threads", str(threads)] if threads else []), *scoring,
             *on_cpu(profile)]
 
 
 def weights_digest(member: str, profile: Profile) -> str:
-    """The sha256 of a run's evaluated weights, as best/manifest.json records it ("" when it does not)."""
-    manifest = ROOT / profile.runs / member / "best" / "manifest.json"
+    """The sha256 of a run's evaluated weights, as best/manifest.json records it (a shipped member's: its package's
+    manifest; "" when it does not)."""
+    if member in SHIPPED_MEMBERS:
+        from itmatch.pretrained import shipped
+
+        manifest = shipped()[member].path / "manifest.json"
+    else:
+        manifest = ROOT / profile.runs / member / "best" / "manifest.json"
     try:
         return json.loads(manifest.read_text(encoding="utf-8"))["files"]["model.safetensors"]["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -484,6 +510,8 @@ def run_row(row: str, threads: int, train_only: bool = False, eval_ranks: int = 
     for member_data in dict.fromkeys(datas):
         ensure_features(member_data, profile)
     for member, member_data in zip(members, datas, strict=True):
+        if member in SHIPPED_MEMBERS:  # (trained once, its row in the table: nothing to train)
+            continue
         before = profile.prerequisites.get(member)
         if before and not training_finished(ROOT / profile.runs / before):
             run_row(before, threads, train_only=True, profile=profile)  # the run this one continues
@@ -603,7 +631,9 @@ def trained_on(members: Sequence[str], profile: Profile) -> list[str]:
     were recorded add none)."""
     from itmatch.engine.checkpoint import read_state
 
-    machines = [d for m in members for d in read_state(ROOT / profile.runs / m / "best").get("devices", [])]
+    machines = [d for m in members for d in
+                ([f"{shipped_card(m)['results'].get('device', '?')} (shipped fp16)"] if m in SHIPPED_MEMBERS
+                 else read_state(ROOT / profile.runs / m / "best").get("devices", []))]
     return list(dict.fromkeys(machines))
 
 
@@ -650,7 +680,11 @@ def row_status(row: str, profile: Profile) -> str:
 
 def member_state(member: str, done: dict[str, dict], profile: Profile) -> str:
     """run_state of an ensemble's member, which says so where the member's own row is in the table but its run is
-    not here (trained on another machine, or gone with a machine): the row would train it again."""
+    not here (trained on another machine, or gone with a machine): the row would train it again; a shipped member
+    says whose weights it holds."""
+    if member in SHIPPED_MEMBERS:
+        row = shipped_card(member)["results"]
+        return f"shipped model (fp16 weights of row {row['name']}, rsum {row['rsum']})"
     state = run_state(ROOT / profile.runs / member)
     if state == "not started" and member in done:
         return (f"no run here, although its row is evaluated (rsum {done[member]['rsum']}, "
@@ -740,7 +774,8 @@ def trained_row(row: str, profile: Profile) -> str:
 def check_rows_resolve(profile: Profile) -> None:
     """Resolve every trained row's config (unknown keys, bad values stop here, before any training)."""
     trained = {m for row in profile.rows for m in profile.ensembles.get(trained_row(row, profile),
-                                                                         [trained_row(row, profile)])}
+                                                                         [trained_row(row, profile)])
+               if m not in SHIPPED_MEMBERS}
     for member in sorted(trained):
         row_config(base_preset(member, profile), schedule_of(member, profile), profile.overrides.get(member, []))
 
@@ -787,7 +822,8 @@ def recall_figure(rows: list[str], threads: int, profile: Profile = CPU) -> None
             if absent:
                 sys.exit(f"row {row}: no recall curve in {result_json} and no checkpoint of {', '.join(absent)} "
                          f"here to evaluate; leave the row out, or bring its JSON or run here")
-            training = [] if DRY_RUN else [m for m in members if not training_finished(ROOT / profile.runs / m)]
+            training = [] if DRY_RUN else [m for m in members if m not in SHIPPED_MEMBERS
+                                           and not training_finished(ROOT / profile.runs / m)]
             if training:  # (its best/ is an epoch's on the way, not the row's model)
                 sys.exit(f"row {row}: {', '.join(training)} has epochs left to train; finish the row first "
                          f"(python bench/flickr8k.py --config {profile.name} --row {row}), or leave it out")

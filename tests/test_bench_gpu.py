@@ -129,8 +129,49 @@ def test_an_ensemble_member_evaluated_elsewhere_is_not_reported_as_not_started(b
     row = {**dict.fromkeys(DEVICE_HEADER, ""), "name": "scan_i2t_lse", "rsum": "283.3", "device": "GPU X"}
     write_rows(gpu.results, DEVICE_HEADER, [row])
     status = bench.row_status("ensemble_mmca_alpha0_lite2+scan_i2t_lse", gpu)
-    assert status == ("not evaluated; mmca_alpha0_lite2: not started; scan_i2t_lse: no run here, although its row is "
-                      "evaluated (rsum 283.3, GPU X): the row trains it again")
+    assert status == ("not evaluated; mmca_alpha0_lite2-flickr8k: shipped model (fp16 weights of row "
+                      "mmca_alpha0_lite2, rsum 283.4); scan_i2t_lse: no run here, although its row is evaluated "
+                      "(rsum 283.3, GPU X): the row trains it again")
+
+
+def test_an_ensemble_reads_a_shipped_member_by_name_and_trains_only_the_others(bench, tmp_path, monkeypatch):
+    """A member whose run is gone with a machine but whose model ships (mmca_alpha0_lite2-flickr8k) is read by name,
+    on its row's features (Lite2), never trained again; its weights' digest is its package's; the row says where its
+    members trained, the shipped one as such."""
+    import dataclasses
+
+    from itmatch.engine.results import read_rows
+    from itmatch.pretrained import shipped
+
+    row, package = "ensemble_mmca_alpha0_lite2+scan_i2t_lse", "mmca_alpha0_lite2-flickr8k"
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"),
+                              history=str(tmp_path / "history.csv"), on_cpu=True)
+    assert bench.row_members(row, gpu) == ([package, "scan_i2t_lse"], [bench.DATA_LITE2, bench.DATA])
+    _fake_run(bench, gpu, "scan_i2t_lse", epochs_done=30, with_best=True)
+    (tmp_path / "runs" / "scan_i2t_lse" / "best" / "state.json").write_text(json.dumps({"devices": ["GPU X"]}))
+    ran = []
+
+    def evaluate(cmd, ranks=1):
+        ran.append(cmd)
+        if cmd[1] == "evaluate":
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({
+                "image_to_text": {"r1": 1.0, "r5": 2.0, "r10": 3.0},
+                "text_to_image": {"r1": 1.0, "r5": 2.0, "r10": 3.0}, "rsum": 12.0, "protocol": "1k",
+                "eval_seconds": 1.0}))
+
+    monkeypatch.setattr(bench, "run", evaluate)
+    monkeypatch.setattr(bench, "ensure_features", lambda data, profile=None: None)
+    bench.run_row(row, 2, profile=gpu)
+    assert [cmd[1] for cmd in ran] == ["evaluate"]  # (nothing trained: scan_i2t_lse has finished, the other ships)
+    cmd = ran[0]
+    assert cmd[2:4] == [package, f"{tmp_path}/runs/scan_i2t_lse/best"]
+    assert [cmd[i + 1] for i, a in enumerate(cmd) if a == "--data"] == [bench.DATA_LITE2, bench.DATA]
+    written = next(r for r in read_rows(tmp_path / "gpu.csv") if r["name"] == row)
+    assert written["model"] == "mmca_alpha0+scan_i2t_lse"
+    assert written["device"].endswith("; trained on CPU AMD EPYC, 2 threads (shipped fp16) + GPU X")
+    manifest = json.loads((shipped()[package].path / "manifest.json").read_text())
+    assert bench.weights_digest(package, gpu) == manifest["files"]["model.safetensors"]["sha256"]
+    assert package not in bench.without_checkpoint([package, "scan_i2t_lse"], gpu)
 
 
 def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_path, monkeypatch, capsys):
@@ -450,7 +491,7 @@ def test_an_ensemble_picked_on_dev_evaluates_test_once_with_the_pair_of_the_best
     pair of its candidates with the best dev rsum; every pair's dev rsum is kept, so a rerun evaluates none again."""
     import dataclasses
 
-    candidates = ["scan_i2t_lse", "mmca_alpha0_lite2", "vsepp"]
+    candidates = ["scan_i2t_lse", "mmca_alpha0_lite2", "vsepp"]  # (runs, as a row trained here would leave them)
     gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"),
                               history=str(tmp_path / "history.csv"), on_cpu=True,
                               ensembles={**bench.GPU.ensembles, "ensemble_dev_pick": candidates},
