@@ -33,8 +33,8 @@ and, for a model to ship, its fp16 package (scripts/ship_pretrained.py) into $OU
 
 and, for a checkpoint to keep (they leave with the machine: an ensemble or an analysis here needs them), the run
 directory in pieces through $OUT, a finished SCAN run (~43 MB) a call, joined here from the calls' files_at; a run
-stopped with epochs left comes whole (~218 MB, four calls), and a later session's `prepare --runs ROW` carries it
-back there to be resumed (docs/gpu.md, "A row across sessions"):
+stopped with epochs left comes whole (a SCAN's ~170 MB, three calls of their own), and a later session's `prepare
+--runs ROW` carries it back there to be resumed (docs/gpu.md, "A row across sessions"):
 
     python3 scripts/device_session.py fetch scan_i2t_lse          # there, again until every piece was sent
     python scripts/device_session.py take /work/.device/N [...]    # here: runs/flickr8k_gpu/scan_i2t_lse
@@ -776,15 +776,31 @@ def oversized(folder: Path) -> list[Path]:
 # epochs left travels whole, so that a later session resumes it where it stopped.
 FETCH_SKIPS = {"last/model.safetensors", "last/optimizer.pt", "last/trainer.pt"}
 SEP = "__"  # a run's path in the name of its pieces, as poll names the files it copies (docs__results__...)
-OUT_CALL_PIECES = 4  # pieces a `fetch` call puts into $OUT: 4 x 15 MiB, under the 64 MiB (and 8 files) of a call
+OUT_CALL_FILES, OUT_CALL_BYTES = 8, 64 * 2**20  # what one call's $OUT brings back at most (device README)
+OUT_CALL_PIECES = 4  # pieces a `fetch` call puts into an empty $OUT: 4 x 15 MiB
+# A fetched run's pieces: ROW.ID.tar.chunkK-of-N, ID a digest of the run's files as they were packed, so that pieces
+# of two archives of one run (it trained on between two calls) are never joined into one
+PIECE = re.compile(rf"^(?P<row>.+)\.(?P<id>[0-9a-f]{{8}})\.tar{re.escape(CHUNK)}(?P<k>[0-9]+)-of-(?P<n>[0-9]+)$")
 
 
 def travelling_files(run: Path) -> list[Path]:
     """The files of `run` that fetch and `prepare --runs` move: all of them while it has epochs left (a later session
-    resumes it from last/), all but FETCH_SKIPS once it has finished."""
+    resumes it from last/), all but FETCH_SKIPS once it has finished; never the hidden ones (a checkpoint save cut
+    off by `stop` leaves .NAME.*.partial/ behind)."""
     finished = run_finished(run)
     return sorted(f for f in run.rglob("*") if f.is_file()
+                  and not any(part.startswith(".") for part in f.relative_to(run).parts)
                   and not (finished and f.relative_to(run).as_posix() in FETCH_SKIPS))
+
+
+def recover_saves(run: Path) -> None:
+    """itmatch.engine.checkpoint.recover_checkpoint of best/ and last/, without itmatch: a save that `stop` cut off
+    between its two renames left the complete earlier checkpoint as .NAME.old, which is moved back (else the run
+    would read as finished without last/, or as untrained without best/)."""
+    for name in ("best", "last"):
+        old = run / f".{name}.old"
+        if not (run / name).exists() and old.is_dir():
+            old.rename(run / name)
 
 
 def resumable(run: Path) -> bool:
@@ -796,7 +812,11 @@ def resumable(run: Path) -> bool:
 @contextlib.contextmanager
 def run_unlocked(run: Path):
     """Holds the bench's lock on `run` (bench/flickr8k.py's run_lock: RUNS/.ROW.lock, a filelock, i.e. flock) so that
-    no trainer starts while the run is packed; yields False, holding nothing, when a trainer holds it now."""
+    no trainer starts while the run is packed; yields False, holding nothing, when a bench holds it (it trains the
+    run). A study's runs have no lock of their own (busy_item guards them): True."""
+    if run.relative_to(DEVICE_ROOT / "itmatch" / RUNS).parts[0] == "perturb":
+        yield True
+        return
     lock = run.with_name(f".{run.name}.lock")
     with lock.open("a") as f:
         try:
@@ -824,104 +844,171 @@ def busy_item(row: str) -> str:
     return item if plan and any(i == item and pending(state) for i, state in item_states(logs, plan)) else ""
 
 
-def fetch(args: argparse.Namespace) -> int:
-    """(there) A row's run directory into $OUT as ROW.tar pieces of at most OUT_FILE_LIMIT bytes, OUT_CALL_PIECES a
-    call, so that it outlives the machine: `take` joins them here. A finished run comes without its last epoch's
-    weights (one SCAN run at D = 1024: ~43 MB, one call); a stopped one whole, to be resumed in a later session
-    (`prepare --runs ROW`): a SCAN's with its Adam state is ~170 MB, three calls. The archive stays here between
-    calls; each call sends the next pieces (`--from K` sends again from piece K, e.g. after a failed call)."""
+def pack(run: Path, row: str) -> tuple[Path, dict[str, Any]] | str:
+    """(there) The run packed into DEVICE_ROOT/fetched/ROW.ID.tar, or the one packed by an earlier call when the run
+    has not changed since; with what has been sent of it ({"pieces", "sent", "files"}). A refusal (str) instead
+    while the run may still train, or when it has epochs left and nothing to resume them from."""
+    import hashlib
     import tarfile
 
+    fetched = DEVICE_ROOT / "fetched"
+    sent_file = fetched / f"{row.replace('/', SEP)}.sent.json"  # (perturb__scan_t2i_avg__shuffle.sent.json)
+    with run_unlocked(run) as free:
+        # a finished run whose lock is free is not trained again (its item may be evaluating it: best/ stays as it is)
+        item = "" if free and run_finished(run) else busy_item(row) or ("" if free else "?")
+        if item:
+            what = (f"`stop {item}` first" if item != "?" else
+                    "a bench holds its lock (`poll` says which item trains it): stop that item first")
+            return (f"{row} is training there (or its trainer is exiting): {what} (its last checkpoint is kept), then "
+                    "fetch it, and resume it in a later session with `prepare --runs`")
+        recover_saves(run)
+        if not resumable(run):
+            return f"{run} has epochs left but no last/ weights and optimizer to resume from: let it train on"
+        files = travelling_files(run)
+        stamp = [[f.relative_to(run).as_posix(), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        sent = json.loads(sent_file.read_text()) if sent_file.is_file() else {}
+        archive = fetched / f"{row.replace('/', SEP)}.{sent.get('id', '')}.tar"
+        if sent.get("files") == stamp and archive.is_file():
+            return archive, sent
+        ident = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:8]
+        archive = fetched / f"{row.replace('/', SEP)}.{ident}.tar"
+        fetched.mkdir(parents=True, exist_ok=True)
+        for old in fetched.glob(f"{row.replace('/', SEP)}.*.tar"):
+            old.unlink()
+        with tarfile.open(archive, "w") as tar:
+            for f in files:
+                tar.add(f, arcname=f"{row}/{f.relative_to(run).as_posix()}")
+        if sent:
+            print(f"{row} changed since the last call's pieces (archive {sent.get('id')}): packed again as "
+                  f"{ident}; the earlier pieces are of no use")
+        sent = {"id": ident, "files": stamp, "pieces": max(1, -(-archive.stat().st_size // OUT_FILE_LIMIT)),
+                "sent": 0}
+        _write_atomic(sent_file, json.dumps(sent).encode())
+        return archive, sent
+
+
+def fetch(args: argparse.Namespace) -> int:
+    """(there) A row's run directory into $OUT as ROW.ID.tar pieces of at most OUT_FILE_LIMIT bytes, a few a call
+    (as many as $OUT has room for, OUT_CALL_PIECES in an empty one: fetch in a call of its own), so that it outlives
+    the machine: `take` joins them here. A finished run comes without its last epoch's weights (one SCAN run at D =
+    1024: ~43 MB, one call); a stopped one whole, to be resumed in a later session (`prepare --runs ROW`): a SCAN's
+    with its Adam state is ~170 MB, three calls. The archive stays here between calls; each call sends the next
+    pieces (`--from K` sends again from piece K, e.g. after a call whose files did not come back)."""
     run = DEVICE_ROOT / "itmatch" / RUNS / args.row
-    if not (run / "best" / "config.json").is_file() and not (run / "last" / "state.json").is_file():
+    if not any((run / name / "state.json").is_file() or (run / name / "config.json").is_file()
+               for name in ("best", "last", ".best.old", ".last.old")):
         print(f"no trained run at {run} (rows done so far: see `poll`)")
         return 1
-    archive = DEVICE_ROOT / "fetched" / f"{args.row.replace('/', SEP)}.tar"  # (perturb__scan_t2i_avg__shuffle.tar)
-    sent_file = archive.with_name(archive.name + ".sent.json")
-    sent = json.loads(sent_file.read_text()) if sent_file.is_file() and archive.is_file() else {}
-    files = travelling_files(run)
-    stamp = [[f.relative_to(run).as_posix(), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    if sent.get("files") != stamp:  # (a new archive when the run changed since the last call's)
-        with run_unlocked(run) as free:
-            item = busy_item(args.row) or ("" if free else args.row)
-            if item:
-                print(f"{args.row} is training there (or its trainer is exiting): `stop {item}` first (its last "
-                      "checkpoint is kept), then fetch it, and resume it in a later session with `prepare --runs`")
-                return 1
-            if not resumable(run):
-                print(f"{run} has epochs left but no last/ weights and optimizer to resume from: let it train on")
-                return 1
-            archive.parent.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(archive, "w") as tar:
-                for f in files:
-                    tar.add(f, arcname=f"{args.row}/{f.relative_to(run).as_posix()}")
-            count = max(1, -(-archive.stat().st_size // OUT_FILE_LIMIT))
-            sent = {"files": stamp, "pieces": count, "sent": 0}
-    count = sent["pieces"]
-    first = args.from_piece if args.from_piece else sent["sent"] + 1
-    if first > count:
-        print(f"{args.row}: all {count} pieces were sent; `--from 1` sends them again")
+    packed = pack(run, args.row)
+    if isinstance(packed, str):
+        print(packed)
         return 1
-    last = min(count, first + OUT_CALL_PIECES - 1)
+    archive, sent = packed
+    count = sent["pieces"]
+    first = args.from_piece or sent["sent"] + 1
+    if first > count:
+        print(f"{args.row}: " + (f"the archive has {count} pieces" if args.from_piece else
+                                 f"all {count} pieces were sent; `--from 1` sends them again"))
+        return 1
     out = _out_dir()
+    there = [f for f in out.rglob("*") if f.is_file()]
+    room = min(OUT_CALL_PIECES, OUT_CALL_FILES - len(there),
+               (OUT_CALL_BYTES - sum(f.stat().st_size for f in there)) // OUT_FILE_LIMIT)
+    if room < 1:
+        print(f"$OUT has no room for a piece ({len(there)} files there): fetch in a call of its own")
+        return 1
+    last = min(count, first + room - 1)
     with archive.open("rb") as src:
         src.seek((first - 1) * OUT_FILE_LIMIT)
         for k in range(first, last + 1):
-            (out / piece_name(archive.name, k, count)).write_bytes(src.read(OUT_FILE_LIMIT))
-    sent["sent"] = last
-    _write_atomic(sent_file, json.dumps(sent).encode())
+            _write_atomic(out / piece_name(archive.name, k, count), src.read(OUT_FILE_LIMIT))
+    sent["sent"] = max(sent["sent"], last)
+    _write_atomic(DEVICE_ROOT / "fetched" / f"{args.row.replace('/', SEP)}.sent.json", json.dumps(sent).encode())
     state = "finished" if run_finished(run) else "with epochs left, whole (resumable)"
-    rest = (f"; call `fetch {args.row}` again for pieces {last + 1}-{count}" if last < count else "")
+    rest = (f"; call `fetch {args.row}` again for pieces {sent['sent'] + 1}-{count}" if sent["sent"] < count else "")
     print(f"{args.row} ({state}): {archive.stat().st_size / 2**20:.1f} MiB, pieces {first}-{last} of {count} in "
           f"$OUT{rest}; here: python scripts/device_session.py take FILES_AT [FILES_AT of the other calls]")
     return 0
 
 
+def gathered_archives(folders: list[Path]) -> dict[str, dict[str, list[Path | None]]]:
+    """The fetched pieces in `folders`, per row and per archive ID: the pieces 1..N in order, None where none of the
+    folders has one (the same piece in two folders: the same bytes, sent again with --from)."""
+    found: dict[str, dict[str, list[Path | None]]] = {}
+    for folder in folders:
+        for piece in sorted(folder.iterdir()) if folder.is_dir() else []:
+            match = PIECE.match(piece.name)
+            if match:
+                pieces = found.setdefault(match["row"], {}).setdefault(match["id"], [None] * int(match["n"]))
+                if int(match["k"]) <= len(pieces):
+                    pieces[int(match["k"]) - 1] = piece
+    return found
+
+
 def take(args: argparse.Namespace) -> int:
-    """(here) What calls brought back, from their `folders` (each call's files_at): the run directories that `fetch`
-    cut into pieces (over several calls for a large run: name each call's folder), joined and unpacked into `--runs`;
-    `poll`'s POLLED (study tables, evaluation JSONs) unpacked into the checkout `--checkout`. An existing run
-    directory or file is kept unless --force. (poll's results CSVs stay in the folders: their new rows are copied over
-    the checkout's by hand, docs/gpu.md.)"""
+    """(here) What calls brought back, from their `folders` (each call's files_at, in the calls' order): the run
+    directories that `fetch` cut into pieces (over several calls for a large run: name each call's folder), joined
+    and unpacked into `--runs`; the last folder's `poll` POLLED (study tables, evaluation JSONs: each poll packs all
+    done so far) unpacked into the checkout `--checkout`. An existing run directory or file is kept unless --force.
+    (poll's results CSVs stay in the folders: their new rows are copied over the checkout's by hand, docs/gpu.md.)"""
     import tarfile
 
     runs = Path(args.runs)
     folders = [Path(f) for f in args.folders]
-    found = {piece.name: piece for folder in folders for piece in sorted(folder.glob(f"*.tar{CHUNK}*-of-*"))}
-    fetched = {stem: [found.get(p.name, p) for p in parts]
-               for stem, parts in (all_pieces(piece) for piece in found.values())}
-    polled = [folder / POLLED for folder in folders if (folder / POLLED).is_file()]
-    if any(take_polled(p, Path(args.checkout), args.force) for p in polled):
+    archives = gathered_archives(folders)
+    polled = [folder / POLLED for folder in folders if (folder / POLLED).is_file()][-1:]
+    if polled and take_polled(polled[0], Path(args.checkout), args.force):
         return 1
-    if not fetched:
+    if not archives:
         if polled:
             return 0
-        print(f"no fetched runs (*.tar{CHUNK}K-of-N) and no {POLLED} in {', '.join(map(str, folders))}")
+        print(f"no fetched runs (ROW.ID.tar{CHUNK}K-of-N) and no {POLLED} in {', '.join(map(str, folders))}")
         return 1
-    for stem, parts in fetched.items():
-        if not all(part.exists() for part in parts):
-            missing = [k for k, p in enumerate(parts, 1) if not p.exists()]
-            print(f"{stem}: pieces {', '.join(map(str, missing))} of {len(parts)} are in none of the folders: name "
-                  "the files_at of every `fetch` call of it, or send them again there (`fetch ROW --from K`)")
+    for stem, by_id in archives.items():
+        whole = {ident: pieces for ident, pieces in by_id.items() if all(pieces)}
+        if len(whole) != 1:
+            ident, pieces = max(by_id.items(), key=lambda item: sum(map(bool, item[1])))
+            why = (f"pieces {', '.join(str(k) for k, p in enumerate(pieces, 1) if not p)} of {len(pieces)} of its "
+                   f"archive {ident} are in none of the folders: name the files_at of every `fetch` call of it, or "
+                   "send them again there (`fetch ROW --from K`)" if not whole else
+                   f"the folders hold two whole archives of it ({', '.join(whole)}: it trained on between the "
+                   "calls): name only the folders of the last one")
+            print(f"{stem}: {why}")
             return 1
-        row = stem.removesuffix(".tar").replace(SEP, "/")
+        (ident, pieces), = whole.items()
+        sizes = [p.stat().st_size for p in pieces]
+        if len(set(sizes[:-1])) > 1 or sizes[-1] > sizes[0]:  # (a piece cut short: every piece but the last is full)
+            print(f"{stem}: its pieces differ in size ({', '.join(map(str, sizes))} bytes): one was cut short; "
+                  "send it again (`fetch ROW --from K`)")
+            return 1
+        row = stem.replace(SEP, "/")
         if (runs / row).exists() and not args.force:
             print(f"{runs / row} exists: move it aside, or --force to replace it")
             return 1
-        joined = runs / f".{stem}"
         runs.mkdir(parents=True, exist_ok=True)
+        joined, unpacked = runs / f".{stem}.{ident}.tar", runs / f".{stem}.{ident}.partial"
         with joined.open("wb") as out:
-            for part in parts:
+            for part in pieces:
                 out.write(part.read_bytes())
-        with tarfile.open(joined) as tar:
-            if any(not m.name.startswith(row + "/") and m.name != row for m in tar.getmembers()):
-                joined.unlink()
-                print(f"{stem}: not a fetched run (its members are not all under {row}/)")
-                return 1
-            if (runs / row).exists():
-                shutil.rmtree(runs / row)
-            tar.extractall(runs, filter="data")
-        joined.unlink()
+        try:  # (unpacked beside the runs first: a bad archive leaves the run that is there as it was)
+            shutil.rmtree(unpacked, ignore_errors=True)
+            with tarfile.open(joined) as tar:
+                if any(not m.name.startswith(row + "/") and m.name != row for m in tar.getmembers()):
+                    print(f"{stem}: not a fetched run (its members are not all under {row}/)")
+                    return 1
+                tar.extractall(unpacked, filter="data")
+        except (tarfile.TarError, EOFError) as exc:
+            shutil.rmtree(unpacked, ignore_errors=True)
+            print(f"{stem}: its archive does not read whole ({exc}): a piece was cut short; send the last ones again "
+                  "(`fetch ROW --from K`)")
+            return 1
+        finally:
+            joined.unlink()
+        if (runs / row).exists():
+            shutil.rmtree(runs / row)
+        (runs / row).parent.mkdir(parents=True, exist_ok=True)
+        (unpacked / row).rename(runs / row)
+        shutil.rmtree(unpacked)
         print(f"{row}: {runs / row}")
     return 0
 
@@ -979,8 +1066,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"optional groups, comma-separated: {','.join(GROUPS[1:])} (perturb: the studies' POS "
                         "tags, tagged here)")
     p.add_argument("--runs", nargs="+", default=[], metavar="ROW",
-                   help=f"trained runs of {RUNS} to carry there (e.g. vsepp, for vsepp_ft; a study's finished "
-                        "runs, e.g. perturb/scan_t2i_avg/shuffle, that `fetch` brought back)")
+                   help=f"runs of {RUNS} to carry there: a finished one (e.g. vsepp, for vsepp_ft; a study's run, "
+                        "e.g. perturb/scan_t2i_avg/shuffle, that `fetch` brought back), or a stopped one whole, which "
+                        "the row resumes there")
     p.set_defaults(func=prepare)
     p = sub.add_parser("receive", help="(there) unpack one carried bundle into DEVICE_ROOT")
     p.add_argument("bundle")

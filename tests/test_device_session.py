@@ -269,6 +269,16 @@ def test_a_perturbation_study_takes_seven_training_slots_and_poll_brings_back_it
     (here / "runs" / "flickr8k_gpu" / "oan.test.json").write_text('{"rsum": 1.0}')
     assert session.main(["take", str(tmp_path / "out"), "--checkout", str(here), "--runs", str(tmp_path / "r")]) == 1
     assert (here / "runs" / "flickr8k_gpu" / "oan.test.json").read_text() == '{"rsum": 1.0}'
+    # several polls' folders: the last one's POLLED alone (each packs all done so far; an earlier one has older files)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    with tarfile.open(earlier / session.POLLED, "w") as tar:
+        stale = tmp_path / "stale.json"
+        stale.write_text('{"rsum": 0.5}')
+        tar.add(stale, arcname="runs/flickr8k_gpu/oan.test.json")
+    assert session.main(["take", str(earlier), str(tmp_path / "out"), "--checkout", str(here), "--runs",
+                         str(tmp_path / "r"), "--force"]) == 0
+    assert (here / "runs" / "flickr8k_gpu" / "oan.test.json").read_text() == evaluation.read_text()
     with pytest.raises(SystemExit):  # nothing to run is a usage error, not an empty driver
         session.main(["start", "--parallel", "2"])
 
@@ -418,14 +428,15 @@ def test_a_stopped_run_comes_back_whole_over_several_calls_to_be_resumed(session
     calls.pop()
     assert "pieces 1-3 of" in capsys.readouterr().out
     sent = [sorted(p.name for p in call.iterdir()) for call in calls]
-    total = int(sent[0][0].rsplit("-of-", 1)[1])
+    archive, total = sent[0][0].split(session.CHUNK)[0], int(sent[0][0].rsplit("-of-", 1)[1])
+    assert re.fullmatch(r"sman\.[0-9a-f]{8}\.tar", archive)
     assert len(calls) == -(-total // 3) >= 3 and [len(names) for names in sent[:-1]] == [3] * (len(calls) - 1)
-    assert sorted(n for names in sent for n in names) == sorted(session.piece_name("sman.tar", k, total)
+    assert sorted(n for names in sent for n in names) == sorted(session.piece_name(archive, k, total)
                                                                 for k in range(1, total + 1))
     here = tmp_path / "runs"
     left_out = [str(c) for c in calls if c != calls[1]]
     assert session.main(["take", *left_out, "--runs", str(here)]) == 1  # one call's folder left out
-    assert f"pieces 4, 5, 6 of {total} are in none of the folders" in capsys.readouterr().out
+    assert f"pieces 4, 5, 6 of {total} of its archive" in capsys.readouterr().out
     assert not (here / "sman").exists()
     assert session.main(["take", *map(str, calls), "--runs", str(here)]) == 0
     got = here / "sman"
@@ -438,11 +449,36 @@ def test_a_stopped_run_comes_back_whole_over_several_calls_to_be_resumed(session
     assert session.main(["fetch", "sman", "--from", "4"]) == 0
     assert sorted(p.name for p in resent.iterdir()) == sent[1]
     run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / "sman"
-    (run / "last" / "state.json").write_bytes(b'{"epoch": 13, "batch": 0}')  # it trained on meanwhile
-    again = tmp_path / "again"
+    (run / "last" / "state.json").write_bytes(b'{"epoch": 13, "batch": 0}')  # it trained on meanwhile: packed again,
+    again = tmp_path / "again"  # under another ID, from its first piece
     monkeypatch.setenv("OUT", str(again))
     assert session.main(["fetch", "sman"]) == 0
-    assert sorted(p.name for p in again.iterdir())[0].startswith("sman.tar.chunk1-of-")
+    assert "sman changed since the last call's pieces" in capsys.readouterr().out
+    renewed = sorted(p.name for p in again.iterdir())
+    assert len(renewed) == 3 and renewed[0].startswith("sman.") and not renewed[0].startswith(archive)
+    assert renewed[0].endswith(".chunk1-of-" + renewed[0].rsplit("-of-", 1)[1])
+    # its first pieces beside the whole earlier archive: the earlier one is taken, never a mix of the two
+    shutil.rmtree(here / "sman")
+    assert session.main(["take", *map(str, calls), str(again), "--runs", str(here)]) == 0
+    assert (here / "sman" / "last" / "state.json").read_bytes() == files["last/state.json"]
+    rest = tmp_path / "rest"  # (the rest of the new archive: two whole archives, and which is meant is unsaid)
+    monkeypatch.setattr(session, "OUT_CALL_PIECES", 99)
+    monkeypatch.setenv("OUT", str(rest))
+    assert session.main(["fetch", "sman", "--from", "4"]) == 0
+    assert session.main(["take", *map(str, calls), str(again), str(rest), "--runs", str(tmp_path / "other")]) == 1
+    assert "two whole archives of it" in capsys.readouterr().out
+    cut = tmp_path / "cut"  # (a piece cut short by a call that ended while fetch wrote it)
+    shutil.copytree(rest, cut)
+    pieces_cut = sorted(cut.iterdir(), key=lambda p: int(p.name.split(session.CHUNK)[1].split("-of-")[0]))
+    for shortened, said in ((pieces_cut[-1], "does not read whole"), (pieces_cut[0], "one was cut short")):
+        whole = shortened.read_bytes()
+        shortened.write_bytes(whole[:100])
+        assert session.main(["take", str(again), str(cut), "--runs", str(tmp_path / "other")]) == 1
+        assert said in capsys.readouterr().out
+        shortened.write_bytes(whole)
+    assert not (tmp_path / "other").exists() or not list((tmp_path / "other").iterdir())
+    assert session.main(["take", str(again), str(rest), "--runs", str(tmp_path / "other")]) == 0
+    assert (tmp_path / "other" / "sman" / "last" / "state.json").read_bytes() == b'{"epoch": 13, "batch": 0}'
 
 
 def test_a_run_is_not_fetched_while_it_trains_nor_without_what_a_resume_reads(session, tmp_path, monkeypatch,
@@ -458,7 +494,7 @@ def test_a_run_is_not_fetched_while_it_trains_nor_without_what_a_resume_reads(se
     with lock.open("a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (as filelock takes it, in the bench's process)
         assert session.main(["fetch", "oan"]) == 1
-        assert "`stop oan` first" in capsys.readouterr().out
+        assert "a bench holds its lock (`poll` says which item trains it)" in capsys.readouterr().out
     study = "perturb/scan_t2i_avg/shuffle"  # (a study's trainings hold no lock: its item in the plan says it trains)
     _stopped_run(session.DEVICE_ROOT, study)
     logs = session.DEVICE_ROOT / "logs"
@@ -478,6 +514,39 @@ def test_a_run_is_not_fetched_while_it_trains_nor_without_what_a_resume_reads(se
     assert "no last/ weights and optimizer" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
     assert session.main(["fetch", study]) == 0  # (its study has ended)
+    assert not list(lock.parent.glob("perturb/**/.*.lock"))  # (a study's run has no lock to take)
+
+
+def test_a_finished_run_is_fetched_while_its_row_evaluates_and_a_cut_off_save_is_recovered(session, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """A finished run's item may still be pending (evaluating): its best/ no longer changes, so fetch sends it. A save
+    that `stop` cut off leaves .NAME.*.partial/ (never sent) or, between its two renames, the complete earlier
+    checkpoint as .last.old/ and no last/ (moved back first: the run would read as finished without it)."""
+    monkeypatch.setattr(session, "OUT_CALL_PIECES", 99)
+    files = _stopped_run(session.DEVICE_ROOT, "vsepp")
+    run = session.DEVICE_ROOT / "itmatch" / "runs" / "flickr8k_gpu" / "vsepp"
+    (run / "last" / "state.json").write_bytes(b'{"epoch": 30, "batch": 0}')
+    logs = session.DEVICE_ROOT / "logs"
+    logs.mkdir(parents=True)
+    (logs / "plan.json").write_text(json.dumps({"started": 0, "drivers": [{"pid": os.getpid(), "rows": ["vsepp"]}]}))
+    monkeypatch.setenv("OUT", str(tmp_path / "finished"))
+    assert session.main(["fetch", "vsepp"]) == 0
+    assert "vsepp (finished)" in capsys.readouterr().out
+
+    (run / "last" / "state.json").write_bytes(files["last/state.json"])  # stopped at epoch 12, mid-save:
+    (run / "last").rename(run / ".last.old")
+    (run / ".last.abc123.partial").mkdir()
+    (run / ".last.abc123.partial" / "optimizer.pt").write_bytes(os.urandom(3000))
+    (logs / "plan.json").write_text(json.dumps({"started": 0, "drivers": [{"pid": GONE, "rows": ["vsepp"]}]}))
+    assert session.run_finished(run)  # (without last/ it reads as finished: what fetch must not trust)
+    monkeypatch.setenv("OUT", str(tmp_path / "stopped"))
+    assert session.main(["fetch", "vsepp"]) == 0
+    assert "vsepp (with epochs left, whole (resumable))" in capsys.readouterr().out
+    assert (run / "last" / "state.json").is_file() and not (run / ".last.old").exists()
+    here = tmp_path / "runs"
+    assert session.main(["take", str(tmp_path / "stopped"), "--runs", str(here)]) == 0
+    got = here / "vsepp"
+    assert {p.relative_to(got).as_posix(): p.read_bytes() for p in got.rglob("*") if p.is_file()} == files
 
 
 def test_a_studys_finished_run_travels_back_and_there_again_under_its_own_path(session, tmp_path, monkeypatch):
@@ -497,7 +566,7 @@ def test_a_studys_finished_run_travels_back_and_there_again_under_its_own_path(s
     out = tmp_path / "out"
     monkeypatch.setenv("OUT", str(out))
     assert session.main(["fetch", row]) == 0
-    assert all(p.name.startswith("perturb__scan_t2i_avg__shuffle.tar") for p in out.iterdir())
+    assert all(re.match(r"perturb__scan_t2i_avg__shuffle\.[0-9a-f]{8}\.tar", p.name) for p in out.iterdir())
 
     here = tmp_path / "runs"
     assert session.main(["take", str(out), "--runs", str(here)]) == 0
@@ -789,7 +858,8 @@ def test_ship_and_fetch_without_out_write_where_a_rehearsal_looks(session, monke
     (run / "best").mkdir(parents=True)
     (run / "best" / "config.json").write_text("{}")
     assert session.main(["fetch", "oan"]) == 0
-    assert [p.name for p in (session.DEVICE_ROOT / "out").iterdir()] == [session.piece_name("oan.tar", 1, 1)]
+    assert [re.sub(r"\.[0-9a-f]{8}\.", ".ID.", p.name) for p in (session.DEVICE_ROOT / "out").iterdir()] == [
+        session.piece_name("oan.ID.tar", 1, 1)]
     roots = []
     monkeypatch.setattr(session.subprocess, "run", lambda argv, **kwargs: roots.append(
         argv[argv.index("--out-root") + 1]) or subprocess.CompletedProcess(argv, 1))
