@@ -171,3 +171,19 @@ def _names_outside_model_packages() -> list[str]:
 
 def test_the_core_names_no_arch():
     assert _names_outside_model_packages() == []
+
+
+@pytest.mark.parametrize("preset, key", [("sman", "img_norm"), ("sman", "txt_norm"), ("oan", "img_norm"),
+                                         ("mmca_alpha0", "txt_norm"), ("meanpool", "txt_norm")])
+def test_a_norm_switch_the_model_would_ignore_is_refused(preset, key):
+    """model.img_norm / txt_norm off where the arch normalises as its paper does (it never reads them): refused
+    through the config, before any weights are built, instead of being ignored."""
+    from itmatch.models.registry import resolve_config
+
+    mc = resolve_config(preset, parse_overrides([f"model.{key}=false"])).model
+    mc.vocab_size, mc.img_dim = 20, 16
+    with pytest.raises(ConfigError, match=f"model.{key}=false does not apply to model.arch={mc.arch}"):
+        build_model(mc)
+    setattr(mc, key, True)
+    if preset != "mmca_alpha0":  # (MMCA's frozen text encoder loads for seconds: its own tests build it)
+        build_model(mc)

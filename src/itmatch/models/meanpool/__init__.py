@@ -49,6 +49,7 @@ class CosineHead(SimilarityHead):
 @register_arch
 class MeanPool(Arch):
     name = "meanpool"
+    norm_keys = ("img_norm",)  # (model.img_norm / txt_norm: registry.Arch.norm_keys)
 
     def build(self, mc: ModelConfig) -> Matcher:
         image = RegionEncoder(mc.img_dim, mc.embed_size, norm=mc.img_norm, pool=True)

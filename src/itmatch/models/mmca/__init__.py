@@ -19,6 +19,7 @@ __all__ = ["FrozenTransformer", "MMCAConfig", "MMCAHead", "MMCAImageEncoder", "M
 @register_arch
 class MMCA(Arch):
     name = "mmca"
+    norm_keys = ()  # (model.img_norm / txt_norm: registry.Arch.norm_keys)
 
     def tokenizer(self, mc: ModelConfig) -> AnyVocab | None:
         """The WordPiece tokenizer of the frozen text encoder (data.tokenizer=wordpiece)."""

@@ -44,6 +44,7 @@ class OAN(Arch):
     head. Object embeddings are not l2-normalised (model.img_norm / txt_norm do not apply)."""
 
     name = "oan"
+    norm_keys = ()  # (model.img_norm / txt_norm: registry.Arch.norm_keys)
 
     def build(self, mc: ModelConfig) -> Matcher:
         o = mc.oan

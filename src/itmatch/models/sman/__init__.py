@@ -41,6 +41,7 @@ SMAN_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 @register_arch
 class SMAN(Arch):
     name = "sman"
+    norm_keys = ()  # (model.img_norm / txt_norm: registry.Arch.norm_keys)
 
     def build(self, mc: ModelConfig) -> Matcher:
         s = mc.sman
