@@ -281,8 +281,8 @@ GPU_PRUNE = {row for row in [*MMCA_ROWS, *GPU_CONTROLS] if GPU_CONTROLS.get(row,
 # an ensemble is pruned where an MMCA member would make exhaustive scoring take hours and every member's head
 # bounds its score around a global cosine (VSE++: the cosine itself, bound 0)
 GLOBAL_BOUND = {*MMCA_ROWS, "vsepp", "meanpool"}  # presets whose score is bounded around a global cosine
-GPU_PRUNE |= {row for row, members in GPU_ENSEMBLES.items() if set(members) & GPU_PRUNE
-              and {GPU_CONTROLS.get(SHIPPED_MEMBERS.get(m, m), (m,))[0] for m in members} <= GLOBAL_BOUND}
+GPU_PRUNE |= {row for row, members in GPU_ENSEMBLES.items() if {SHIPPED_MEMBERS.get(m, m) for m in members} & GPU_PRUNE
+              and {GPU_CONTROLS.get(m, (m,))[0] for m in (SHIPPED_MEMBERS.get(m, m) for m in members)} <= GLOBAL_BOUND}
 GPU_OVERRIDES = {row: [*GPU_CONTROLS.get(row, (row, []))[1], *(["train.val_prune=true"] if row in GPU_PRUNE else [])]
                  for row in [*GPU_SINGLE, *GPU_CONTROLS]}
 GPU_PREREQUISITES = {**{f"{p}_{kind}": p for p in FINETUNED for kind in ("ft", "frozen_more")},
@@ -418,7 +418,8 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
     datas = features_of(row, profile, members)
     rerank = profile.rerank.get(row, (row, 0))[1]
     pruned = (row in profile.pruned or row in profile.prune if members == every  # (a subset: the rule of GPU_PRUNE)
-              else bool(set(members) & profile.prune) and {base_preset(m, profile) for m in members} <= GLOBAL_BOUND)
+              else bool({SHIPPED_MEMBERS.get(m, m) for m in members} & profile.prune)
+              and {base_preset(m, profile) for m in members} <= GLOBAL_BOUND)
     # where a killed exhaustive evaluation keeps its finished blocks: one folder per row, split and member set
     blocks = row if members == every and split == "test" else f"{row}.{split}.{'+'.join(members)}"
     scoring = (["--rerank", str(rerank)] if rerank else ["--prune"] if pruned

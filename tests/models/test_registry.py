@@ -175,15 +175,18 @@ def test_the_core_names_no_arch():
 
 @pytest.mark.parametrize("preset, key", [("sman", "img_norm"), ("sman", "txt_norm"), ("oan", "img_norm"),
                                          ("mmca_alpha0", "txt_norm"), ("meanpool", "txt_norm")])
-def test_a_norm_switch_the_model_would_ignore_is_refused(preset, key):
-    """model.img_norm / txt_norm off where the arch normalises as its paper does (it never reads them): refused
-    through the config, before any weights are built, instead of being ignored."""
-    from itmatch.models.registry import resolve_config
+def test_a_norm_switch_the_model_would_ignore_is_refused_where_a_run_starts(preset, key, tiny_precomp, tmp_path):
+    """model.img_norm / txt_norm off where the arch normalises as its paper does (it never reads them): a new run is
+    refused before it writes anything, instead of training without the setting; a model built from such a config
+    (a checkpoint written before the check) still builds."""
+    from itmatch.engine.train import train
+    from itmatch.models.registry import check_norm_switches, resolve_config
 
-    mc = resolve_config(preset, parse_overrides([f"model.{key}=false"])).model
-    mc.vocab_size, mc.img_dim = 20, 16
-    with pytest.raises(ConfigError, match=f"model.{key}=false does not apply to model.arch={mc.arch}"):
-        build_model(mc)
-    setattr(mc, key, True)
+    cfg = resolve_config(preset, parse_overrides([f"model.{key}=false", f"data.path={tiny_precomp}"]))
+    with pytest.raises(ConfigError, match=f"model.{key}=false does not apply to model.arch={cfg.model.arch}"):
+        train(cfg, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+    check_norm_switches(resolve_config(preset).model)  # (the presets themselves pass)
     if preset != "mmca_alpha0":  # (MMCA's frozen text encoder loads for seconds: its own tests build it)
-        build_model(mc)
+        cfg.model.vocab_size, cfg.model.img_dim = 20, 16
+        build_model(cfg.model)

@@ -64,7 +64,13 @@ from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteErr
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
 from itmatch.models.losses import triplet_loss
-from itmatch.models.registry import build_model, finetune_backbone, image_inputs, read_pixels_for_finetuning
+from itmatch.models.registry import (
+    build_model,
+    check_norm_switches,
+    finetune_backbone,
+    image_inputs,
+    read_pixels_for_finetuning,
+)
 
 log = logging.getLogger("itmatch.train")
 TEST_SPLITS = ("test", "testall")  # the splits results are reported on
@@ -543,6 +549,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             raise OverwriteError(f"run directory {run_dir} is not empty", path=run_dir,
                                  hint="pass --resume to continue it, --force to start over, or another --out")
         check_min_word_count(cfg)
+        check_norm_switches(cfg.model)
         dist.barrier()  # every rank has looked at run_dir before rank 0 changes it
         seed_everything(cfg.train.seed)
         # a run started from another's weights keeps that run's vocabulary (its word embedding rows)

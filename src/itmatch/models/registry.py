@@ -29,8 +29,8 @@ class Arch:
     #: the image encoder reads pixels through its own CNN (SAVE); otherwise a region encoder is given
     #: model.backbone when model.pixels is set (`read_pixels_through`)
     owns_backbone: ClassVar[bool] = False
-    #: the l2-normalisation switches of ModelConfig the model reads; the others it would ignore, so build_model
-    #: refuses them switched off (OAN, MMCA, SMAN score as their papers do, whatever these say)
+    #: the l2-normalisation switches of ModelConfig the model reads; the others it would ignore, so a new run
+    #: refuses them switched off (check_norm_switches) (OAN, MMCA, SMAN score as their papers do, whatever these say)
     norm_keys: ClassVar[tuple[str, ...]] = ("img_norm", "txt_norm")
 
     def build(self, mc: ModelConfig) -> Matcher:  # pragma: no cover - abstract
@@ -226,15 +226,22 @@ def read_pixels_for_finetuning(cfg: Config) -> None:
         cfg.model.pixels = True
 
 
-def build_model(mc: ModelConfig) -> Matcher:
-    if mc.vocab_size <= 0 or mc.img_dim <= 0:
-        raise ConfigError("model.vocab_size and model.img_dim must be set (the trainer fills them from data)")
+def check_norm_switches(mc: ModelConfig) -> None:
+    """A ConfigError for model.img_norm / txt_norm switched off where the arch never reads it (Arch.norm_keys): a new
+    run would train without the setting it asked for. (Checked where a run starts, not in build_model: a checkpoint
+    written before the check loads as it trained.)"""
     family = arch(mc)
     ignored = [key for key in ("img_norm", "txt_norm") if key not in family.norm_keys and not getattr(mc, key)]
     if ignored:
         raise ConfigError(f"model.{ignored[0]}=false does not apply to model.arch={family.name}: it would be ignored "
                           f"({family.name} normalises its embeddings as its paper does)",
                           hint=f"leave model.{ignored[0]} out")
+
+
+def build_model(mc: ModelConfig) -> Matcher:
+    if mc.vocab_size <= 0 or mc.img_dim <= 0:
+        raise ConfigError("model.vocab_size and model.img_dim must be set (the trainer fills them from data)")
+    family = arch(mc)
     try:
         model = family.build(mc)
     except ValueError as exc:  # an invalid option value the module rejected

@@ -176,6 +176,24 @@ def test_asa_switches_reach_the_model_through_the_config():
             _save_head_through_config("save_dsa", f"model.save.{setting}")
 
 
+def test_spectral_norm_asa_starts_from_the_weights_of_plain_asa():
+    """save_asa_sn is a control of save_asa: with the same seed every weight is the same (ASA's before their
+    normalisation), so what differs in training is the normalisation, not the draw."""
+    from itmatch.config import parse_overrides
+    from itmatch.models.registry import resolve_config
+
+    def weights(*sets: str) -> dict[str, torch.Tensor]:
+        mc = resolve_config("save_asa", parse_overrides(list(sets))).model
+        mc.vocab_size, mc.img_dim, mc.embed_size, mc.word_dim = 20, DIMS["c5"], 16, 8
+        torch.manual_seed(5)
+        state = build_model(mc).state_dict()
+        return {k.replace(".parametrizations.weight.original", ".weight"): v for k, v in state.items()
+                if not k.endswith(("._u", "._v"))}
+
+    plain, normed = weights(), weights("model.save.asa_spectral_norm=true")
+    assert plain.keys() == normed.keys() and all(torch.equal(plain[k], normed[k]) for k in plain)
+
+
 def test_asa_is_identity_at_init():
     m = AdaptiveSelfAttention(16)
     assert float(m.gamma.detach()) == 0.0

@@ -87,9 +87,10 @@ class AdaptiveSelfAttention(nn.Module):
         self.out = nn.Linear(inner, channels)
         self.gamma = nn.Parameter(torch.zeros(1))
         self.logit_scale = inner ** -0.5 if scaled else 1.0
-        if spectral_norm:
-            for layer in (self.theta, self.phi, self.g, self.out):
-                nn.utils.parametrizations.spectral_norm(layer)
+        if spectral_norm:  # (its power iteration's first vectors drawn aside: the model's other weights are as without)
+            with torch.random.fork_rng(devices=[]):
+                for layer in (self.theta, self.phi, self.g, self.out):
+                    nn.utils.parametrizations.spectral_norm(layer)
 
     def logits(self, u: torch.Tensor) -> torch.Tensor:
         """s_ij = theta(u_i)^T phi(u_j) (Eq. 6; times 1/sqrt(C/2) if `scaled`), [N, i, j]."""
