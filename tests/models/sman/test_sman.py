@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 import torch
-from conftest import make_precomp
+from conftest import load_script, make_precomp
 
 from itmatch.config import parse_overrides
 from itmatch.data.precomp import read_precomp
@@ -24,6 +24,7 @@ from itmatch.engine.evaluate import (
     evaluate_models,
     images_per_block,
     score_matrix,
+    split_scores,
 )
 from itmatch.engine.train import train
 from itmatch.engine.vocabulary import apply_word_vectors
@@ -290,6 +291,23 @@ def test_training_reduces_loss_and_checkpoint_round_trips(tmp_path):
     assert ckpt.config.model.sman.alpha == 0.9 and ckpt.config.train.optimizer == "adadelta"
     again = evaluate_models([(ckpt.model, ckpt.vocab)], read_precomp(data, "dev"))
     assert again["rsum"] == pytest.approx(result["best_rsum"], abs=1e-6)
+    # scripts/sman_intra_pair.py on it: the matched pairs' scores, read from the score matrix as evaluation sees them
+    script = load_script("scripts/sman_intra_pair.py")
+    state, margin = script.model_state(tmp_path / "run" / "best", None, "dev", 24)
+    scores = split_scores(ckpt.model, ckpt.vocab, read_precomp(data, "dev"))
+    per_image = scores.shape[1] // 24
+    matched = torch.stack([scores[i, i * per_image:(i + 1) * per_image] for i in range(24)]).flatten()
+    assert margin == 0.25 and state["matched_mean"] == pytest.approx(float(matched.mean()))
+    assert state["active_share"] == pytest.approx(float((matched < margin).float().mean()))
+    with pytest.raises(SystemExit, match="not SMAN"):
+        script.model_state(_trained_vsepp(data, tmp_path / "vsepp"), None, "dev", 24)
+
+
+def _trained_vsepp(data, out):
+    cfg = resolve_config("vsepp", {"data": {"path": str(data)}, "model": {"embed_size": 16, "word_dim": 8},
+                                   "train": {"epochs": 1, "batch_size": 32, "val_images": 24}})
+    train(cfg, out, progress=False)
+    return out / "best"
 
 
 # ----- presets and config -----------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""Whether SMAN's intra-pair term (Eq. 22) still acts on a trained model: the scores d (Eq. 20, a sum of three
+cosines) of the matched pairs of a split, how many of them lie below the margin m2 (where the term `[m2 - d]+` of
+the default similarity form pulls them together; docs/sman.md, "The sign of the intra-pair constraint"), and the
+scores of all pairs beside them. A model whose matched pairs all score above m2 trains on Eq. 21 alone, as
+`sman_inter` does.
+
+    python scripts/sman_intra_pair.py runs/investigate/sman_warmup_cpu/best
+    python scripts/sman_intra_pair.py RUN/best RUN/last --images 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from itmatch.data.precomp import read_precomp
+from itmatch.engine.checkpoint import load_checkpoint
+from itmatch.engine.evaluate import split_scores
+
+
+def matched_scores(scores: torch.Tensor) -> torch.Tensor:
+    """The scores of each image with its own captions, from a split's [n_images, n_images * per_image] matrix
+    (captions in image order, as the precomp layout keeps them): [n_images * per_image]."""
+    n_images, n_captions = scores.shape
+    per_image = n_captions // n_images
+    return scores.reshape(n_images, n_images, per_image)[torch.arange(n_images), torch.arange(n_images)].flatten()
+
+
+def intra_pair_state(scores: torch.Tensor, margin: float) -> dict[str, float]:
+    """What Eq. 22 sees: the matched pairs' scores, the share below `margin` (m2), and all pairs' mean score."""
+    matched = matched_scores(scores)
+    return {"matched_mean": float(matched.mean()), "matched_min": float(matched.min()),
+            "active_share": float((matched < margin).float().mean()), "all_mean": float(scores.mean())}
+
+
+@torch.no_grad()
+def model_state(checkpoint: Path, data: str | None, split: str, images: int) -> tuple[dict[str, float], float]:
+    """intra_pair_state of a SMAN checkpoint on the first `images` images of `split`, and its margin m2."""
+    ckpt = load_checkpoint(checkpoint)
+    if ckpt.config.model.arch != "sman":
+        raise SystemExit(f"{checkpoint}: a {ckpt.config.model.arch!r} model, not SMAN (no intra-pair term)")
+    margin = ckpt.config.model.sman.intra_pair_margin
+    part = read_precomp(data or ckpt.data_path(), split).head(images)
+    return intra_pair_state(split_scores(ckpt.model.eval(), ckpt.vocab, part), margin), margin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoints", nargs="+", type=Path, help="SMAN checkpoint directories (RUN/best, RUN/last)")
+    parser.add_argument("--data", help="precomp directory (default: the checkpoint's data.path)")
+    parser.add_argument("--split", default="dev", help="split whose first images are read (default dev)")
+    parser.add_argument("--images", type=int, default=1000, help="images read (default 1000, as dev selection)")
+    args = parser.parse_args()
+    for checkpoint in args.checkpoints:
+        s, margin = model_state(checkpoint, args.data, args.split, args.images)
+        print(f"{checkpoint}: matched pairs' d mean {s['matched_mean']:.3f} (lowest {s['matched_min']:.3f}); "
+              f"{s['active_share'] * 100:.1f} % below m2 = {margin} (Eq. 22 active); all pairs' d mean "
+              f"{s['all_mean']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
