@@ -854,8 +854,10 @@ def pack(run: Path, row: str) -> tuple[Path, dict[str, Any]] | str:
     fetched = DEVICE_ROOT / "fetched"
     sent_file = fetched / f"{row.replace('/', SEP)}.sent.json"  # (perturb__scan_t2i_avg__shuffle.sent.json)
     with run_unlocked(run) as free:
-        # a finished run whose lock is free is not trained again (its item may be evaluating it: best/ stays as it is)
-        item = "" if free and run_finished(run) else busy_item(row) or ("" if free else "?")
+        # A finished run whose lock is free is not trained again: its item may still be evaluating it, but best/ stays
+        # as it is. (Not one with a .NAME.old beside it: a save in progress or cut off, after which it may not be.)
+        settled = run_finished(run) and not any((run / f".{name}.old").exists() for name in ("best", "last"))
+        item = "" if free and settled else busy_item(row) or ("" if free else "?")
         if item:
             what = (f"`stop {item}` first" if item != "?" else
                     "a bench holds its lock (`poll` says which item trains it): stop that item first")

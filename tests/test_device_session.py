@@ -537,6 +537,8 @@ def test_a_finished_run_is_fetched_while_its_row_evaluates_and_a_cut_off_save_is
     (run / "last").rename(run / ".last.old")
     (run / ".last.abc123.partial").mkdir()
     (run / ".last.abc123.partial" / "optimizer.pt").write_bytes(os.urandom(3000))
+    assert session.main(["fetch", "vsepp"]) == 1  # (its item still pending: the save may be going on, not cut off)
+    assert "`stop vsepp` first" in capsys.readouterr().out
     (logs / "plan.json").write_text(json.dumps({"started": 0, "drivers": [{"pid": GONE, "rows": ["vsepp"]}]}))
     assert session.run_finished(run)  # (without last/ it reads as finished: what fetch must not trust)
     monkeypatch.setenv("OUT", str(tmp_path / "stopped"))
