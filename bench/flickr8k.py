@@ -392,8 +392,8 @@ def features_of(row: str, profile: Profile, members: list[str]) -> list[str]:
 
 def without_checkpoint(members: list[str], profile: Profile) -> list[str]:
     """The runs among `members` that have no `best` checkpoint here (what a row's evaluation reads)."""
-    return [m for m in members if m not in SHIPPED_MEMBERS and not (ROOT / checkpoint_of(m, profile) / "config.json"
-                                                                   ).is_file()]
+    return [m for m in members
+            if m not in SHIPPED_MEMBERS and not (ROOT / checkpoint_of(m, profile) / "config.json").is_file()]
 
 
 def finished_table_run(preset: str, profile: Profile) -> str | None:
