@@ -11,13 +11,13 @@ larger than the cells and the same for every image (docs/save.md, "The GPU rows"
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from itmatch.analysis.sample import checkpoint_sample_parser
 from itmatch.data.precomp import batch_tensor, read_precomp
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.models.save.encoder import AdaptiveSelfAttention
@@ -63,11 +63,7 @@ def model_state(checkpoint: Path, data: str | None, split: str, images: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoints", nargs="+", type=Path, help="SAVE checkpoint directories (RUN/best, RUN/last)")
-    parser.add_argument("--data", help="precomp directory (default: the checkpoint's data.path)")
-    parser.add_argument("--split", default="dev", help="split whose first images are read (default dev)")
-    parser.add_argument("--images", type=int, default=200, help="images read (default 200)")
+    parser = checkpoint_sample_parser(__doc__, "SAVE checkpoint directories", images=200)
     args = parser.parse_args()
     for checkpoint in args.checkpoints:
         states, alike = model_state(checkpoint, args.data, args.split, args.images)

@@ -10,11 +10,11 @@ scores of all pairs beside them. A model whose matched pairs all score above m2 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
+from itmatch.analysis.sample import checkpoint_sample_parser
 from itmatch.data.precomp import read_precomp
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.evaluate import split_scores
@@ -47,11 +47,7 @@ def model_state(checkpoint: Path, data: str | None, split: str, images: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoints", nargs="+", type=Path, help="SMAN checkpoint directories (RUN/best, RUN/last)")
-    parser.add_argument("--data", help="precomp directory (default: the checkpoint's data.path)")
-    parser.add_argument("--split", default="dev", help="split whose first images are read (default dev)")
-    parser.add_argument("--images", type=int, default=1000, help="images read (default 1000, as dev selection)")
+    parser = checkpoint_sample_parser(__doc__, "SMAN checkpoint directories", images=1000)
     args = parser.parse_args()
     for checkpoint in args.checkpoints:
         s, margin = model_state(checkpoint, args.data, args.split, args.images)
