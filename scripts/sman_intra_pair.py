@@ -18,19 +18,13 @@ from itmatch.analysis.sample import checkpoint_sample_parser
 from itmatch.data.precomp import read_precomp
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.evaluate import split_scores
+from itmatch.engine.metrics import matched_scores
 
 
-def matched_scores(scores: torch.Tensor) -> torch.Tensor:
-    """The scores of each image with its own captions, from a split's [n_images, n_images * per_image] matrix
-    (captions in image order, as the precomp layout keeps them): [n_images * per_image]."""
-    n_images, n_captions = scores.shape
-    per_image = n_captions // n_images
-    return scores.reshape(n_images, n_images, per_image)[torch.arange(n_images), torch.arange(n_images)].flatten()
-
-
-def intra_pair_state(scores: torch.Tensor, margin: float) -> dict[str, float]:
-    """What Eq. 22 sees: the matched pairs' scores, the share below `margin` (m2), and all pairs' mean score."""
-    matched = matched_scores(scores)
+def intra_pair_state(scores: torch.Tensor, per_image: int, margin: float) -> dict[str, float]:
+    """What Eq. 22 sees in a split's score matrix: the matched pairs' scores, the share below `margin` (m2), and all
+    pairs' mean score."""
+    matched = matched_scores(scores, per_image)
     return {"matched_mean": float(matched.mean()), "matched_min": float(matched.min()),
             "active_share": float((matched < margin).float().mean()), "all_mean": float(scores.mean())}
 
@@ -43,7 +37,7 @@ def model_state(checkpoint: Path, data: str | None, split: str, images: int) -> 
         raise SystemExit(f"{checkpoint}: a {ckpt.config.model.arch!r} model, not SMAN (no intra-pair term)")
     margin = ckpt.config.model.sman.intra_pair_margin
     part = read_precomp(data or ckpt.data_path(), split).head(images)
-    return intra_pair_state(split_scores(ckpt.model.eval(), ckpt.vocab, part), margin), margin
+    return intra_pair_state(split_scores(ckpt.model.eval(), ckpt.vocab, part), part.per_image, margin), margin
 
 
 def main() -> None:

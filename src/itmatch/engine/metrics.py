@@ -49,12 +49,17 @@ def image_to_text_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tenso
     return ((scores >= best) & ~positive).sum(1)
 
 
+def matched_scores(scores: torch.Tensor, per_image: int = 5) -> torch.Tensor:
+    """Each caption's score with its own image (captions in image order, `per_image` each): [n_txt]."""
+    _, n_txt = _check_shape(scores, per_image)
+    caption = torch.arange(n_txt, device=scores.device)
+    return scores[caption // per_image, caption]
+
+
 def text_to_image_ranks(scores: torch.Tensor, per_image: int = 5) -> torch.Tensor:
     """rank of caption j = number of other images scoring >= its own image."""
-    _, n_txt = _check_shape(scores, per_image)
     scores = nan_lowest(scores)
-    owner = torch.arange(n_txt, device=scores.device) // per_image
-    own = scores[owner, torch.arange(n_txt, device=scores.device)]
+    own = matched_scores(scores, per_image)
     return (scores >= own[None, :]).sum(0) - 1
 
 
