@@ -35,10 +35,13 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from itmatch.engine.train import training_finished
 from itmatch.errors import ItmatchError
+
+if TYPE_CHECKING:
+    from itmatch.pretrained import Pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULE = "configs/flickr8k/cpu.yaml"
@@ -176,6 +179,13 @@ GPU_SCHEDULES = {row: GPU_NO_WARMUP for row in ["meanpool", "vsepp", *MMCA_ROWS]
 # run is gone with a machine (runs/ is not kept), its fp16 weights are in the package (within 0.1 rsum of the run's,
 # docs/training.md), so an ensemble reads them instead of training the row again (two hours on two cores)
 SHIPPED_MEMBERS = {"mmca_alpha0_lite2-flickr8k": "mmca_alpha0_lite2"}
+
+
+def source_row(member: str) -> str:
+    """The row a member's weights are of: a shipped member's row, else the member itself."""
+    return SHIPPED_MEMBERS.get(member, member)
+
+
 GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse"],
                  "scan_ensemble_t2i_avg+i2t_lse_seed1": ["scan_t2i_avg_seed1", "scan_i2t_lse_seed1"],
                  # the best single model's two seeds averaged (safe pruning holds for an ensemble too)
@@ -281,8 +291,8 @@ GPU_PRUNE = {row for row in [*MMCA_ROWS, *GPU_CONTROLS] if GPU_CONTROLS.get(row,
 # an ensemble is pruned where an MMCA member would make exhaustive scoring take hours and every member's head
 # bounds its score around a global cosine (VSE++: the cosine itself, bound 0)
 GLOBAL_BOUND = {*MMCA_ROWS, "vsepp", "meanpool"}  # presets whose score is bounded around a global cosine
-GPU_PRUNE |= {row for row, members in GPU_ENSEMBLES.items() if {SHIPPED_MEMBERS.get(m, m) for m in members} & GPU_PRUNE
-              and {GPU_CONTROLS.get(m, (m,))[0] for m in (SHIPPED_MEMBERS.get(m, m) for m in members)} <= GLOBAL_BOUND}
+GPU_PRUNE |= {row for row, members in GPU_ENSEMBLES.items() if (rows := {source_row(m) for m in members}) & GPU_PRUNE
+              and {GPU_CONTROLS.get(r, (r,))[0] for r in rows} <= GLOBAL_BOUND}
 GPU_OVERRIDES = {row: [*GPU_CONTROLS.get(row, (row, []))[1], *(["train.val_prune=true"] if row in GPU_PRUNE else [])]
                  for row in [*GPU_SINGLE, *GPU_CONTROLS]}
 GPU_PREREQUISITES = {**{f"{p}_{kind}": p for p in FINETUNED for kind in ("ft", "frozen_more")},
@@ -305,7 +315,7 @@ class MissingCheckpoint(RuntimeError):
 
 def base_preset(row: str, profile: Profile = CPU) -> str:
     """The preset a row trains: a control row's preset, else the row's own name (a shipped member's: its row's)."""
-    row = SHIPPED_MEMBERS.get(row, row)
+    row = source_row(row)
     return profile.controls.get(row, (row,))[0]
 
 
@@ -314,11 +324,11 @@ def checkpoint_of(member: str, profile: Profile) -> str:
     return member if member in SHIPPED_MEMBERS else f"{profile.runs}/{member}/best"
 
 
-def shipped_card(member: str) -> dict[str, Any]:
-    """The card of a shipped member (src/itmatch/pretrained/NAME/card.json: its results row, the command)."""
+def shipped_package(member: str) -> Pretrained:
+    """A shipped member's package (src/itmatch/pretrained/NAME: its weights, manifest and card)."""
     from itmatch.pretrained import shipped
 
-    return shipped()[member].card
+    return shipped()[member]
 
 
 def run(cmd: list[str], ranks: int = 1) -> None:
@@ -381,7 +391,7 @@ def row_members(row: str, profile: Profile) -> tuple[list[str], list[str]]:
     members = profile.ensembles.get(preset, [preset])
     data = profile.row_data.get(base_preset(preset, profile), profile.row_data.get(preset, DATA))
     # (an ensemble may mix features; a shipped member reads its row's)
-    return members, [profile.row_data.get(SHIPPED_MEMBERS.get(member, member), data) for member in members]
+    return members, [profile.row_data.get(source_row(member), data) for member in members]
 
 
 def features_of(row: str, profile: Profile, members: list[str]) -> list[str]:
@@ -418,7 +428,7 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
     datas = features_of(row, profile, members)
     rerank = profile.rerank.get(row, (row, 0))[1]
     pruned = (row in profile.pruned or row in profile.prune if members == every  # (a subset: the rule of GPU_PRUNE)
-              else bool({SHIPPED_MEMBERS.get(m, m) for m in members} & profile.prune)
+              else bool({source_row(m) for m in members} & profile.prune)
               and {base_preset(m, profile) for m in members} <= GLOBAL_BOUND)
     # where a killed exhaustive evaluation keeps its finished blocks: one folder per row, split and member set
     blocks = row if members == every and split == "test" else f"{row}.{split}.{'+'.join(members)}"
@@ -434,12 +444,8 @@ def evaluation_command(row: str, profile: Profile, threads: int, record: list[st
 def weights_digest(member: str, profile: Profile) -> str:
     """The sha256 of a run's evaluated weights, as best/manifest.json records it (a shipped member's: its package's
     manifest; "" when it does not)."""
-    if member in SHIPPED_MEMBERS:
-        from itmatch.pretrained import shipped
-
-        manifest = shipped()[member].path / "manifest.json"
-    else:
-        manifest = ROOT / profile.runs / member / "best" / "manifest.json"
+    folder = shipped_package(member).path if member in SHIPPED_MEMBERS else ROOT / checkpoint_of(member, profile)
+    manifest = folder / "manifest.json"
     try:
         return json.loads(manifest.read_text(encoding="utf-8"))["files"]["model.safetensors"]["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -633,7 +639,7 @@ def trained_on(members: Sequence[str], profile: Profile) -> list[str]:
     from itmatch.engine.checkpoint import read_state
 
     machines = [d for m in members for d in
-                ([f"{shipped_card(m)['results'].get('device', '?')} (shipped fp16)"] if m in SHIPPED_MEMBERS
+                ([f"{shipped_package(m).card['results'].get('device', '?')} (shipped fp16)"] if m in SHIPPED_MEMBERS
                  else read_state(ROOT / profile.runs / m / "best").get("devices", []))]
     return list(dict.fromkeys(machines))
 
@@ -684,7 +690,7 @@ def member_state(member: str, done: dict[str, dict], profile: Profile) -> str:
     not here (trained on another machine, or gone with a machine): the row would train it again; a shipped member
     says whose weights it holds."""
     if member in SHIPPED_MEMBERS:
-        row = shipped_card(member)["results"]
+        row = shipped_package(member).card["results"]
         return f"shipped model (fp16 weights of row {row['name']}, rsum {row['rsum']})"
     state = run_state(ROOT / profile.runs / member)
     if state == "not started" and member in done:
