@@ -844,6 +844,11 @@ def busy_item(row: str) -> str:
     return item if plan and any(i == item and pending(state) for i, state in item_states(logs, plan)) else ""
 
 
+def fetched_file(row: str, suffix: str) -> Path:
+    """DEVICE_ROOT/fetched/ROW+suffix, a study's run flattened with SEP (perturb__scan_t2i_avg__shuffle.sent.json)."""
+    return DEVICE_ROOT / "fetched" / f"{row.replace('/', SEP)}{suffix}"
+
+
 def pack(run: Path, row: str) -> tuple[Path, dict[str, Any]] | str:
     """(there) The run packed into DEVICE_ROOT/fetched/ROW.ID.tar, or the one packed by an earlier call when the run
     has not changed since; with what has been sent of it ({"pieces", "sent", "files"}). A refusal (str) instead
@@ -851,8 +856,7 @@ def pack(run: Path, row: str) -> tuple[Path, dict[str, Any]] | str:
     import hashlib
     import tarfile
 
-    fetched = DEVICE_ROOT / "fetched"
-    sent_file = fetched / f"{row.replace('/', SEP)}.sent.json"  # (perturb__scan_t2i_avg__shuffle.sent.json)
+    sent_file = fetched_file(row, ".sent.json")
     with run_unlocked(run) as free:
         # A finished run whose lock is free is not trained again: its item may still be evaluating it, but best/ stays
         # as it is. (Not one with a .NAME.old beside it: a save in progress or cut off, after which it may not be.)
@@ -869,13 +873,13 @@ def pack(run: Path, row: str) -> tuple[Path, dict[str, Any]] | str:
         files = travelling_files(run)
         stamp = [[f.relative_to(run).as_posix(), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
         sent = json.loads(sent_file.read_text()) if sent_file.is_file() else {}
-        archive = fetched / f"{row.replace('/', SEP)}.{sent.get('id', '')}.tar"
+        archive = fetched_file(row, f".{sent.get('id', '')}.tar")
         if sent.get("files") == stamp and archive.is_file():
             return archive, sent
         ident = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:8]
-        archive = fetched / f"{row.replace('/', SEP)}.{ident}.tar"
-        fetched.mkdir(parents=True, exist_ok=True)
-        for old in fetched.glob(f"{row.replace('/', SEP)}.*.tar"):
+        archive = fetched_file(row, f".{ident}.tar")
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        for old in archive.parent.glob(fetched_file(row, ".*.tar").name):
             old.unlink()
         with tarfile.open(archive, "w") as tar:
             for f in files:
@@ -925,7 +929,7 @@ def fetch(args: argparse.Namespace) -> int:
         for k in range(first, last + 1):
             _write_atomic(out / piece_name(archive.name, k, count), src.read(OUT_FILE_LIMIT))
     sent["sent"] = max(sent["sent"], last)
-    _write_atomic(DEVICE_ROOT / "fetched" / f"{args.row.replace('/', SEP)}.sent.json", json.dumps(sent).encode())
+    _write_atomic(fetched_file(args.row, ".sent.json"), json.dumps(sent).encode())
     state = "finished" if run_finished(run) else "with epochs left, whole (resumable)"
     rest = (f"; call `fetch {args.row}` again for pieces {sent['sent'] + 1}-{count}" if sent["sent"] < count else "")
     print(f"{args.row} ({state}): {archive.stat().st_size / 2**20:.1f} MiB, pieces {first}-{last} of {count} in "

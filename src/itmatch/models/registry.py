@@ -29,8 +29,8 @@ class Arch:
     #: the image encoder reads pixels through its own CNN (SAVE); otherwise a region encoder is given
     #: model.backbone when model.pixels is set (`read_pixels_through`)
     owns_backbone: ClassVar[bool] = False
-    #: the l2-normalisation switches of ModelConfig the model reads; the others it would ignore, so a new run
-    #: refuses them switched off (check_norm_switches) (OAN, MMCA, SMAN score as their papers do, whatever these say)
+    #: the l2-normalisation switches of ModelConfig the model reads; a new run refuses the others switched off, which
+    #: it would ignore (check_norm_switches): OAN, MMCA and SMAN score as their papers do, whatever these say
     norm_keys: ClassVar[tuple[str, ...]] = ("img_norm", "txt_norm")
 
     def build(self, mc: ModelConfig) -> Matcher:  # pragma: no cover - abstract
