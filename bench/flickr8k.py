@@ -339,7 +339,19 @@ def run(cmd: list[str], ranks: int = 1) -> None:
     if cmd[0] == "itmatch":
         torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         cmd = [sys.executable, *(torchrun if ranks > 1 else []), "-m", "itmatch", *cmd[1:]]
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    with subprocess.Popen(cmd, cwd=ROOT) as proc:
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            # The Ctrl-C reached the command too (the terminal's process group), and a training saves where it is
+            # before it ends (itmatch.engine.stop): wait for that rather than kill it as subprocess.run would.
+            # A second Ctrl-C stops both at once
+            print("waiting for it to save and end (Ctrl-C again: at once, without saving)", file=sys.stderr,
+                  flush=True)
+            proc.wait()
+            raise
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
 
 
 # the features a row may read: the file every split must have once they are complete, and the extractor's options

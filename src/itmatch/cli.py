@@ -29,7 +29,7 @@ from itmatch.argtypes import (
     positive_float,
     positive_int,
 )
-from itmatch.errors import ConfigError, ItmatchError
+from itmatch.errors import ConfigError, ItmatchError, TrainingStopped
 from itmatch.retrieval.limits import MAX_K
 
 split_size = int_in(0, 99999)  # synth: image file names have five digits
@@ -894,11 +894,14 @@ def describe_os_error(exc: OSError) -> str:
     return text
 
 
-def _how_to_continue(args: argparse.Namespace) -> str:
-    """What continues an interrupted verb's work, for those that keep it (docs/reliability.md), else ''."""
+def _how_to_continue(args: argparse.Namespace, saved: bool = False) -> str:
+    """What continues an interrupted verb's work, for those that keep it (docs/reliability.md), else ''.
+    `saved`: the training saved where it stopped (engine/stop.py), so nothing since its last save is lost."""
     if args.verb == "train":
-        return ("; its last saved checkpoint is kept: the same command with --resume continues from there"
-                if not getattr(args, "resume", False) else "; the same command continues from its last save")
+        if getattr(args, "resume", False):
+            return f"; the same command continues from {'there' if saved else 'its last save'}"
+        kept = "" if saved else "; its last saved checkpoint is kept:"
+        return f"{kept or ';'} the same command with --resume continues from there"
     if args.verb in ("extract", "index", "demo") or getattr(args, "analysis", None) == "perturb":
         return "; the same command continues where it stopped"
     if args.verb == "evaluate" and args.resume_dir:
@@ -918,6 +921,9 @@ def _run(argv: list[str] | None) -> int:
     except ItmatchError as exc:
         print(f"itmatch {args.verb}: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingStopped as exc:  # (saved first: engine/stop.py)
+        print(f"itmatch {args.verb}: {exc.message}{_how_to_continue(args, saved=True)}", file=sys.stderr)
+        return 128 + exc.signum  # what the signal alone would have made of the exit status
     except KeyboardInterrupt:
         print(f"itmatch {args.verb}: interrupted{_how_to_continue(args)}", file=sys.stderr)
         return 130

@@ -43,6 +43,18 @@ class TrainingError(ItmatchError):
     """Training cannot go on: its loss stopped being a number (diverged)."""
 
 
+class TrainingStopped(Exception):
+    """A training ended on a stop signal (SIGINT or SIGTERM) after saving where it was (engine/stop.py): not an
+    error, so not an ItmatchError; the CLI exits with 128 + the signal's number, as the signal would have."""
+
+    def __init__(self, message: str, signum: int, resume: str = "") -> None:
+        self.message, self.signum, self.resume = message, signum, resume
+        super().__init__(message, signum, resume)  # (all in args: it pickles back from a study's worker process)
+
+    def __str__(self) -> str:
+        return f"{self.message}: `{self.resume}` continues from there" if self.resume else self.message
+
+
 class UnknownWordsWarning(UserWarning):
     """A query has words the model's vocabulary does not know (read as <unk>; their meaning is lost)."""
 

@@ -149,7 +149,8 @@ def _run_config(cfg: Config, kind: str, jobs: int) -> Config:
     return run_cfg
 
 
-def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, progress: bool) -> None:
+def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, progress: bool,
+               stop_signals: bool = True) -> None:
     transform = CaptionPerturbation(training.kind, captions, tagged, seed=training.seed)
     cfg = config_from_dict(training.config)
     # a resumed run keeps its own settings but saves as often as this command asks (a study continued session after
@@ -163,7 +164,8 @@ def _train_one(training: _Training, captions: Sequence[str], tagged: Tagged, pro
     write_json_atomic(run_dir / STUDY_FILE, study_record(training.kind, training.seed))
     new_run = not training.resume and not (run_dir / "best").exists()
     train(cfg, run_dir, resume=training.resume, force=training.force or new_run, transform=transform,
-          progress=progress, resume_overrides=saving, device=training.device, precision=training.precision)
+          progress=progress, resume_overrides=saving, device=training.device, precision=training.precision,
+          stop_signals=stop_signals)
 
 
 def _train_all(trainings: list[_Training], captions: Sequence[str], tagged: Tagged, jobs: int,
@@ -184,7 +186,9 @@ def _train_all(trainings: list[_Training], captions: Sequence[str], tagged: Tagg
         announce(training)
     failures: list[tuple[str, BaseException]] = []
     with ProcessPoolExecutor(max_workers=min(jobs, len(trainings)), mp_context=get_context("spawn")) as pool:
-        futures = {pool.submit(_train_one, t, captions, tagged, False): t.kind for t in trainings}
+        # (no save on a stop signal in a worker: one that outlived the parent a signal ended would wait for work
+        # that never comes, keeping its process group alive, where the signal alone ends it as it always did)
+        futures = {pool.submit(_train_one, t, captions, tagged, False, False): t.kind for t in trainings}
         for future in as_completed(futures):
             kind = futures[future]
             try:

@@ -53,6 +53,7 @@ from itmatch.engine.checkpoint import (
 from itmatch.engine.evaluate import evaluate_models
 from itmatch.engine.inputs import data_backbone, fill_image_dims, open_split
 from itmatch.engine.resident import resident_images
+from itmatch.engine.stop import StopNow, ignore_stop_signals, stop_on_signal
 from itmatch.engine.vocabulary import (
     apply_word_vectors,
     check_min_word_count,
@@ -60,7 +61,14 @@ from itmatch.engine.vocabulary import (
     report_vocabulary,
     take_init_vocabulary,
 )
-from itmatch.errors import CheckpointError, ConfigError, DataError, OverwriteError, TrainingError
+from itmatch.errors import (
+    CheckpointError,
+    ConfigError,
+    DataError,
+    OverwriteError,
+    TrainingError,
+    TrainingStopped,
+)
 from itmatch.io import write_json_atomic
 from itmatch.models.base import Embeddings, Matcher, SimilarityHead, TextEmb
 from itmatch.models.losses import triplet_loss
@@ -194,6 +202,7 @@ def make_loader(dataset: PairDataset, sampler: EpochBatches, cfg: Config, placem
     workers = cfg.train.workers
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_captions if resident else collate_pairs,
                       pin_memory=placement.is_cuda, num_workers=workers, persistent_workers=workers > 0,
+                      worker_init_fn=ignore_stop_signals if workers > 0 else None,
                       generator=torch.Generator().manual_seed(cfg.train.seed))
 
 
@@ -468,7 +477,7 @@ def _saved_settings(run_dir: Path, overrides: dict[str, Any]) -> Config | None:
 def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool = False,
           transform: CaptionTransform | None = None, progress: bool = True, device: str | None = None,
           precision: str | None = None, resume_overrides: dict[str, Any] | None = None,
-          trust_modified: bool = False) -> dict[str, Any]:
+          trust_modified: bool = False, stop_signals: bool = True) -> dict[str, Any]:
     """Train `cfg` into `run_dir` (run_dir/best, run_dir/last, config.json, metrics.jsonl).
     Returns the best validation result. `device` / `precision` override train.device / train.precision
     (also when resuming: a run may continue on another device; docs/gpu.md).
@@ -476,6 +485,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     With `resume`, `cfg` is replaced by the checkpoint's config, to which `resume_overrides` (a nested dict
     as from `parse_overrides`; train.* and data locations only) are applied, e.g. {"train": {"epochs": 30}}.
     `trust_modified` loads checkpoints (`last`, train.init_from) whose files differ from their manifest.
+    `stop_signals`: a SIGINT or SIGTERM while it trains saves where it is and raises `TrainingStopped`
+    (engine/stop.py); off, or under torchrun, they end the process as they always did.
     Resuming a run that has trained all its epochs trains nothing: its result then holds a "note" saying so and
     how to train on (logged too; the CLI prints it).
 
@@ -647,93 +658,111 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                    **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}
         save_checkpoint(last, model, cfg, vocab, optimizer, state, trainer=trainer)
 
+    def stopped(where: str) -> TrainingStopped:
+        return TrainingStopped(f"stopped by {stop.name} {where}; saved to {last}", int(stop.signal or 0),
+                               resume=f"itmatch train --out {run_dir} --resume")
+
     best: dict[str, Any] = state.get("best_result", {})
-    for epoch in range(state["epoch"], cfg.train.epochs):
-        batches = epoch_batches(cfg, lengths, len(dataset), epoch)
-        n_batches = len(batches) if cfg.train.max_batches <= 0 else min(len(batches), cfg.train.max_batches)
-        first = int(state["batch"])  # > 0 when resuming mid-epoch
-        sampler.set(epoch, shard_batches(batches[first:n_batches]))
-        if first == 0:
-            # The DataLoader of earlier versions drew its base seed from the global torch RNG when each epoch's
-            # iteration began. That draw is kept at the epoch's start, so runs (dropout masks) are the same as
-            # before; a run resumed mid-epoch already has it in its saved RNG state.
-            torch.empty((), dtype=torch.int64).random_()
-        lr = learning_rate(cfg, epoch)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
-        hardest = cfg.loss.hardest and epoch >= cfg.loss.warmup_epochs
-        model.train()
-        bar = tqdm(total=n_batches, initial=first, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
-                   disable=not progress)
-        # the epoch's time so far: a run resumed mid-epoch adds what it did before it stopped
-        running = float(state["running_loss"])
-        started = time.perf_counter() - float(state.get("epoch_seconds", 0.0))
-        started_cpu = time.process_time() - float(state.get("epoch_cpu_seconds", 0.0))
-        truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
-        for b, batch in enumerate(loader, start=first):
-            batch = batch.to(placement.device, non_blocking=True)
-            if resident is not None:  # the images gathered by image_index, on the device
-                batch = resident.fill(batch)
-            with placement.arithmetic():  # (fp32: no autocast at all)
-                loss = step(batch, hardest)
-            optimizer.zero_grad(set_to_none=True)
-            scaler.scale(loss).backward()  # (scale, unscale_, step, update: plain calls unless fp16)
-            if cfg.train.grad_clip > 0:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-                clip_gradients(model.parameters(), cfg.train.grad_clip, cfg.train.grad_clip_mode)
-            scaler.step(optimizer)
-            scaler.update()
-            state["step"] += 1
-            value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks averaged
-            if not math.isfinite(value):  # stop before anything is saved: its step wrote NaN into the weights
-                lower = f"train.lr={cfg.train.lr / 10:g}"
-                again = (f"train on from its last checkpoint with a lower learning rate: itmatch train --out {run_dir} "
-                         f"--resume --set {lower}" if last.exists() else
-                         f"start it again with a lower learning rate ({lower}, with --force)")
-                raise TrainingError(
-                    f"the loss is {value} at epoch {epoch + 1}, batch {b + 1} (step {state['step']}): training "
-                    "diverged; nothing was saved after it", path=run_dir,
-                    hint=f"{again}; or clip the gradients (train.grad_clip, e.g. 2)")
-            running += value
-            bar.set_postfix(loss=f"{value:.2f}", lr=f"{lr:.1e}", hard=hardest)
-            bar.update()
-            if state["step"] % cfg.train.log_every == 0:
-                log.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": value, "lr": lr}) + "\n")
-                log.flush()
-            every = cfg.train.checkpoint_every
-            if every > 0 and (b + 1) % every == 0 and b + 1 < n_batches:
-                state.update(batch=b + 1, running_loss=running, epoch_seconds=time.perf_counter() - started,
-                             epoch_cpu_seconds=time.process_time() - started_cpu)
+    # a stop signal is honoured between steps, after a save (engine/stop.py); off under torchrun, where the
+    # ranks would have to agree on the step
+    with stop_on_signal(enabled=stop_signals and not distributed, announce=progress) as stop:
+        for epoch in range(state["epoch"], cfg.train.epochs):
+            batches = epoch_batches(cfg, lengths, len(dataset), epoch)
+            n_batches = len(batches) if cfg.train.max_batches <= 0 else min(len(batches), cfg.train.max_batches)
+            first = int(state["batch"])  # > 0 when resuming mid-epoch
+            sampler.set(epoch, shard_batches(batches[first:n_batches]))
+            if first == 0:
+                # The DataLoader of earlier versions drew its base seed from the global torch RNG when each epoch's
+                # iteration began. That draw is kept at the epoch's start, so runs (dropout masks) are the same as
+                # before; a run resumed mid-epoch already has it in its saved RNG state.
+                torch.empty((), dtype=torch.int64).random_()
+            lr = learning_rate(cfg, epoch)
+            for group in optimizer.param_groups:
+                group["lr"] = lr * group.get("lr_scale", 1.0)
+            hardest = cfg.loss.hardest and epoch >= cfg.loss.warmup_epochs
+            model.train()
+            bar = tqdm(total=n_batches, initial=first, desc=f"epoch {epoch + 1}/{cfg.train.epochs}",
+                       disable=not progress)
+            # the epoch's time so far: a run resumed mid-epoch adds what it did before it stopped
+            running = float(state["running_loss"])
+            started = time.perf_counter() - float(state.get("epoch_seconds", 0.0))
+            started_cpu = time.process_time() - float(state.get("epoch_cpu_seconds", 0.0))
+            truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
+            for b, batch in enumerate(loader, start=first):
+                batch = batch.to(placement.device, non_blocking=True)
+                if resident is not None:  # the images gathered by image_index, on the device
+                    batch = resident.fill(batch)
+                with placement.arithmetic():  # (fp32: no autocast at all)
+                    loss = step(batch, hardest)
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()  # (scale, unscale_, step, update: plain calls unless fp16)
+                if cfg.train.grad_clip > 0:
+                    scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+                    clip_gradients(model.parameters(), cfg.train.grad_clip, cfg.train.grad_clip_mode)
+                scaler.step(optimizer)
+                scaler.update()
+                state["step"] += 1
+                value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks averaged
+                if not math.isfinite(value):  # stop before anything is saved: its step wrote NaN into the weights
+                    lower = f"train.lr={cfg.train.lr / 10:g}"
+                    again = (f"train on from its last checkpoint with a lower learning rate: itmatch train --out "
+                             f"{run_dir} --resume --set {lower}" if last.exists() else
+                             f"start it again with a lower learning rate ({lower}, with --force)")
+                    raise TrainingError(
+                        f"the loss is {value} at epoch {epoch + 1}, batch {b + 1} (step {state['step']}): training "
+                        "diverged; nothing was saved after it", path=run_dir,
+                        hint=f"{again}; or clip the gradients (train.grad_clip, e.g. 2)")
+                running += value
+                bar.set_postfix(loss=f"{value:.2f}", lr=f"{lr:.1e}", hard=hardest)
+                bar.update()
+                if state["step"] % cfg.train.log_every == 0:
+                    log.write(json.dumps({"step": state["step"], "epoch": epoch, "loss": value, "lr": lr}) + "\n")
+                    log.flush()
+                every = cfg.train.checkpoint_every
+                if (every > 0 and (b + 1) % every == 0 and b + 1 < n_batches) or stop.requested:
+                    state.update(batch=b + 1, running_loss=running, epoch_seconds=time.perf_counter() - started,
+                                 epoch_cpu_seconds=time.process_time() - started_cpu)
+                    save_last()
+                if stop.requested:  # (a run saved at its epoch's last batch validates that epoch when resumed)
+                    raise stopped(f"at epoch {epoch + 1}, batch {b + 1} of {n_batches} (step {state['step']})")
+            bar.close()
+            train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
+            model.eval()
+            truncated = getattr(vocab, "truncated", 0) - truncated_before
+            try:
+                with stop.interruptible():  # (cut short by a stop: it changes nothing, and a resumed run runs it again)
+                    result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank,
+                                             prune=cfg.train.val_prune, precision=cfg.train.precision)
+            except StopNow:
+                state.update(batch=n_batches, running_loss=running, epoch_seconds=train_seconds,
+                             epoch_cpu_seconds=train_cpu_seconds)
                 save_last()
-        bar.close()
-        train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
-        model.eval()
-        truncated = getattr(vocab, "truncated", 0) - truncated_before
-        result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank,
-                                 prune=cfg.train.val_prune, precision=cfg.train.precision)
-        record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
-                  "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
-                  "train_cpu_seconds": round(train_cpu_seconds, 1),  # this process; == wall on a free core
-                  "batches": n_batches}
-        if truncated:
-            record["truncated_captions"] = truncated
+                raise stopped(f"at epoch {epoch + 1}, in its validation") from None
+            record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
+                      "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
+                      "train_cpu_seconds": round(train_cpu_seconds, 1),  # this process; == wall on a free core
+                      "batches": n_batches}
+            if truncated:
+                record["truncated_captions"] = truncated
+                if progress:
+                    tqdm.write(f"epoch {epoch + 1}: {truncated} captions longer than the text encoder's "
+                               f"{vocab.max_length} tokens were truncated")
+            log.write(json.dumps(record) + "\n")
+            log.flush()
             if progress:
-                tqdm.write(f"epoch {epoch + 1}: {truncated} captions longer than the text encoder's "
-                           f"{vocab.max_length} tokens were truncated")
-        log.write(json.dumps(record) + "\n")
-        log.flush()
-        if progress:
-            tqdm.write(f"epoch {epoch + 1}: dev rsum {result['rsum']:.1f} "
-                       f"(i2t R@1 {result['image_to_text']['r1']:.1f}, t2i R@1 {result['text_to_image']['r1']:.1f})"
-                       f" loss {record['mean_loss']:.2f}, {train_seconds:.0f} s")
-        state.update(epoch=epoch + 1, batch=0, running_loss=0.0, epoch_seconds=0.0, epoch_cpu_seconds=0.0)
-        if result["rsum"] > state["best_rsum"] or math.isnan(state["best_rsum"]):
-            state.update(best_rsum=result["rsum"], best_epoch=epoch + 1)
-            best = result
+                tqdm.write(f"epoch {epoch + 1}: dev rsum {result['rsum']:.1f} "
+                           f"(i2t R@1 {result['image_to_text']['r1']:.1f}, t2i R@1 {result['text_to_image']['r1']:.1f})"
+                           f" loss {record['mean_loss']:.2f}, {train_seconds:.0f} s")
+            state.update(epoch=epoch + 1, batch=0, running_loss=0.0, epoch_seconds=0.0, epoch_cpu_seconds=0.0)
+            if result["rsum"] > state["best_rsum"] or math.isnan(state["best_rsum"]):
+                state.update(best_rsum=result["rsum"], best_epoch=epoch + 1)
+                best = result
+                state["best_result"] = best
+                if main:
+                    save_checkpoint(run_dir / "best", model, cfg, vocab, state=state)
             state["best_result"] = best
-            if main:
-                save_checkpoint(run_dir / "best", model, cfg, vocab, state=state)
-        state["best_result"] = best
-        save_last()
+            save_last()
+            if stop.requested and epoch + 1 < cfg.train.epochs:  # (asked during the validation or its saves)
+                raise stopped(f"after epoch {epoch + 1}")
     log.close()
     return {"best_epoch": state["best_epoch"], "best_rsum": state["best_rsum"], "best": best}

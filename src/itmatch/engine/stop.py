@@ -1,0 +1,99 @@
+"""A training asked to stop (Ctrl-C, or SIGTERM from a job scheduler or `kill PID`) saves where it is first.
+
+Without this, a signal ended the process at once and the run lost everything since its last checkpoint: up to an
+epoch with the default `train.checkpoint_every=0` (45 minutes of a SCAN epoch on two CPU cores). With it, the first
+SIGINT or SIGTERM only asks: the loop finishes the step it is in (a step half done would leave weights and optimizer
+state that match no step), saves `last/` at that batch (the mid-epoch save that `--resume` continues from exactly)
+and ends with `TrainingStopped`. A validation, which changes nothing and is run again on resuming, is cut short
+instead (`StopRequest.interruptible`), so the wait is at most a step and a save. A second signal acts as it would
+have without this (SIGINT raises KeyboardInterrupt, SIGTERM ends the process), for a user who cannot wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+#: the signals that ask a training to stop
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopNow(Exception):
+    """Raised where the stop signal found the training (inside `StopRequest.interruptible`), to save and end."""
+
+
+class StopRequest:
+    """Which stop signal arrived first (None: none yet); the training loop reads it between steps."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self._interruptible = False
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Work that may be cut short by the request (StopNow raised where it is): nothing it does outlives it."""
+        if self.requested:
+            raise StopNow
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal is not None else ""
+
+
+@contextlib.contextmanager
+def stop_on_signal(enabled: bool = True, announce: bool = True) -> Iterator[StopRequest]:
+    """Catch SIGINT and SIGTERM while the block runs (the handlers are put back after it). Off where a signal
+    handler cannot be set (not the main thread) or when not `enabled` (under torchrun, where every rank would have
+    to agree on the step to stop at): the request then never comes and the signals act as they always did.
+    `announce`: say on stderr, at the first signal, what happens now."""
+    request = StopRequest()
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+    previous: dict[int, Any] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if request.signal is None:
+            request.signal = signum
+            if announce:
+                print(f"\nitmatch train: {signal.Signals(signum).name}: saving where it is, then stopping (send it "
+                      "again to stop at once, without saving)", file=sys.stderr, flush=True)
+            if request._interruptible:
+                raise StopNow
+            return
+        # the second one: what it would have done without this handler
+        signal.signal(signum, previous[signum])
+        if signum == signal.SIGINT and previous[signum] is signal.default_int_handler:
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield request
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A DataLoader worker's start (`worker_init_fn`): the main process decides when to stop. A Ctrl-C reaches
+    the terminal's whole process group, and a worker that died of it would fail the batch the main process fetches
+    before its save; the workers end when the main process shuts its loader down, or when it is gone."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
