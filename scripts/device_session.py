@@ -86,6 +86,9 @@ STUDY = "perturb:"  # a plan item that is a perturbation study (bench/flickr8k.p
 STUDY_JOBS = 7  # a study's trainings (original, shuffle, five parts of speech), side by side on the GPU
 CHUNK = ".chunk"  # NAME.chunkK-of-N: the K-th piece of a file too large for one call
 TICK = 5  # seconds between a driver's looks at its items (one that ended frees its slot at the next look)
+# seconds a trainer may take, once its item's process group was sent SIGTERM, to save where it is and end (the
+# step in progress and a save: itmatch.engine.stop); after them its group is killed
+SAVE_SECONDS = 60
 
 
 def piece_name(name: str, k: int, total: int) -> str:
@@ -448,6 +451,7 @@ def run_rows(args: argparse.Namespace) -> int:
     logs, work = DEVICE_ROOT / "logs", DEVICE_ROOT / "itmatch"
     extract_once(logs, work, dry_run="--dry-run" in plan["bench"])
     parallel, waiting, running = plan["parallel"], list(plan["rows"]), {}  # running: item -> (process, trainings)
+    ended: dict[str, float] = {}  # an item whose bench has ended -> when it was seen ended
     while waiting or running:
         while waiting:
             arguments, trainings = bench_item(waiting[0], parallel)
@@ -461,7 +465,14 @@ def run_rows(args: argparse.Namespace) -> int:
         time.sleep(TICK)
         for item, (proc, _) in list(running.items()):
             if proc.poll() is not None:
-                _signal_group(proc.pid)  # (a trainer whose bench died would train on unseen, into the same run)
+                if item not in ended:
+                    ended[item] = time.time()
+                    if not _stop_file(logs, item).exists():  # (a stop signalled the group: a second SIGTERM would
+                        # end a trainer's save at once)
+                        _signal_group(proc.pid)  # (a trainer whose bench died would train on unseen, into the run)
+                if not _group_ended(proc.pid, ended[item]):
+                    continue  # its trainer saving where it stopped: the slot and the run are its until it ends
+                del ended[item]
                 asked = _take_stop(logs, item)  # (taken either way: a later copy of the item must not see it)
                 ending = "stopped" if asked and proc.returncode != 0 else f"exit {proc.returncode}"
                 _log_ending(item, ending, plan["started"])
@@ -667,9 +678,20 @@ def _take_stop(logs: Path, item: str) -> bool:
     return True
 
 
-def _signal_group(pgid: int) -> None:
+def _signal_group(pgid: int, sig: int = signal.SIGTERM) -> None:
     with contextlib.suppress(ProcessLookupError):  # (it ended meanwhile)
-        os.killpg(pgid, signal.SIGTERM)
+        os.killpg(pgid, sig)
+
+
+def _group_ended(pgid: int, signalled: float) -> bool:
+    """Whether process group `pgid`, sent SIGTERM at `signalled`, has ended; one still there SAVE_SECONDS after is
+    killed (SIGKILL: its trainer's last complete checkpoint stays, itmatch's saves being atomic)."""
+    if not group_alive(pgid):
+        return True
+    if time.time() - signalled < SAVE_SECONDS:
+        return False
+    _signal_group(pgid, signal.SIGKILL)
+    return not group_alive(pgid)
 
 
 def stop(args: argparse.Namespace) -> int:
@@ -680,12 +702,13 @@ def stop(args: argparse.Namespace) -> int:
     states = dict(item_states(logs, plan)) if plan else {}  # (an item's latest copy)
     items = list(dict.fromkeys(args.items))
     refused = [item for item in items if not stop_item(logs, item, states.get(item))]
-    # back once the drivers have logged the ends (at their next look, within TICK), so that `stop X && start --row X`
-    # in one call finds X ended and starts it again
-    deadline = time.time() + 3 * TICK
+    # back once the drivers have logged the ends (at their next look once the trainings have saved and ended), so that
+    # `stop X && start --row X` in one call finds X ended and starts it again
+    wait = 3 * TICK + SAVE_SECONDS
+    deadline = time.time() + wait
     while left := [item for item, state in item_states(logs, plan) if item in items and pending(state)]:
         if time.time() > deadline:  # (a refused item is not pending: it is never waited for)
-            print(f"not yet ended after {3 * TICK} s (poll says when): {', '.join(left)}")
+            print(f"not yet ended after {wait} s (poll says when): {', '.join(left)}")
             break
         time.sleep(0.2)
     return 1 if refused else 0
@@ -707,7 +730,8 @@ def stop_item(logs: Path, item: str, state: str | None) -> bool:
         return True
     pgid = _read_pids(logs, item)["pgid"]
     _signal_group(pgid)
-    after = (f"its driver logs `{item}: stopped` within {TICK} s and frees its slot" if state == RUNNING
+    after = (f"its driver logs `{item}: stopped` and frees its slot once its trainings have saved where they were "
+             f"and ended (within {TICK} s of that)" if state == RUNNING
              else "its driver is gone: poll reports it lost")
     print(f"{item}: SIGTERM sent to process group {pgid} (its bench and trainings); {after}")
     return True

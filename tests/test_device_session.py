@@ -640,14 +640,26 @@ def test_the_working_copy_has_the_checkouts_results_when_a_bundle_of_runs_came_f
 
 
 # bench/flickr8k.py --row ROW as it runs a row: the training in a child process (`python -m itmatch train`)
-FAKE_BENCH = """
-import subprocess, sys
+# a trainer as itmatch's answers SIGTERM (itmatch.engine.stop): it saves where it is (ROW.saved) and ends; a second
+# SIGTERM ends it at once, unsaved. A row named *_stuck never ends on SIGTERM
+FAKE_TRAINER = """
+import os, signal, sys, time
 from pathlib import Path
-row = sys.argv[sys.argv.index("--row") + 1]
-trainer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-Path(row + ".partial").write_text(str(trainer.pid))
+row = sys.argv[1]
+def stop(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(0.3)
+    Path(row + ".saved").write_text("")
+    sys.exit(128 + signum)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if row.endswith("_stuck") else stop)
+Path(row + ".partial").write_text(str(os.getpid()))  # (once it answers SIGTERM)
 Path(row + ".partial").replace(row + ".trainer")  # (whole when the test reads it)
-trainer.wait()
+time.sleep(60)
+"""
+FAKE_BENCH = f"""
+import subprocess, sys
+row = sys.argv[sys.argv.index("--row") + 1]
+subprocess.Popen([sys.executable, "-c", {FAKE_TRAINER!r}, row]).wait()
 """
 # a driver as `start` runs one (its own process, output into driver.log), looking at its items every 0.05 s
 FAST_DRIVER = """
@@ -656,8 +668,43 @@ spec = importlib.util.spec_from_file_location("device_session", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
 module.TICK = 0.05
+module.SAVE_SECONDS = 1
 sys.exit(module.main(["_run", sys.argv[2]]))
 """
+
+
+def start_fake_driver(session, rows: list[str], parallel: int) -> tuple[subprocess.Popen, dict]:
+    """A driver of `rows` (FAKE_BENCH's), as `start` runs one; returns it and the plan `item_states` reads."""
+    work, logs = session.DEVICE_ROOT / "itmatch", session.DEVICE_ROOT / "logs"
+    (work / "bench").mkdir(parents=True)
+    (work / "bench" / "flickr8k.py").write_text(FAKE_BENCH)
+    logs.mkdir()
+    started = time.time()  # (--dry-run: the extraction is only written down)
+    argument = json.dumps({"rows": rows, "parallel": parallel, "bench": ["--dry-run"], "started": started})
+    with (logs / "driver.log").open("ab") as log:
+        driver = subprocess.Popen([session.sys.executable, "-c", FAST_DRIVER, str(ROOT / "scripts/device_session.py"),
+                                   argument], cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                  env={**os.environ, "DEVICE_ROOT": str(session.DEVICE_ROOT)})
+    plan = {"started": started, "drivers": [{"pid": driver.pid, "rows": rows}]}
+    (logs / "plan.json").write_text(json.dumps(plan))
+    return driver, plan
+
+
+def end_fake_driver(session, driver: subprocess.Popen, rows: list[str]) -> None:
+    """(a failed test leaves no process behind)"""
+    logs = session.DEVICE_ROOT / "logs"
+    for row in rows:
+        if (logs / f"{row}.pid").exists():
+            session._signal_group(json.loads((logs / f"{row}.pid").read_text())["pgid"], signal.SIGKILL)
+    if driver.poll() is None:
+        driver.kill()
+        driver.wait()
+
+
+def trainer_pid(session, row: str) -> int | None:
+    """The pid of FAKE_BENCH's trainer of `row`, once it answers SIGTERM."""
+    path = session.DEVICE_ROOT / "itmatch" / f"{row}.trainer"
+    return int(path.read_text()) if path.exists() else None
 
 
 def wait_for(condition, seconds: float = 10) -> None:
@@ -672,33 +719,25 @@ def test_stop_ends_one_rows_bench_and_trainer_and_its_slot_goes_to_the_next_item
     on the GPU), not `save_asa_ms3`, whose name it begins; `stop` of a waiting item keeps it from starting; the
     driver logs each as stopped and starts the next item in the freed slot."""
     work, logs = session.DEVICE_ROOT / "itmatch", session.DEVICE_ROOT / "logs"
-    (work / "bench").mkdir(parents=True)
-    (work / "bench" / "flickr8k.py").write_text(FAKE_BENCH)
-    logs.mkdir()
     rows = ["save_asa", "save_asa_ms3", "ensemble_a+b", "vsepp"]
-    started = time.time()  # (--dry-run: the extraction is only written down)
-    argument = json.dumps({"rows": rows, "parallel": 2, "bench": ["--dry-run"], "started": started})
-    with (logs / "driver.log").open("ab") as log:
-        driver = subprocess.Popen([session.sys.executable, "-c", FAST_DRIVER, str(ROOT / "scripts/device_session.py"),
-                                   argument], cwd=work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, "DEVICE_ROOT": str(session.DEVICE_ROOT)})
-    plan = {"started": started, "drivers": [{"pid": driver.pid, "rows": rows}]}
-    (logs / "plan.json").write_text(json.dumps(plan))
+    driver, plan = start_fake_driver(session, rows, parallel=2)
     trainer = {}
 
     def trainer_of(row):
-        trainer[row] = int((work / f"{row}.trainer").read_text()) if (work / f"{row}.trainer").exists() else None
+        trainer[row] = trainer_pid(session, row)
         return trainer[row]
 
     try:
         wait_for(lambda: trainer_of("save_asa") and trainer_of("save_asa_ms3"))
         bench = json.loads((logs / "save_asa.pid").read_text())["pgid"]
         assert session.main(["stop", "ensemble_a+b", "save_asa"]) == 0
-        # back once the driver logged both: `stop X && start --row X` in one call finds X ended
+        # back once the driver logged both, which it does once the trainer has saved and ended (never signalled twice,
+        # which would end the save): `stop X && start --row X` in one call finds X ended, its run whole
         assert {i: st for i, st in session.item_states(logs, plan) if i in ("save_asa", "ensemble_a+b")} == {
             "save_asa": "stopped", "ensemble_a+b": "stopped"}
+        assert (work / "save_asa.saved").exists() and not session.alive(trainer["save_asa"])
         wait_for(lambda: trainer_of("vsepp"))  # the slot save_asa freed
-        assert not session.alive(bench) and not session.alive(trainer["save_asa"])
+        assert not session.alive(bench)
         assert session.alive(trainer["save_asa_ms3"])
         assert not (work / "ensemble_a+b.trainer").exists() and not (logs / "ensemble_a+b.pid").exists()
         states = dict(session.item_states(logs, plan))
@@ -709,19 +748,37 @@ def test_stop_ends_one_rows_bench_and_trainer_and_its_slot_goes_to_the_next_item
         # a bench that dies alone (a stray kill, a crash): its driver ends the trainer it leaves, which would train
         # on unseen into the run directory a restarted row trains into
         os.kill(json.loads((logs / "save_asa_ms3.pid").read_text())["pgid"], signal.SIGTERM)
-        wait_for(lambda: not session.alive(trainer["save_asa_ms3"]))
-        assert dict(session.item_states(logs, plan))["save_asa_ms3"] == "exit -15"
+        wait_for(lambda: dict(session.item_states(logs, plan))["save_asa_ms3"] == "exit -15")
+        assert (work / "save_asa_ms3.saved").exists() and not session.alive(trainer["save_asa_ms3"])
         assert session.main(["stop", "vsepp"]) == 0
         assert driver.wait(10) == 0
         assert session._all_done(logs, plan) and not session.alive(trainer["vsepp"])
         assert not list(logs.glob("*.stop"))  # each stop request taken up by the driver
     finally:
-        for row in rows:  # (a failed test leaves no process behind)
-            if (logs / f"{row}.pid").exists():
-                session._signal_group(json.loads((logs / f"{row}.pid").read_text())["pgid"])
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
+        end_fake_driver(session, driver, rows)
+
+
+def test_a_trainer_that_does_not_end_on_sigterm_is_killed_once_its_time_to_save_is_over(session):
+    """A training that neither saves nor ends on `stop` (a stuck one) keeps its slot and its run directory for
+    SAVE_SECONDS (1 in this driver), not for ever: then its group is killed, it is logged stopped, and the next
+    item starts."""
+    rows = ["vsepp_stuck", "oan"]
+    driver, plan = start_fake_driver(session, rows, parallel=1)
+    try:
+        wait_for(lambda: trainer_pid(session, "vsepp_stuck"))
+        stuck = trainer_pid(session, "vsepp_stuck")
+        asked = time.monotonic()
+        assert session.main(["stop", "vsepp_stuck"]) == 0
+        assert time.monotonic() - asked >= 1  # (it had its time to save)
+        assert dict(session.item_states(session.DEVICE_ROOT / "logs", plan))["vsepp_stuck"] == "stopped"
+        assert not session.alive(stuck)
+        wait_for(lambda: trainer_pid(session, "oan"))  # the slot it freed
+        assert session.main(["stop", "oan"]) == 0
+        assert driver.wait(10) == 0
+        assert (session.DEVICE_ROOT / "itmatch" / "oan.saved").exists()
+        assert not (session.DEVICE_ROOT / "itmatch" / "vsepp_stuck.saved").exists()
+    finally:
+        end_fake_driver(session, driver, rows)
 
 
 def test_an_item_runs_once_at_a_time(session, checkout, monkeypatch, capsys):
