@@ -724,6 +724,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                                  epoch_cpu_seconds=time.process_time() - started_cpu)
                     save_last()
                 if stop.requested:  # (a run saved at its epoch's last batch validates that epoch when resumed)
+                    bar.close()  # (the CLI's last line comes after the bar, not inside it)
                     raise stopped(f"at epoch {epoch + 1}, batch {b + 1} of {n_batches} (step {state['step']})")
             bar.close()
             train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
