@@ -900,8 +900,8 @@ def _how_to_continue(args: argparse.Namespace, saved: bool = False) -> str:
     if args.verb == "train":
         if getattr(args, "resume", False):
             return f"; the same command continues from {'there' if saved else 'its last save'}"
-        kept = "" if saved else "; its last saved checkpoint is kept:"
-        return f"{kept or ';'} the same command with --resume continues from there"
+        again = "the same command with --resume continues from there"
+        return f"; {again}" if saved else f"; its last saved checkpoint is kept: {again}"
     if args.verb in ("extract", "index", "demo") or getattr(args, "analysis", None) == "perturb":
         return "; the same command continues where it stopped"
     if args.verb == "evaluate" and args.resume_dir:

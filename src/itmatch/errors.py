@@ -49,7 +49,7 @@ class TrainingStopped(Exception):
 
     def __init__(self, message: str, signum: int, resume: str = "") -> None:
         self.message, self.signum, self.resume = message, signum, resume
-        super().__init__(message, signum, resume)  # (all in args: it pickles back from a study's worker process)
+        super().__init__(message, signum, resume)  # (all in args: it pickles, as an exception must)
 
     def __str__(self) -> str:
         return f"{self.message}: `{self.resume}` continues from there" if self.resume else self.message

@@ -71,8 +71,8 @@ def stop_on_signal(enabled: bool = True, announce: bool = True) -> Iterator[Stop
         if request.signal is None:
             request.signal = signum
             if announce:
-                print(f"\nitmatch train: {signal.Signals(signum).name}: saving where it is, then stopping (send it "
-                      "again to stop at once, without saving)", file=sys.stderr, flush=True)
+                print(f"\nitmatch: {signal.Signals(signum).name}: the training saves where it is, then stops (send "
+                      "it again to stop at once, without saving)", file=sys.stderr, flush=True)
             if request._interruptible:
                 raise StopNow
             return

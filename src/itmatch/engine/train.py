@@ -658,6 +658,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                    **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}
         save_checkpoint(last, model, cfg, vocab, optimizer, state, trainer=trainer)
 
+    def save_within_epoch(batch: int, running_loss: float, seconds: float, cpu_seconds: float) -> None:
+        """last/ at `batch` of the epoch in progress (a periodic save, or a stop's): --resume goes on from there."""
+        state.update(batch=batch, running_loss=running_loss, epoch_seconds=seconds, epoch_cpu_seconds=cpu_seconds)
+        save_last()
+
     def stopped(where: str) -> TrainingStopped:
         return TrainingStopped(f"stopped by {stop.name} {where}; saved to {last}", int(stop.signal or 0),
                                resume=f"itmatch train --out {run_dir} --resume")
@@ -720,9 +725,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                     log.flush()
                 every = cfg.train.checkpoint_every
                 if (every > 0 and (b + 1) % every == 0 and b + 1 < n_batches) or stop.requested:
-                    state.update(batch=b + 1, running_loss=running, epoch_seconds=time.perf_counter() - started,
-                                 epoch_cpu_seconds=time.process_time() - started_cpu)
-                    save_last()
+                    save_within_epoch(b + 1, running, time.perf_counter() - started, time.process_time() - started_cpu)
                 if stop.requested:  # (a run saved at its epoch's last batch validates that epoch when resumed)
                     bar.close()  # (the CLI's last line comes after the bar, not inside it)
                     raise stopped(f"at epoch {epoch + 1}, batch {b + 1} of {n_batches} (step {state['step']})")
@@ -735,9 +738,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                     result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank,
                                              prune=cfg.train.val_prune, precision=cfg.train.precision)
             except StopNow:
-                state.update(batch=n_batches, running_loss=running, epoch_seconds=train_seconds,
-                             epoch_cpu_seconds=train_cpu_seconds)
-                save_last()
+                save_within_epoch(n_batches, running, train_seconds, train_cpu_seconds)
                 raise stopped(f"at epoch {epoch + 1}, in its validation") from None
             record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
                       "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
