@@ -218,6 +218,10 @@ class TrainConfig:
     # that fine-tune a CNN do (VSE++, SAVE's end-to-end setting; docs/training.md)
     finetune_backbone: bool = False
     backbone_lr_scale: float = option(0.1, min=0)
+    # region dropout (VSE∞'s size augmentation, Chen et al. 2021: 0.2): each training step drops each cached region
+    # of each image with this probability (one always kept) by masking it; evaluation sees every region. For
+    # encoders that honour the region mask (not SAVE's or SMAN's grid readers); docs/training.md
+    region_dropout: float = option(0.0, min=0, max=0.9)
     # torchrun runs (docs/distributed.md): process-group backend (auto: nccl for GPU tensors, gloo for CPU ones) and
     # whether the loss sees the negatives of the whole global batch (embeddings all-gathered) or only the
     # rank's own share of it

@@ -36,6 +36,7 @@ from itmatch.data.datasets import (
 from itmatch.data.precomp import META_NAME, PrecompSplit
 from itmatch.data.vocab import AnyVocab
 from itmatch.device import Placement, machine_name, resolve
+from itmatch.engine.augment import check_region_dropout, training_region_mask
 from itmatch.engine.checkpoint import (
     MANIFEST,
     config_for_checkpoint,
@@ -254,7 +255,7 @@ def batch_loss(model: Matcher, batch: PairBatch, cfg: Config, hardest: bool) -> 
     (W times this rank's share of the single-process gradient), and DDP's average over the W ranks then
     gives exactly the single-process gradient. Without it, each rank's loss sees its own share only and
     the averaged gradient is that of the mean of the per-rank losses (docs/distributed.md)."""
-    img = model.encode_images(batch.images)
+    img = model.encode_images(batch.images, training_region_mask(model, batch.images, cfg))
     txt = model.encode_texts(batch.text.tokens, batch.text.lengths)
     index = batch.image_index
     gather = cfg.train.gather_negatives and dist.is_distributed()
@@ -536,6 +537,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         cfg, vocab, model, state = ckpt.config, ckpt.vocab, ckpt.model, {**state, **ckpt.state}
         adopt_newer_best(state, read_state(run_dir / "best"))
         changed = apply_resume_overrides(cfg, resume_overrides or {})
+        check_region_dropout(cfg, model)  # (train.region_dropout may be set on --resume)
         reordering = [key for key in BATCH_ORDER_KEYS if key in changed]
         if reordering and state["batch"]:
             # the epoch's batch list is rebuilt with the new setting and its first `batch` entries skipped as
@@ -571,6 +573,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         read_pixels_for_finetuning(cfg)
         train_split, val_split, vocab = prepare_data(cfg, init.vocab if init else None)
         model = build_model(cfg.model)
+        check_region_dropout(cfg, model)
         if cfg.train.val_prune and (cfg.train.val_rerank or model.head.score_bound is None):
             raise ConfigError("train.val_prune needs a head with a score bound (MMCA) and no train.val_rerank",
                               hint="drop train.val_prune, or train.val_rerank")

@@ -28,6 +28,7 @@ class RegionEncoder(nn.Module):
         self.fc = nn.Linear(img_dim, embed_size)
         self.activation = ACTIVATIONS[activation]()
         self.norm, self.pools = norm, pool
+        self.reads_region_mask = True  # a masked region is one that is not there (train.region_dropout)
         # Xavier-uniform weights, zero bias: the public SCAN code's init.
         r = math.sqrt(6.0) / math.sqrt(img_dim + embed_size)
         nn.init.uniform_(self.fc.weight, -r, r)

@@ -33,6 +33,7 @@ class MMCAImageEncoder(nn.Module):
         nn.init.zeros_(self.fc.bias)
         self.unit = transformer_unit(embed_size, heads, ffn_dim, dropout)
         self.pools = True  # has a pair-independent vector (i0)
+        self.reads_region_mask = True  # masked regions: keys the attention skips, left out of the mean
 
     def forward(self, feats: torch.Tensor, mask: torch.Tensor) -> ImageEmb:
         regions = self.fc(feats)

@@ -215,6 +215,7 @@ class SaveImageEncoder(nn.Module):
         super().__init__()
         self.fusion, self.backbone = fusion, backbone
         self.project = RegionEncoder(fusion.out_dim, embed_size, norm=norm)
+        self.reads_region_mask = False  # the self-attention reads the whole grid (train.region_dropout refused)
 
     def maps(self, feats: torch.Tensor | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if isinstance(feats, Mapping):

@@ -24,6 +24,9 @@ class SMANImageEncoder(nn.Module):
         super().__init__()
         self.regions, self.divide_by_m = regions, divide_by_m
         self.pools = True  # has a pair-independent vector (a first-stage score d(0) + d(1))
+        # the spatial GRU (Eq. 3) reads every cell in grid order, masked or not: a masked cell is not one that is
+        # not there, so train.region_dropout is refused
+        self.reads_region_mask = False
         self.drop = nn.Dropout(dropout)
         self.p0 = nn.Linear(img_dim, embed_size)  # P(0), Eq. 2
         self.gru = nn.GRU(img_dim, embed_size, batch_first=True) if spatial else None  # Eq. 3
