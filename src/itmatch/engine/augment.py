@@ -1,5 +1,5 @@
 """Training-time augmentation of cached region features: region dropout, VSE∞'s "size augmentation" (Chen et
-al., "Learning the Best Pooling Strategy for Visual Semantic Embedding", CVPR 2021, section 4.1: each training
+al., "Learning the Best Pooling Strategy for Visual Semantic Embedding", CVPR 2021: each training
 image keeps a random subset of its regions, each dropped with probability 0.2). With frozen features every epoch
 shows a model the same cells of an image; dropping some of them is the cheapest way to show it another view.
 
