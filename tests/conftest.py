@@ -31,6 +31,31 @@ def load_script(relative: str) -> ModuleType:
 
 
 WORDS = ["red", "blue", "green", "circle", "square", "triangle", "big", "small", "left", "right"]
+
+
+def tiny_preset_model(preset: str, regions: int, img_dim: int):
+    """(config, model in eval mode) of `preset` at D = 16 on `regions` cells of `img_dim` features, its weights
+    drawn larger (uniform in [-0.5, 0.5], seed 0) so that scores spread out and a wrong one shows; skipped for a
+    preset that reads stage maps or photos, or that needs a package or weights this machine lacks."""
+    from itmatch.errors import ItmatchError
+    from itmatch.models.registry import build_model, image_inputs, preset_config
+
+    cfg = preset_config(preset)
+    if image_inputs(cfg.model):
+        pytest.skip(f"{preset} reads {image_inputs(cfg.model)} (stage maps or photos), not one region grid; "
+                    "its head (SCAN) is covered by the single-scale presets")
+    vocab_size = 30522 if cfg.model.arch == "mmca" else 40  # MMCA's frozen encoder's WordPiece ids
+    cfg.model.embed_size, cfg.model.word_dim, cfg.model.img_dim, cfg.model.vocab_size = 16, 8, img_dim, vocab_size
+    cfg.model.sman.regions = regions
+    try:
+        model = build_model(cfg.model).eval()
+    except (ImportError, ItmatchError) as exc:
+        pytest.skip(f"{preset}: cannot build a tiny model here ({exc})")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-0.5, 0.5)
+    return cfg, model
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_precomp
+from conftest import make_precomp, tiny_preset_model
 
 from itmatch.engine.augment import check_region_dropout, region_keep_mask, training_region_mask
 from itmatch.engine.checkpoint import load_checkpoint
 from itmatch.engine.train import train
-from itmatch.errors import ConfigError, ItmatchError
-from itmatch.models.registry import PRESETS, build_model, image_inputs, preset_config, resolve_config
+from itmatch.errors import ConfigError
+from itmatch.models.registry import PRESETS, resolve_config
 
 K, IMG_DIM = 6, 12
 # every preset but SAVE's 44, which share one encoder (two of them stand for it)
@@ -34,21 +34,7 @@ def test_each_region_is_dropped_at_the_rate_and_every_image_keeps_one():
 
 
 def tiny_model(preset: str):
-    cfg = preset_config(preset)
-    if image_inputs(cfg.model):
-        pytest.skip(f"{preset} reads {image_inputs(cfg.model)}, not one region grid")
-    vocab_size = 30522 if cfg.model.arch == "mmca" else 40  # MMCA's frozen encoder's WordPiece ids
-    cfg.model.embed_size, cfg.model.word_dim, cfg.model.img_dim, cfg.model.vocab_size = 16, 8, IMG_DIM, vocab_size
-    cfg.model.sman.regions = K
-    try:
-        model = build_model(cfg.model).eval()
-    except (ImportError, ItmatchError) as exc:  # a head needing an optional package or weights
-        pytest.skip(f"{preset}: cannot build a tiny model here ({exc})")
-    torch.manual_seed(0)
-    with torch.no_grad():  # larger random weights: scores spread out, so a region that leaks through shows
-        for p in model.parameters():
-            p.uniform_(-0.5, 0.5)
-    return cfg, model
+    return tiny_preset_model(preset, K, IMG_DIM)
 
 
 @pytest.mark.parametrize("preset", PRESETS_TO_CHECK)

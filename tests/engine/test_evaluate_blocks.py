@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_preset_model
 
 from itmatch import inference
 from itmatch.data.vocab import Vocab
@@ -21,10 +22,10 @@ from itmatch.engine.evaluate import (
     score_pairs,
     unbucket_texts,
 )
-from itmatch.errors import ConfigError, DataError, ItmatchError
+from itmatch.errors import ConfigError, DataError
 from itmatch.inference import GPU_BLOCK_CELLS, MAX_BLOCK_CELLS, default_block_cells
 from itmatch.models.base import ImageEmb
-from itmatch.models.registry import PRESETS, build_model, image_inputs, preset_config
+from itmatch.models.registry import PRESETS
 
 WORDS = ["a", "the", "dog", "cat", "runs", "sits", "on", "grass", "red", "ball", "man",
          "woman", "with", "near", "water"]
@@ -32,23 +33,7 @@ N_IMG, K, IMG_DIM = 11, 4, 12  # 4 regions: also a 2x2 grid (SAVE, SMAN)
 
 
 def tiny_model(preset: str):
-    cfg = preset_config(preset)
-    if image_inputs(cfg.model):
-        pytest.skip(f"{preset} reads {image_inputs(cfg.model)} (stage maps or photos), not one region grid; "
-                    "its head (SCAN) is covered by the single-scale presets")
-    # MMCA's frozen encoder has 30522 WordPiece ids (the test's word ids are a subset)
-    vocab_size = 30522 if cfg.model.arch == "mmca" else 40
-    cfg.model.embed_size, cfg.model.word_dim, cfg.model.img_dim, cfg.model.vocab_size = 16, 8, IMG_DIM, vocab_size
-    cfg.model.sman.regions = K
-    try:
-        model = build_model(cfg.model).eval()
-    except (ImportError, ItmatchError) as exc:  # a head needing an optional package or weights
-        pytest.skip(f"{preset}: cannot build a tiny model here ({exc})")
-    torch.manual_seed(0)
-    with torch.no_grad():  # larger random weights: scores spread out, so a wrong block shows
-        for p in model.parameters():
-            p.uniform_(-0.5, 0.5)
-    return model
+    return tiny_preset_model(preset, K, IMG_DIM)[1]
 
 
 @pytest.fixture(scope="module")
