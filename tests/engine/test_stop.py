@@ -122,7 +122,17 @@ def test_a_stop_in_a_validation_cuts_it_short_and_the_resumed_run_validates_that
     assert _same_weights(_weights(run), _weights(ref_run))
 
 
-def test_the_first_signal_asks_the_second_acts_and_the_handlers_are_put_back(sigterm_fails_the_test):
+@pytest.fixture
+def sigint_as_python_sets_it():
+    """SIGINT raising KeyboardInterrupt, as Python sets it at start unless SIGINT is ignored then (a background
+    job of a shell: CI started with `&` runs this suite so)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_the_first_signal_asks_the_second_acts_and_the_handlers_are_put_back(sigterm_fails_the_test,
+                                                                             sigint_as_python_sets_it):
     before = signal.getsignal(signal.SIGINT)
     with stop_on_signal(announce=False) as stop:
         assert not stop.requested
@@ -144,6 +154,21 @@ def test_the_first_signal_asks_the_second_acts_and_the_handlers_are_put_back(sig
     with stop_on_signal(enabled=False) as stop, pytest.raises(KeyboardInterrupt):  # (torchrun: as before)
         os.kill(os.getpid(), signal.SIGINT)
     assert not stop.requested
+
+
+def test_a_signal_ignored_before_stays_ignored(sigterm_fails_the_test):
+    """A background job's SIGINT (ignored by its shell) neither stops the training nor raises."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stop_on_signal(announce=False) as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            assert not stop.requested
+            os.kill(os.getpid(), signal.SIGTERM)  # (SIGTERM is still caught)
+            assert stop.requested and stop.name == "SIGTERM"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.slow

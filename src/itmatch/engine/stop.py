@@ -60,7 +60,9 @@ def stop_on_signal(enabled: bool = True, announce: bool = True) -> Iterator[Stop
     """Catch SIGINT and SIGTERM while the block runs (the handlers are put back after it). Off where a signal
     handler cannot be set (not the main thread) or when not `enabled` (under torchrun, where every rank would have
     to agree on the step to stop at): the request then never comes and the signals act as they always did.
-    `announce`: say on stderr, at the first signal, what happens now."""
+    `announce`: say on stderr, at the first signal, what happens now. A signal ignored when the block begins stays
+    ignored: a shell starts a background job (`itmatch train ... &`) with SIGINT ignored so that a Ctrl-C meant for
+    the foreground leaves it alone, and Python itself keeps such a SIGINT ignored."""
     request = StopRequest()
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield request
@@ -83,7 +85,8 @@ def stop_on_signal(enabled: bool = True, announce: bool = True) -> Iterator[Stop
         os.kill(os.getpid(), signum)
 
     for sig in STOP_SIGNALS:
-        signal.signal(sig, handler)
+        if previous[sig] is not signal.SIG_IGN:
+            signal.signal(sig, handler)
     try:
         yield request
     finally:
