@@ -44,7 +44,7 @@ def test_a_masked_region_is_a_region_that_is_not_there(preset):
     cfg, model = tiny_model(preset)
     cfg.train.region_dropout = 0.5
     if not getattr(model.image_encoder, "reads_region_mask", False):
-        with pytest.raises(ConfigError, match="ignores the region mask") as err:
+        with pytest.raises(ConfigError, match="masked or not, so a dropped region would still be seen") as err:
             check_region_dropout(cfg, model)
         assert err.value.hint == "set train.region_dropout=0 for this model"
         return
@@ -110,12 +110,12 @@ def test_region_dropout_is_refused_before_any_work(data, tmp_path):
         cfg.model.sman.regions = 6
         return cfg
 
-    with pytest.raises(ConfigError, match="SMANImageEncoder.*ignores the region mask"):
+    with pytest.raises(ConfigError, match="SMANImageEncoder.*masked or not, so a dropped region would still be seen"):
         train(sman(region_dropout=0.2), tmp_path / "new", progress=False)
     assert not (tmp_path / "new").exists()
     train(sman(), tmp_path / "sman", progress=False)
     before = weights(tmp_path / "sman")
-    with pytest.raises(ConfigError, match="ignores the region mask"):
+    with pytest.raises(ConfigError, match="masked or not, so a dropped region would still be seen"):
         train(sman(), tmp_path / "sman", resume=True, progress=False,
               resume_overrides={"train": {"epochs": 2, "region_dropout": 0.2}})
     after = weights(tmp_path / "sman")

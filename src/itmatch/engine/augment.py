@@ -52,5 +52,5 @@ def check_region_dropout(cfg: Config, model: Matcher) -> None:
     if not getattr(model.image_encoder, "reads_region_mask", False):
         encoder = type(model.image_encoder).__name__
         raise ConfigError(f"train.region_dropout: the {cfg.model.arch} image encoder ({encoder}) reads every cell "
-                          "of the grid and ignores the region mask, so nothing would be dropped",
+                          "of the grid, masked or not, so a dropped region would still be seen",
                           hint="set train.region_dropout=0 for this model")
