@@ -31,6 +31,7 @@ def load_script(relative: str) -> ModuleType:
 
 
 WORDS = ["red", "blue", "green", "circle", "square", "triangle", "big", "small", "left", "right"]
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def tiny_preset_model(preset: str, regions: int, img_dim: int):
@@ -56,7 +57,6 @@ def tiny_preset_model(preset: str, regions: int, img_dim: int):
         for p in model.parameters():
             p.uniform_(-0.5, 0.5)
     return cfg, model
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def make_precomp(root: Path, sizes=(("train", 240), ("dev", 40), ("test", 40)), k: int = 6, dim: int = 32,

@@ -15,7 +15,7 @@ import torch
 
 from itmatch.config import Config
 from itmatch.errors import ConfigError
-from itmatch.models.base import Matcher
+from itmatch.models.base import ImageInput, Matcher
 
 
 def region_keep_mask(feats: torch.Tensor, p: float) -> torch.Tensor:
@@ -30,7 +30,7 @@ def region_keep_mask(feats: torch.Tensor, p: float) -> torch.Tensor:
     return keep
 
 
-def training_region_mask(model: Matcher, images: object, cfg: Config) -> torch.Tensor | None:
+def training_region_mask(model: Matcher, images: ImageInput, cfg: Config) -> torch.Tensor | None:
     """The region mask of a training batch's images: None (all regions real) unless train.region_dropout is
     set, the model is training and the images are cached region features [N, k, C] (check_region_dropout has
     refused every other input when the run started)."""
