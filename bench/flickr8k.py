@@ -190,6 +190,8 @@ GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse
                  "scan_ensemble_t2i_avg+i2t_lse_seed1": ["scan_t2i_avg_seed1", "scan_i2t_lse_seed1"],
                  # the best single model's two seeds averaged (safe pruning holds for an ensemble too)
                  "mmca_alpha0_lite2_ensemble_seed0+seed1": ["mmca_alpha0_lite2", "mmca_alpha0_lite2_seed1"],
+                 "mmca_alpha0_lite2_decay4_ensemble_seed0+seed1": ["mmca_alpha0_lite2_decay4",
+                                                                   "mmca_alpha0_lite2_decay4_seed1"],
                  # across families: MMCA alpha = 0 (MiniLM text encoder; Lite2 cells) with VSE++ (GRU; Lite0 cells,
                  # each member reads its own features), seeds paired; Lite0's MMCA beside it (the backbone's share)
                  "ensemble_mmca_alpha0_lite2+vsepp": ["mmca_alpha0_lite2", "vsepp"],
@@ -310,7 +312,8 @@ GPU_ROW_DATA = {**{row: DATA_MS for row in ("save_asa_ms2", "save_asa_ms3", "sav
                 **{row: DATA_LITE2 for row in ("scan_i2t_lse_lite2", "scan_i2t_lse_lite2_ft", "mmca_alpha0_lite2",
                                               "mmca_alpha0_lite2_seed1", "mmca_alpha0_lite2_ensemble_seed0+seed1",
                                               "mmca_alpha0_lite2_regdrop", "mmca_alpha0_lite2_decay4",
-                                              "mmca_alpha0_lite2_decay4_seed1")}}
+                                              "mmca_alpha0_lite2_decay4_seed1",
+                                              "mmca_alpha0_lite2_decay4_ensemble_seed0+seed1")}}
 GPU = Profile("gpu", GPU_SCHEDULE, GPU_SCHEDULES, GPU_OVERRIDES, GPU_CONTROLS, GPU_ENSEMBLES,
               GPU_SINGLE + list(GPU_CONTROLS) + list(GPU_ENSEMBLES), GPU_RUNS, "docs/results/flickr8k_gpu.csv",
               "docs/results/training/flickr8k_gpu.csv", 100, prerequisites=GPU_PREREQUISITES, row_data=GPU_ROW_DATA,
