@@ -69,8 +69,9 @@ def _list_pretrained() -> int:
     models = shipped()
     if not models:
         print("no pretrained model is shipped yet; load a checkpoint directory instead, e.g. itmatch.load('RUN/best')")
+    width = max((len(name) for name in models), default=0)  # (one column however long the longest name)
     for model in models.values():
-        print(model.describe())
+        print(model.describe(name_width=width))
     return 0
 
 

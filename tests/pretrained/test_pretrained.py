@@ -128,6 +128,10 @@ def test_the_package_ships_the_converged_models_listed_by_name(capsys):
     assert itmatch_main(["models", "--pretrained"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in SHIPPED)
+    # one column each, however long the longest name (the preset column starts where every name has ended)
+    lines = listed.splitlines()
+    starts = {len(line) - len(line[len(name):].lstrip()) for line, name in zip(lines, SHIPPED, strict=True)}
+    assert len(starts) == 1 and min(starts) == max(map(len, SHIPPED)) + 1, listed
 
 
 @pytest.mark.parametrize("name", SHIPPED)

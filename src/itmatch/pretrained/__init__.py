@@ -34,13 +34,14 @@ class Pretrained:
     path: Path
     card: dict[str, Any]
 
-    def describe(self) -> str:
+    def describe(self, name_width: int = 28) -> str:
+        """One line of `itmatch models --pretrained`: name (padded to `name_width`), preset, size, results row."""
         row = self.card.get("results") or {}
         # (the results row it is: docs/results/flickr8k_gpu.csv, the command that trained it in its card)
         score = (f"rsum {row['rsum']} ({row.get('protocol', '')} {row.get('dataset', '')}, row {row.get('name', '?')})"
                  if "rsum" in row else "")
         size = sum(f.stat().st_size for f in self.path.iterdir())  # (all its files, as the size limit counts)
-        return f"{self.name:<28} {self.card.get('preset', ''):<16} {size / 1e6:5.1f} MB  {score}"
+        return f"{self.name:<{name_width}} {self.card.get('preset', ''):<16} {size / 1e6:5.1f} MB  {score}"
 
 
 def shipped(root: Path | None = None) -> dict[str, Pretrained]:
