@@ -288,8 +288,8 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # VSE∞'s size augmentation (each cell dropped with p = 0.2 at every step, docs/training.md) shows it another
     # view of each image every epoch; the same schedule otherwise
     "mmca_alpha0_lite2_regdrop": ("mmca_alpha0", ["train.region_dropout=0.2"]),
-    # the same model with the schedule's lr decay moved to where its dev rsum peaked (epoch 4 in both seeds' paper
-    # schedule, which decays after epoch 10 when it has declined 16-20 rsum from the peak); 4 epochs after the decay
+    # the same model with the schedule's lr decay moved to where its dev rsum peaked (epochs 4 and 5 of the two seeds
+    # in the paper schedule, which decays after epoch 10, 15-16 dev rsum below the peak); 4 epochs after the decay
     **{f"mmca_alpha0_lite2_decay4{seed}": ("mmca_alpha0", [*sets, "train.lr_update=4", "train.epochs=8"])
        for seed, sets in (("", []), ("_seed1", ["train.seed=1"]))},
     "scan_i2t_lse_lite2_ft": ("scan_i2t_lse", [*continue_from("scan_i2t_lse_lite2", "scan_i2t_lse"), *FINETUNE,
