@@ -390,9 +390,10 @@ def _cmd_index(args: argparse.Namespace) -> int:
     if not summary["images"]:
         from itmatch.features.pipeline import IMAGE_SUFFIXES
 
-        print(f"note: no image found under {public_id(str(Path(args.images).resolve()))} (recursively; files ending "
-              f"in {', '.join(sorted(IMAGE_SUFFIXES))}; hidden ones left out): searches of this index find nothing",
-              file=sys.stderr)
+        # (a folder of links to photos elsewhere was warned about above; "no image found" read as if there were none)
+        print(f"note: no image indexed under {public_id(str(Path(args.images).resolve()))} (recursively; files ending "
+              f"in {', '.join(sorted(IMAGE_SUFFIXES))}; hidden ones and links to files outside the folder left out): "
+              "searches of this index find nothing", file=sys.stderr)
     return 0
 
 

@@ -467,7 +467,25 @@ def test_indexing_a_folder_without_images_says_so(tiny_search_setup, tmp_path, c
     (empty / "notes.txt").write_text("not a photo")
     assert main(["index", str(empty), "--model", str(tiny_search_setup["checkpoint"]), "--out", str(tmp_path / "i"),
                  "--quiet"]) == 0
-    assert f"note: no image found under {empty} (recursively; files ending in .bmp" in capsys.readouterr().err
+    assert f"note: no image indexed under {empty} (recursively; files ending in .bmp" in capsys.readouterr().err
+
+
+def test_a_folder_of_links_to_photos_elsewhere_says_why_nothing_was_indexed(tiny_search_setup, tmp_path, capsys,
+                                                                           caplog):
+    """Links to photos outside the folder are left out (the server would not serve them): the warning names the
+    folder to index instead, and the closing note does not say that no image was there."""
+    photos = tiny_search_setup["photos"]
+    links = tmp_path / "links"
+    links.mkdir()
+    first = sorted(photos.glob("*.png"))[0]
+    (links / first.name).symlink_to(first)
+    assert main(["index", str(links), "--model", str(tiny_search_setup["checkpoint"]), "--out", str(tmp_path / "i"),
+                 "--quiet"]) == 0
+    err = capsys.readouterr().err + caplog.text
+    assert "1 image(s) in" in err and "are links to files outside it" in err
+    assert f"index the folder they point to, {photos}" in err
+    assert "no image indexed under" in err and "links to files outside the folder left out" in err
+    assert "no image found" not in err
 
 
 def test_scan_attention_matches_per_pair_reference():
