@@ -222,6 +222,11 @@ HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "mmca_alpha0
 FINETUNED = ["vsepp", "scan_i2t_lse", "oan", "mmca", "save_dsa", "sman"]
 
 
+def with_seed1(row: str, preset: str, overrides: list[str]) -> dict[str, tuple[str, list[str]]]:
+    """Control row `row` (`preset` with `overrides`) and its second seed, `<row>_seed1`."""
+    return {row: (preset, overrides), f"{row}_seed1": (preset, ["train.seed=1", *overrides])}
+
+
 def continue_from(row: str, preset: str) -> list[str]:
     """Overrides that continue GPU run `row` (of `preset`) for 10 epochs at the preset's decayed lr."""
     from itmatch.models.registry import preset_config
@@ -265,8 +270,7 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # SMAN as the paper trains it, hardest negatives from the first step: on the GPU (2026-11-28) it sat at the
     # all-alike loss for 12 epochs (dev rsum <= 51.6) and with Adam 5e-4 at chance for 5 (docs/sman.md)
     "sman_no_warmup": ("sman", ["loss.warmup_epochs=0"]),
-    **{f"vsepp_warmup{seed}": ("vsepp", [*sets, "loss.warmup_epochs=1"])
-       for seed, sets in (("", []), ("_seed1", ["train.seed=1"]))},
+    **with_seed1("vsepp_warmup", "vsepp", ["loss.warmup_epochs=1"]),
     # the accelerator issue's precision check: the same schedule and seed in bf16 autocast beside the fp32 row (it
     # asks for at most 1 rsum lost; one pair cannot show that alone, two seeds of one model differ by more)
     **{f"{p}_bf16": (p, ["train.precision=bf16"]) for p in ("scan_t2i_avg", "scan_i2t_lse", "oan")},
@@ -290,8 +294,7 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     "mmca_alpha0_lite2_regdrop": ("mmca_alpha0", ["train.region_dropout=0.2"]),
     # the same model with the schedule's lr decay moved to where its dev rsum peaked (epochs 4 and 5 of the two seeds
     # in the paper schedule, which decays after epoch 10, 15-16 dev rsum below the peak); 4 epochs after the decay
-    **{f"mmca_alpha0_lite2_decay4{seed}": ("mmca_alpha0", [*sets, "train.lr_update=4", "train.epochs=8"])
-       for seed, sets in (("", []), ("_seed1", ["train.seed=1"]))},
+    **with_seed1("mmca_alpha0_lite2_decay4", "mmca_alpha0", ["train.lr_update=4", "train.epochs=8"]),
     "scan_i2t_lse_lite2_ft": ("scan_i2t_lse", [*continue_from("scan_i2t_lse_lite2", "scan_i2t_lse"), *FINETUNE,
                                                "model.backbone=lite2"]),
 }
