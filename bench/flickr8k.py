@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from itmatch.engine.train import training_finished
 from itmatch.errors import ItmatchError
+from itmatch.pretrained import shipped
 
 if TYPE_CHECKING:
     from itmatch.pretrained import Pretrained
@@ -175,10 +176,10 @@ SAVE_GPU_ROWS = ["save_dsa", "save_asa", "save_asa_ms2", "save_asa_ms3", "save_n
 GPU_SINGLE = ["meanpool", "vsepp", "summax_t2i", "summax_i2t", *SCAN_ROWS, *OAN_ROWS, *MMCA_ROWS, *SAVE_GPU_ROWS,
               *SMAN_ROWS]
 GPU_SCHEDULES = {row: GPU_NO_WARMUP for row in ["meanpool", "vsepp", *MMCA_ROWS]}
-# Members that are shipped models (src/itmatch/pretrained, by name), each with the row it was shipped from: that row's
-# run is gone with a machine (runs/ is not kept), its fp16 weights are in the package (within 0.1 rsum of the run's,
-# docs/training.md), so an ensemble reads them instead of training the row again (two hours on two cores)
-SHIPPED_MEMBERS = {"mmca_alpha0_lite2-flickr8k": "mmca_alpha0_lite2"}
+# Members that are shipped models (src/itmatch/pretrained, by name), each with the row it was shipped from (its card's
+# results row): that row's run is gone with a machine (runs/ is not kept), its fp16 weights are in the package
+# (within 0.1 rsum of the run's, docs/training.md), so an ensemble reads them instead of training the row again
+SHIPPED_MEMBERS = {name: package.card["results"]["name"] for name, package in shipped().items()}
 
 
 def source_row(member: str) -> str:
@@ -211,7 +212,11 @@ GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse
 # family is evaluated on the dev split (1k), and only the pair with the best dev rsum is evaluated on test; every
 # pair's dev rsum is kept beside the row (RUNS/<row>.dev_pairs.json) and the row's model column names the pair.
 GPU_DEV_PICKED = {"ensemble_dev_pick": ["scan_i2t_lse", "oan", "mmca_alpha0_lite2-flickr8k", "vsepp", "save_asa_ms3",
-                                         "sman"]}
+                                         "sman"],
+                  # the same rule over the models a user loads by name: nothing to train, so any clean clone
+                  # reproduces it on a CPU from the extracted features alone
+                  "ensemble_dev_pick_shipped": ["mmca_alpha0_lite2_decay4-flickr8k", "mmca_alpha0_lite2-flickr8k",
+                                                "mmca_alpha0-flickr8k", "vsepp-flickr8k"]}
 GPU_ENSEMBLES.update(GPU_DEV_PICKED)
 # two seeds for the headline rows (the spread is stated beside them), and for each shipped pretrained model
 HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "mmca_alpha0", "save_dsa", "save_asa_ms3", "sman"]
@@ -295,6 +300,8 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # the same model with the schedule's lr decay moved to where its dev rsum peaked (epochs 4 and 5 of the two seeds
     # in the paper schedule, which decays after epoch 10, 15-16 dev rsum below the peak); 4 epochs after the decay
     **with_seed1("mmca_alpha0_lite2_decay4", "mmca_alpha0", ["train.lr_update=4", "train.epochs=8"]),
+    # MMCA Tables 4/5's hidden size d = 512 (the paper's best is 256, the preset's) for that model and schedule
+    "mmca_alpha0_lite2_decay4_d512": ("mmca_alpha0", ["model.embed_size=512", "train.lr_update=4", "train.epochs=8"]),
     "scan_i2t_lse_lite2_ft": ("scan_i2t_lse", [*continue_from("scan_i2t_lse_lite2", "scan_i2t_lse"), *FINETUNE,
                                                "model.backbone=lite2"]),
 }
@@ -315,7 +322,7 @@ GPU_ROW_DATA = {**{row: DATA_MS for row in ("save_asa_ms2", "save_asa_ms3", "sav
                 **{row: DATA_LITE2 for row in ("scan_i2t_lse_lite2", "scan_i2t_lse_lite2_ft", "mmca_alpha0_lite2",
                                               "mmca_alpha0_lite2_seed1", "mmca_alpha0_lite2_ensemble_seed0+seed1",
                                               "mmca_alpha0_lite2_regdrop", "mmca_alpha0_lite2_decay4",
-                                              "mmca_alpha0_lite2_decay4_seed1",
+                                              "mmca_alpha0_lite2_decay4_seed1", "mmca_alpha0_lite2_decay4_d512",
                                               "mmca_alpha0_lite2_decay4_ensemble_seed0+seed1")}}
 GPU = Profile("gpu", GPU_SCHEDULE, GPU_SCHEDULES, GPU_OVERRIDES, GPU_CONTROLS, GPU_ENSEMBLES,
               GPU_SINGLE + list(GPU_CONTROLS) + list(GPU_ENSEMBLES), GPU_RUNS, "docs/results/flickr8k_gpu.csv",
@@ -342,8 +349,6 @@ def checkpoint_of(member: str, profile: Profile) -> str:
 
 def shipped_package(member: str) -> Pretrained:
     """A shipped member's package (src/itmatch/pretrained/NAME: its weights, manifest and card)."""
-    from itmatch.pretrained import shipped
-
     return shipped()[member]
 
 

@@ -665,3 +665,15 @@ def test_a_row_that_stops_with_a_message_does_not_stop_the_rows_after_it(bench, 
     err = capsys.readouterr().err
     assert "row vsepp FAILED: row vsepp: the run was trained with other settings" in err
     assert "1 row(s) failed: vsepp" in err
+
+
+def test_the_shipped_pick_weighs_every_shipped_model_each_on_the_features_of_the_row_it_was_shipped_from(bench):
+    """`ensemble_dev_pick_shipped` is the dev pick over the models a user loads by name: a model shipped later is a
+    candidate too (its card names its row, which says what features it reads), and none is trained again."""
+    candidates = bench.GPU.dev_picked["ensemble_dev_pick_shipped"]
+    assert sorted(candidates) == sorted(bench.shipped())
+    assert all(bench.SHIPPED_MEMBERS[name] in bench.GPU.rows for name in candidates)
+    members, datas = bench.row_members("ensemble_dev_pick_shipped", bench.GPU)
+    reads = dict(zip(members, datas, strict=True))
+    assert reads["mmca_alpha0_lite2_decay4-flickr8k"] == bench.DATA_LITE2 and reads["vsepp-flickr8k"] == bench.DATA
+    assert bench.without_checkpoint(members, bench.GPU) == []
