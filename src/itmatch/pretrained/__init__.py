@@ -34,8 +34,9 @@ class Pretrained:
     path: Path
     card: dict[str, Any]
 
-    def describe(self, name_width: int = 28) -> str:
-        """One line of `itmatch models --pretrained`: name (padded to `name_width`), preset, size, results row."""
+    def describe(self, name_width: int) -> str:
+        """One line of `itmatch models --pretrained`: name (padded to `name_width`, the longest name listed), preset,
+        size, results row."""
         row = self.card.get("results") or {}
         # (the results row it is: docs/results/flickr8k_gpu.csv, the command that trained it in its card)
         score = (f"rsum {row['rsum']} ({row.get('protocol', '')} {row.get('dataset', '')}, row {row.get('name', '?')})"
