@@ -418,7 +418,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
                                "line)")
     placement = _placement(args)
     captions = read_captions_file(args.captions) if args.captions else None
-    searcher = Searcher(Path(args.index), args.model, images_dir=args.images, captions=captions,
+    searcher = Searcher(Path(args.index), args.model, ensemble=args.ensemble, images_dir=args.images, captions=captions,
                         shortlist=args.shortlist,
                         shortlist_index=args.faiss, device=placement.device, precision=placement.precision,
                         trust_modified=args.trust_modified)
@@ -449,7 +449,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
                   f"-k {args.k} returns {len(hits)} (raise --shortlist to get more)", file=sys.stderr)
         unknown = searcher.unknown_words(args.query)
         if unknown:  # (stderr as well: a reader of the ranked lines sees it)
-            print(f"note: not in the model's vocabulary, read as <unk>: {', '.join(unknown)}", file=sys.stderr)
+            whose = "the model's vocabulary" if len(searcher.members) == 1 else "every model's vocabulary"
+            print(f"note: not in {whose}, read as <unk>: {', '.join(unknown)}", file=sys.stderr)
         document = {"query": args.query, "k": args.k, "unknown_words": unknown, "results": results}
     if args.query is not None and not searcher.ids:  # (said when it was indexed too; a search may come much later)
         print(f"note: the index {public_id(args.index)} holds no photo (none was found in "
@@ -479,11 +480,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           hint='pip install "itmatch[serve]"') from None
 
     placement = _placement(args)
-    serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, captions=args.captions,
+    serve(Path(args.index), host=args.host, port=args.port, checkpoint=args.model, ensemble=args.ensemble,
+          captions=args.captions,
           images_dir=args.images, log_level=args.log_level, shortlist=args.shortlist, shortlist_index=args.faiss,
           device=str(placement.device), precision=placement.precision, trust_modified=args.trust_modified,
           allowed_hosts=args.allowed_hosts)
     return 0
+
+
+def _add_ensemble_argument(s: argparse.ArgumentParser) -> None:
+    """--ensemble of search and serve: more indexes of the same photos, each with its own model."""
+    s.add_argument("--ensemble", type=existing_dir, action="append", default=[], metavar="INDEX",
+                   help="another index of the same photos, built with another model: each photo is ranked by the "
+                        "mean of the models' scores, as `itmatch evaluate` scores an ensemble (repeatable; "
+                        "docs/search.md, 'Ensembles')")
 
 
 def _add_shortlist_arguments(s: argparse.ArgumentParser) -> None:
@@ -790,6 +800,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true",
                    help="print one JSON document, shaped as the HTTP API's answer: the query (or image), k, the "
                         "query's unknown words (or the captions without a known word) and the results")
+    _add_ensemble_argument(s)
     _add_images_argument(s)
     _add_shortlist_arguments(s)
     _add_device_arguments(s, "auto")
@@ -811,6 +822,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpoint or pretrained name (default: the one the index was built with; must be the same)")
     s.add_argument("--captions", type=existing_file,
                    help="caption collection for image-to-text search, one caption a line")
+    _add_ensemble_argument(s)
     _add_images_argument(s)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server log level (info logs every request)")

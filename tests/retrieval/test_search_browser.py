@@ -270,6 +270,30 @@ def test_a_model_with_attention_maps_shows_no_note_and_its_results_open(server, 
     page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)
 
 
+def test_an_ensemble_ranks_by_its_mean_and_its_maps_say_whose_score_they_show(shipped_vsepp_index, tiny_search_setup,
+                                                                              page, tmp_path):
+    """VSE++ (no maps) with the tiny SCAN (maps) over the same photos: the page ranks by the ensemble's scores and the
+    opened map names the model it is drawn from, whose score differs from the ranking's."""
+    from itmatch.retrieval.index import build_index
+    from itmatch.retrieval.search import Searcher
+    from itmatch.retrieval.service import create_app
+
+    scan = tmp_path / "scan"
+    build_index(tiny_search_setup["photos"], tiny_search_setup["checkpoint"], scan, progress=False)
+    searcher = Searcher(shipped_vsepp_index, ensemble=[scan])
+    expected = searcher.search("a red circle", k=12)
+    with serving(create_app(searcher)) as base:
+        page.goto(base + "/")
+        _search(page, "a red circle")
+        assert page.locator("#model-note").is_hidden()  # (one of its models draws maps)
+        assert page.locator("#results .score").all_inner_texts() == [f"{h.score:.3f}" for h in expected]
+        page.locator("#results .result").nth(0).click()
+        page.wait_for_selector("#explain:not([hidden]) .word-map canvas", timeout=20_000)
+        alone = Searcher(scan).explain("a red circle", expected[0].id)["score"]
+        assert page.locator("#explain-title").inner_text().endswith(f"(scan_t2i_avg\u2019s score {alone:.3f})")
+    assert not page.errors, page.errors
+
+
 def _api_ids(server: str, query: str, k: int) -> list[str]:
     url = f"{server}/api/search?q={urllib.parse.quote(query)}&k={k}"
     with urllib.request.urlopen(url, timeout=30) as resp:

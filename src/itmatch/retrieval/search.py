@@ -8,7 +8,6 @@ status), and unknown words are reported, never dropped silently: docs/search.md,
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import re
 import threading
@@ -16,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image
@@ -24,12 +23,14 @@ from PIL import Image
 from itmatch.data.vocab import WordCoverage
 from itmatch.errors import ConfigError, DataError, ItmatchError, whole_number
 from itmatch.features.pipeline import UnreadableImage, decode_image
-from itmatch.inference import score_matrix
-from itmatch.models.base import ImageEmb, TextEmb
+from itmatch.models.base import TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
 from itmatch.retrieval.limits import MAX_K, MAX_PIXELS, MAX_QUERY_CHARS, MAX_QUERY_WORDS, MAX_UPLOAD_BYTES
 from itmatch.retrieval.matcher import WORD_ATTENTION_MODELS
 from itmatch.retrieval.names import public_id
+
+if TYPE_CHECKING:
+    from itmatch.retrieval.indexed_model import IndexedModel
 
 IMAGE_FORMATS = frozenset({"JPEG", "PNG", "GIF", "BMP", "WEBP", "TIFF", "MPO"})
 #: the way past the upload's limits (the model sees 224 x 224 pixels: a smaller photo loses nothing)
@@ -154,51 +155,45 @@ class Searcher:
     update (a reload in place could hand a request the ids of one generation and the scores of another)."""
 
     def __init__(self, index_dir: Path | str, checkpoint: Path | str | None = None, *,
-                 images_dir: Path | str | None = None, captions: Sequence[str] | None = None,
+                 ensemble: Sequence[Path | str] = (), images_dir: Path | str | None = None,
+                 captions: Sequence[str] | None = None,
                  verify: bool = True, shortlist: int = 0, shortlist_index: str = "flat",
                  device: str | torch.device = "cpu", precision: str = "fp32", trust_modified: bool = False,
                  max_k: int | None = MAX_K) -> None:
         """`checkpoint`: a checkpoint directory or a shipped model's name (default: the one the index records).
+        `ensemble`: more indexes of the same photos, each built with another model (and searched with it): a pair's
+        score is then the mean of every model's, as `itmatch evaluate` scores several checkpoints
+        (docs/search.md, 'Ensembles').
         `captions`: the caption collection of `search_image`.
         `max_k`: the most results one query may ask for, MAX_K (100) by default, the limit of the CLI and the HTTP
         API (the service relies on this check); None: no limit (a query returns at most the index's images).
         `shortlist` N > 0: text queries score only the first stage's top N images (FAISS `shortlist_index`,
-        flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive.
+        flat = exact top N by the global embedding, or ivf) instead of every image; 0 = exhaustive. (With an
+        ensemble: by the first index's model's global embedding.)
         The model and the index's embeddings are kept on `device` (a GPU for a service: one copy, loaded
         once), run in `precision`; scores come back to the host. `trust_modified` loads a checkpoint whose
         files differ from its manifest (the index must still have been built with the same weights, config
         and vocabulary)."""
-        from itmatch.retrieval.index import load_index, model_identity, same_image_encoder
-        from itmatch.retrieval.matcher import load
+        from itmatch.retrieval.indexed_model import aligned, open_indexed_model
 
         # (the settings first, before the index and the model are read)
         if shortlist < 0:
             raise ConfigError(f"shortlist must be >= 0 (0 = score every image), got {shortlist}")
         if max_k is not None:
             whole_number("max_k", max_k, hint=f"leave it out for the search API's limit, {MAX_K}; None: no limit")
-        self.index = load_index(index_dir, verify=verify)
-        from itmatch.pretrained import resolve_checkpoint  # (a path, or a pretrained model's name)
-
-        ckpt = (resolve_checkpoint(checkpoint) if checkpoint is not None
-                else self.index.checkpoint())
-        backbone, identity = self.index.manifest["model"]["backbone"], None
-        with contextlib.suppress(FileNotFoundError):  # (no checkpoint files: the loader below says what is missing)
-            identity = model_identity(ckpt, backbone)
-        if identity is not None and not same_image_encoder(self.index.manifest["model"], identity):
-            # another model is said to be one before it is loaded with the index's backbone, which the loader would
-            # refuse first (a backbone the model was not trained on); a damaged checkpoint is the loader's to say
-            self.index.check_model(identity)
-        self.matcher = load(ckpt, backbone=backbone, device=device, precision=precision,
-                            trust_modified=trust_modified)
-        self.index.check_model(identity or model_identity(ckpt, self.matcher.backbone_name))
+        if isinstance(ensemble, (str, Path)):  # (one index given bare would be read as its characters)
+            ensemble = [ensemble]
+        loading = dict(verify=verify, device=device, precision=precision, trust_modified=trust_modified)
+        first = open_indexed_model(index_dir, checkpoint, **loading)
+        #: every model a query is scored with, the index's first: the rows of each are the same photos (`aligned`)
+        self.members = [first, *(aligned(first, open_indexed_model(other, None, **loading)) for other in ensemble)]
+        self.index, self.matcher, self.images = first.index, first.matcher, first.images
         self.model, self.vocab = self.matcher.model, self.matcher.vocab
         self.images_root = Path(images_dir) if images_dir is not None else self.index.images_root
         # the filesystem's names (what to open) and the ids they are known by outside (docs/search.md)
         self.paths = self.index.ids
         self.ids = [public_id(p) for p in self.paths]
         self.position = {i: n for n, i in enumerate(self.ids)}
-        with torch.inference_mode():
-            self.images: ImageEmb = self.model.head.prepare_images(self.index.image_emb().to(self.matcher.device))
         self.shortlist, self.max_k = shortlist, None if max_k is None else int(max_k)
         self.first_stage: FirstStageIndex | None = None
         if shortlist:
@@ -208,11 +203,11 @@ class Searcher:
             if self.ids:  # (an index of no photo has nothing to shortlist: a search finds nothing, and says why)
                 self.first_stage = FirstStageIndex(shortlist_index).build(self.images.vector)
         self.captions = list(captions or [])
-        self._caption_emb: TextEmb | None = None
-        coverage = [self.vocab.coverage(c) for c in self.captions]
-        self._caption_unknown = [_distinct(c.unknown) for c in coverage]
-        # scored as missing: a caption the model cannot read is never ranked (docs/search.md, 'Unknown words')
-        self._rankable = torch.tensor([c.has_known_word for c in coverage], dtype=torch.bool)
+        self._caption_embs: list[TextEmb] | None = None  # (each model's, encoded at the first image query)
+        coverages = [self._coverages(c) for c in self.captions]
+        self._caption_unknown = [_unknown(c) for c in coverages]
+        # scored as missing: a caption a model cannot read is never ranked (docs/search.md, 'Unknown words')
+        self._rankable = torch.tensor([all(c.has_known_word for c in cs) for cs in coverages], dtype=torch.bool)
         self.captions_without_known_word = [c for c, ok in zip(self.captions, self._rankable.tolist(),
                                                                 strict=True) if not ok]
         # One model computation at a time: concurrent requests would only fight over the same cores and
@@ -224,25 +219,38 @@ class Searcher:
         """The query's words after validation (QueryError for empty, over-long or all-unknown)."""
         return self._checked(query)[0]
 
-    def _checked(self, query: str) -> tuple[list[str], WordCoverage]:
-        """The query's words and its vocabulary coverage, both computed once, after validation."""
+    def _coverages(self, text: str) -> list[WordCoverage]:
+        """How each model's vocabulary reads `text`."""
+        return [member.matcher.vocab.coverage(text) for member in self.members]
+
+    def _checked(self, query: str) -> tuple[list[str], list[WordCoverage]]:
+        """The query's words and each model's vocabulary coverage, both computed once, after validation."""
         words = check_query(query)
-        coverage = self.vocab.coverage(query)
-        if not coverage.has_known_word:
-            unknown = _distinct(coverage.unknown)
-            raise QueryError("none of the query's words is in the model's vocabulary"
-                             + (f" (unknown: {', '.join(unknown)})" if unknown else ""),
-                             hint="use words of the captions the model was trained on")
-        return words, coverage
+        coverages = self._coverages(query)
+        for member, coverage in zip(self.members, coverages, strict=True):
+            if not coverage.has_known_word:
+                unknown = _distinct(coverage.unknown)
+                whose = (f"the vocabulary of the ensemble's model {member.name}" if len(self.members) > 1
+                         else "the model's vocabulary")
+                raise QueryError(f"none of the query's words is in {whose}"
+                                 + (f" (unknown: {', '.join(unknown)})" if unknown else ""),
+                                 hint="use words of the captions the model was trained on")
+        return words, coverages
 
     def unknown_words(self, query: str) -> list[str]:
-        """The query's words the model does not know (each read as <unk>, its meaning lost), each once, in
-        order; QueryError as `tokens` for a query that cannot be searched."""
-        return _distinct(self._checked(query)[1].unknown)
+        """The query's words the model does not know (each read as <unk>, its meaning lost; with an ensemble, the
+        words some model does not know), each once, in order; QueryError as `tokens` for a query that cannot be
+        searched."""
+        return _unknown(self._checked(query)[1])
 
     def encode_query(self, query: str) -> TextEmb:
+        """The query as the first index's model encodes it (the one whose global embedding `candidates` reads)."""
+        return self._encode_query(query)[0]
+
+    def _encode_query(self, query: str) -> list[TextEmb]:
+        """The query as each model encodes it."""
         self.tokens(query)
-        return self.matcher.encode_texts([query])
+        return [member.matcher.encode_texts([query]) for member in self.members]
 
     def candidates(self, query: TextEmb) -> list[int]:
         """Rows of the index to score exactly for `query`: every row (exhaustive, the default), or the
@@ -259,14 +267,14 @@ class Searcher:
         `k` is at most the Searcher's `max_k` (100 unless it was made with another; QueryError beyond)."""
         k = check_k(k, self.max_k, lift=_LIFT_K)
         with self._lock:
-            txt = self.encode_query(query)
-            rows = torch.tensor(self.candidates(txt), dtype=torch.long, device=self.matcher.device)
+            texts = self._encode_query(query)
+            rows = torch.tensor(self.candidates(texts[0]), dtype=torch.long, device=self.matcher.device)
             if len(rows) == 0:
                 return []
             # all rows: score the stored embeddings as they are (take() would copy them per query)
-            images = self.images if len(rows) == len(self.ids) else self.images.take(rows)
-            with self.matcher.placement.arithmetic():
-                scores = score_matrix(self.model, images, txt)[:, 0]
+            every = len(rows) == len(self.ids)
+            scores = _mean([member.scores(member.images if every else member.images.take(rows), text)
+                            for member, text in zip(self.members, texts, strict=True)])[:, 0]
         top = torch.topk(scores, min(k, len(rows)))
         return [Hit(self.ids[int(rows[i])], float(s), r + 1)
                 for r, (s, i) in enumerate(zip(top.values, top.indices, strict=True))]
@@ -284,11 +292,10 @@ class Searcher:
             raise QueryError(f"none of the {len(self.captions)} captions has a word in the model's vocabulary",
                              status=409, hint="load captions written in the words the model was trained on")
         with self._lock:
-            if self._caption_emb is None:
-                self._caption_emb = self.matcher.encode_texts(self.captions)
-            img = self.matcher.encode_images([image])
-            with self.matcher.placement.arithmetic():
-                scores = score_matrix(self.model, img, self._caption_emb)[0]
+            if self._caption_embs is None:
+                self._caption_embs = [member.matcher.encode_texts(self.captions) for member in self.members]
+            scores = _mean([member.scores(member.matcher.encode_images([image]), captions)
+                            for member, captions in zip(self.members, self._caption_embs, strict=True)])[0]
         top = torch.topk(scores.masked_fill(~self._rankable.to(scores.device), -torch.inf), min(k, rankable))
         return [{"rank": r + 1, "caption": self.captions[int(i)], "score": round(float(s), 6),
                  "unknown_words": self._caption_unknown[int(i)]}
@@ -323,10 +330,16 @@ class Searcher:
         return path
 
     @property
+    def _explainer(self) -> IndexedModel | None:
+        """The model whose attention `explain` draws: the first whose score attends from words to regions."""
+        return next((member for member in self.members if member.has_word_attention), None)
+
+    @property
     def explains(self) -> bool:
         """Whether `explain` has maps to give: the model's score attends from words to regions (SCAN, SAVE, OAN
-        with inter-modal attention; not VSE++, MMCA, SMAN: docs/search.md, "Which map explain shows")."""
-        return self.model.head.has_word_attention
+        with inter-modal attention; not VSE++, MMCA, SMAN: docs/search.md, "Which map explain shows"); with an
+        ensemble, one of its models' does."""
+        return self._explainer is not None
 
     @property
     def explain_note(self) -> str | None:
@@ -334,27 +347,32 @@ class Searcher:
         it under the search box and `itmatch serve` logs it."""
         if self.explains:
             return None
-        model = self.index.manifest["model"]
-        name = model.get("preset") or model.get("arch") or "unknown"
-        return (f"This index's model ({name}) scores a photo without attending from words to its regions, so results "
-                f"open no attention maps; {WORD_ATTENTION_MODELS} draws them.")
+        if len(self.members) > 1:
+            whose = f"This ensemble's models ({', '.join(member.name for member in self.members)}) all score"
+        else:
+            model = self.index.manifest["model"]
+            whose = f"This index's model ({model.get('preset') or model.get('arch') or 'unknown'}) scores"
+        return (f"{whose} a photo without attending from words to its regions, so results open no attention maps; "
+                f"{WORD_ATTENTION_MODELS} draws them.")
 
     def explain(self, query: str, image_id: str) -> dict[str, Any]:
         """Per-word attention over the image's regions, as the model computes it for the score.
 
         Returns the words (with <start>/<end>, which SCAN scores as real time steps), for each word its
         weights over the grid as a [grid][grid] list (row-major, region r = cell (r // grid, r % grid)),
-        the axis the weights are normalised over, and the pair's score."""
+        the axis the weights are normalised over, the pair's score and the model that drew them (with an
+        ensemble, the first of its models with word attention: the score is that model's, not the ensemble's)."""
         self.tokens(query)  # (validation: empty, over-long or all-unknown queries)
         row = self.row_of(image_id)
+        member = self._explainer or self.members[0]  # (none: the model says why it cannot, a 409 below)
         try:
             with self._lock:
-                attention = self.matcher.word_attention(self.images.take(slice(row, row + 1)), query)
+                attention = member.matcher.word_attention(member.images.take(slice(row, row + 1)), query)
         except ConfigError as exc:  # (a model without word attention: a conflict with this index, not bad input)
             raise QueryError(exc.message, status=409, hint=exc.hint) from None
         grid = attention.maps.shape[1]
-        return {"id": image_id, "query": query, "score": round(attention.score, 6), "grid": [grid, grid],
-                "normalised_over": attention.normalised_over,
+        return {"id": image_id, "query": query, "score": round(attention.score, 6), "model": member.name,
+                "grid": [grid, grid], "normalised_over": attention.normalised_over,
                 "unknown_words": _distinct([t for t, k in zip(attention.tokens, attention.known, strict=True)
                                             if not k]),
                 "words": [{"word": w, "known": kn, "weights": m.tolist()}
@@ -370,6 +388,16 @@ def _unavailable_hint(root: Path, path: Path) -> str:
         return "its file on the server is now a link that leads out of the photo folder, which is never served"
     return ("its file was deleted or moved on the server since the index was made: run `itmatch index PHOTOS "
             "--model MODEL --out INDEX` again, then restart `itmatch serve`")
+
+
+def _unknown(coverages: Sequence[WordCoverage]) -> list[str]:
+    """The words some vocabulary reads as unknown, each once, in order."""
+    return _distinct([word for coverage in coverages for word in coverage.unknown])
+
+
+def _mean(scores: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An ensemble's scores: its models' averaged (one model: its own, as they are)."""
+    return scores[0] if len(scores) == 1 else torch.stack(list(scores)).mean(0)
 
 
 def _distinct(words: Sequence[str]) -> list[str]:

@@ -259,9 +259,11 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES,
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        m = searcher.index.manifest
+        models = [{k: member.index.manifest["model"].get(k) for k in ("arch", "preset", "backbone")}
+                  for member in searcher.members]
+        # "model": the index's (the first); "models": every model a query is scored with (more: an ensemble)
         return {"status": "ok", "images": len(searcher.ids), "captions": len(searcher.captions),
-                "model": {k: m["model"].get(k) for k in ("arch", "preset", "backbone")}, "explain": searcher.explains,
+                "model": models[0], "models": models, "explain": searcher.explains,
                 "explain_note": searcher.explain_note}
 
     @app.get("/metrics")
@@ -316,18 +318,19 @@ def create_app(searcher: Searcher, max_upload_bytes: int = MAX_UPLOAD_BYTES,
 
 
 def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpoint: str | Path | None = None,
-          captions: str | Path | None = None, images_dir: str | Path | None = None,
+          ensemble: Sequence[Path | str] = (), captions: str | Path | None = None, images_dir: str | Path | None = None,
           log_level: str = "info", shortlist: int = 0, shortlist_index: str = "flat",
           device: str = "cpu", precision: str = "fp32", trust_modified: bool = False,
           allowed_hosts: Sequence[str] = ()) -> None:
     """Load the index (refusing a corrupt one or another model's), then serve until interrupted.
+    `ensemble`: more indexes of the same photos, built with other models, whose scores are averaged (Searcher).
     `shortlist` N > 0: text queries re-rank the first stage's top N photos (Searcher).
     `allowed_hosts`: host names the server answers to besides this machine's own and `host` (`trusted_hosts`)."""
     import uvicorn
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     hosts = trusted_hosts(host, allowed_hosts)  # (a bad name is said before anything is loaded)
     listening = listen(host, port)  # first: a port in use is said at once, not after the model has loaded
-    searcher = Searcher(index_dir, checkpoint, images_dir=images_dir,
+    searcher = Searcher(index_dir, checkpoint, ensemble=ensemble, images_dir=images_dir,
                         captions=read_captions_file(captions) if captions else None, shortlist=shortlist,
                         shortlist_index=shortlist_index, device=device, precision=precision,
                         trust_modified=trust_modified)
@@ -346,6 +349,9 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
                  shortlist)
     bound = listening.getsockname()[1]  # (the port itself when --port 0 let the system choose)
     log.info("serving %d images of %s on http://%s:%d/", len(searcher.ids), index_dir, url_host(host), bound)
+    if ensemble:
+        log.info("each photo is ranked by the mean score of %d models: %s", len(searcher.members),
+                 ", ".join(member.name for member in searcher.members))
     _log_exposure(host, bound, hosts)
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error

@@ -14,6 +14,8 @@ let searches = 0;
 // none, so its results open nothing and the page says why once, instead of an error on every click. Results are
 // drawn only once it is known (modelReady, below): a search typed before /health answers waits for it.
 let canExplain = true;
+// Whether several models score each photo (/health's "models": an ensemble, `--ensemble`).
+let ensemble = false;
 
 function setStatus(text) { $("#status").textContent = text || ""; }
 
@@ -160,7 +162,9 @@ async function explain(id) {
     photo.src = data.url;
     await photo.decode();
     $("#explain-photo").src = data.url;
-    $("#explain-title").textContent = "\u201c" + data.query + "\u201d \u2014 " + data.id + " (score " + data.score.toFixed(3) + ")";
+    // (an ensemble draws one of its models' attention: the score beside it is that model's, not the ranking's)
+    const whose = ensemble ? data.model + "\u2019s score " : "score ";
+    $("#explain-title").textContent = "\u201c" + data.query + "\u201d \u2014 " + data.id + " (" + whose + data.score.toFixed(3) + ")";
     const maps = $("#word-maps");
     maps.replaceChildren();
     for (const w of data.words) {
@@ -233,6 +237,7 @@ async function readModel() {
   try {
     const health = await getJSON("/health");
     canExplain = health.explain !== false;
+    ensemble = (health.models || []).length > 1;
     const note = $("#model-note");
     note.hidden = canExplain;
     if (!canExplain) note.textContent = health.explain_note;  // (the server's wording: also in its log)
