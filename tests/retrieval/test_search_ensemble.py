@@ -112,6 +112,8 @@ def test_indexes_of_other_photos_are_refused_saying_what_differs(scan_index, shi
     assert caught.value.path == other and f"--out {other}" in caught.value.hint
     with pytest.raises(ConfigError, match="the ensemble names one model twice"):
         Searcher(scan_index, ensemble=[other])  # (the same tiny SCAN: the photos are not compared first)
+    with pytest.raises(ConfigError, match="the ensemble names one model twice"):
+        Searcher(shipped_vsepp_index, ensemble=[scan_index, other])  # (two of the later ones alike)
 
 
 def test_search_and_serve_take_the_ensemble_from_the_command_line(scan_index, shipped_vsepp_index, capsys):

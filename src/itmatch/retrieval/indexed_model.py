@@ -79,13 +79,21 @@ def open_indexed_model(index_dir: Path | str, checkpoint: Path | str | None, *, 
     return IndexedModel(index, matcher, images)
 
 
+def ensemble_of(members: list[IndexedModel]) -> list[IndexedModel]:
+    """The members with every one's rows in the first's order (`aligned`); ConfigError where two were built with the
+    same model (it would only weigh that model twice)."""
+    for n, member in enumerate(members):
+        for earlier in members[:n]:
+            if same_model(earlier.index.manifest["model"], member.index.manifest["model"]):
+                raise ConfigError(f"the ensemble names one model twice: {public_id(str(member.index.root))} was built "
+                                  f"with the same model as {public_id(str(earlier.index.root))} ({earlier.name})",
+                                  hint="give each model's index once: an ensemble averages different models' scores")
+    return [members[0], *(aligned(members[0], member) for member in members[1:])]
+
+
 def aligned(first: IndexedModel, other: IndexedModel) -> IndexedModel:
     """`other` with its rows in `first`'s order, so that row r is the same photo in both; DataError unless the two
-    indexes hold the same photos (the same names with the same contents), ConfigError for the same model twice."""
-    if same_model(first.index.manifest["model"], other.index.manifest["model"]):
-        raise ConfigError(f"the ensemble names one model twice: {public_id(str(other.index.root))} was built with the "
-                          f"same model as {public_id(str(first.index.root))} ({first.name})",
-                          hint="give each model's index once: an ensemble averages different models' scores")
+    indexes hold the same photos (the same names with the same contents)."""
     mine = {e["id"]: e["sha256"] for e in first.index.images}
     theirs = {e["id"]: e["sha256"] for e in other.index.images}
     lacks = [i for i in mine if i not in theirs]

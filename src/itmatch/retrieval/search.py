@@ -174,7 +174,7 @@ class Searcher:
         once), run in `precision`; scores come back to the host. `trust_modified` loads a checkpoint whose
         files differ from its manifest (the index must still have been built with the same weights, config
         and vocabulary)."""
-        from itmatch.retrieval.indexed_model import aligned, open_indexed_model
+        from itmatch.retrieval.indexed_model import ensemble_of, open_indexed_model
 
         # (the settings first, before the index and the model are read)
         if shortlist < 0:
@@ -184,9 +184,10 @@ class Searcher:
         if isinstance(ensemble, (str, Path)):  # (one index given bare would be read as its characters)
             ensemble = [ensemble]
         loading = dict(verify=verify, device=device, precision=precision, trust_modified=trust_modified)
-        first = open_indexed_model(index_dir, checkpoint, **loading)
-        #: every model a query is scored with, the index's first: the rows of each are the same photos (`aligned`)
-        self.members = [first, *(aligned(first, open_indexed_model(other, None, **loading)) for other in ensemble)]
+        #: every model a query is scored with, the index's first; row r of each is the same photo
+        self.members = ensemble_of([open_indexed_model(index_dir, checkpoint, **loading),
+                                    *(open_indexed_model(other, None, **loading) for other in ensemble)])
+        first = self.members[0]
         self.index, self.matcher, self.images = first.index, first.matcher, first.images
         self.model, self.vocab = self.matcher.model, self.matcher.vocab
         self.images_root = Path(images_dir) if images_dir is not None else self.index.images_root
