@@ -577,3 +577,60 @@ def test_typographic_quotes_tokenize_as_the_vocabulary_reads_them():
     caption = "A man’s dog “runs” fast ."
     assert [t.lower() for t in caption_tokens(caption)] == tokenize(caption)
     assert "'s" in tokenize(caption)
+
+
+@needs_spacy
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C"], ids=["kill of the study", "Ctrl-C in its terminal"])
+def test_a_parallel_study_stopped_saves_every_training_where_it_is(tiny_precomp, tmp_path, how):
+    """`--jobs 2` stopped mid-training: SIGTERM to the study alone (`kill PID`), or SIGINT to its whole process group
+    (a terminal's Ctrl-C, which the training processes ignore): each training saves where it is, the study exits as
+    the signal would, and the same command resumes them (engine/stop.py, `pass_stop_on`)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import itmatch
+    from itmatch.data.precomp import read_precomp
+    from itmatch.engine.train import training_finished
+
+    tag_captions(read_precomp(tiny_precomp, "train").training_captions, cache_dir=tmp_path / "tags", progress=False)
+    out = tmp_path / "study"
+    argv = [sys.executable, "-m", "itmatch", "analyze", "perturb", "--preset", "vsepp", "--data", str(tiny_precomp),
+            "--out", str(out), "--protocol", "full", "--perturbations", "shuffle", "nouns", "--quiet", "--jobs", "2",
+            "--tag-cache", str(tmp_path / "tags")]
+    for key, value in [("model.embed_size", 32), ("model.word_dim", 16), ("train.epochs", 400),
+                       ("train.batch_size", 32), ("train.val_images", 40), ("train.threads", 1),
+                       ("train.log_every", 1), ("train.checkpoint_every", 0)]:
+        argv += ["--set", f"{key}={value}"]
+    env = {**os.environ, "PYTHONPATH": str(Path(itmatch.__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # (its own process group, as a terminal's foreground job)
+
+    def steps(kind: str) -> int:
+        log = out / kind / "metrics.jsonl"
+        return sum('"step"' in line for line in log.read_text().splitlines()) if log.exists() else 0
+
+    deadline = time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline and min(steps("original"), steps("shuffle")) < 3:
+        time.sleep(0.05)  # (the first two trainings run side by side; nouns waits for a free process)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    signum = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+    if how == "SIGTERM":
+        proc.send_signal(signum)
+    else:
+        os.killpg(proc.pid, signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert f"itmatch analyze: stopped by {signal.Signals(signum).name}: " in err and "Traceback" not in err, err[-3000:]
+    assert "original, shuffle" in err and "saved where they were" in err, err[-3000:]
+    assert "the same command continues where it stopped" in err
+    for kind in ("original", "shuffle"):  # saved at the step it had reached, its epochs not done
+        state = json.loads((out / kind / "last" / "state.json").read_text())
+        assert state["step"] >= 3 and not training_finished(out / kind)
+    # nouns was queued to a process before the stop: it started asked to stop, saved at its first step, or never
+    # started
+    assert not (out / "nouns" / "last").exists() or json.loads((out / "nouns" / "last" / "state.json").read_text())[
+        "step"] <= 1

@@ -171,6 +171,43 @@ def test_a_signal_ignored_before_stays_ignored(sigterm_fails_the_test):
         signal.signal(signal.SIGINT, previous)
 
 
+def _training_process_stand_in(ready) -> None:
+    """A pool process that trains for its parent (`start_training_process`), as long as nobody asks it to stop: it
+    then ends on its own (exit 7), as a training saves and ends."""
+    import sys
+    import time
+
+    from itmatch.engine import stop
+
+    stop.start_training_process()
+    ready.set()
+    os.kill(os.getpid(), signal.SIGINT)  # (a terminal's Ctrl-C: ignored, the parent passes stops on)
+    while stop._training_process_stop.signal is None:
+        time.sleep(0.01)
+    with stop_on_signal(announce=False) as request:  # a training it starts now starts asked to stop
+        sys.exit(7 if request.requested and request.name == "SIGTERM" else 3)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["the first signal asks", "the second stops at once"])
+def test_a_parent_passes_a_stop_on_to_its_training_processes(first):
+    import multiprocessing
+
+    from itmatch.engine.stop import pass_stop_on
+
+    context = multiprocessing.get_context("fork")
+    children = [(context.Process(target=_training_process_stand_in, args=(ready,)), ready)
+                for ready in (context.Event(), context.Event())]
+    for child, ready in children:
+        child.start()
+        assert ready.wait(30)
+    time.sleep(0.2)  # (each past its ignored SIGINT and waiting to be asked)
+    assert all(child.is_alive() for child, _ in children)
+    pass_stop_on(signal.SIGTERM, first)
+    for child, _ in children:
+        child.join(30)
+    assert [child.exitcode for child, _ in children] == ([7, 7] if first else [-signal.SIGKILL] * 2)
+
+
 @pytest.mark.slow
 def test_kill_of_the_cli_saves_says_how_to_resume_and_exits_as_the_signal_would(tiny_precomp, tmp_path, reference):
     """`kill PID` (SIGTERM) of a real `itmatch train` process, at whatever step it has reached."""

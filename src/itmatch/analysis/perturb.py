@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -34,8 +34,9 @@ from itmatch.data.precomp import PrecompSplit, read_precomp
 from itmatch.device import resolve
 from itmatch.engine.checkpoint import load_checkpoint, read_checkpoint_config, read_run_config, read_state
 from itmatch.engine.evaluate import evaluate_models
+from itmatch.engine.stop import pass_stop_on, start_training_process, stop_on_signal
 from itmatch.engine.train import train, training_finished
-from itmatch.errors import CheckpointError, ConfigError, OverwriteError
+from itmatch.errors import CheckpointError, ConfigError, OverwriteError, TrainingStopped
 from itmatch.io import write_json_atomic, write_text_atomic, write_with
 from itmatch.models.registry import arch, read_pixels_for_finetuning
 
@@ -185,19 +186,40 @@ def _train_all(trainings: list[_Training], captions: Sequence[str], tagged: Tagg
     for training in trainings:
         announce(training)
     failures: list[tuple[str, BaseException]] = []
-    with ProcessPoolExecutor(max_workers=min(jobs, len(trainings)), mp_context=get_context("spawn")) as pool:
-        # (no save on a stop signal in a worker: one that outlived the parent a signal ended would wait for work
-        # that never comes, keeping its process group alive, where the signal alone ends it as it always did)
-        futures = {pool.submit(_train_one, t, captions, tagged, False, False): t.kind for t in trainings}
-        for future in as_completed(futures):
-            kind = futures[future]
-            try:
-                future.result()
-            except BaseException as exc:  # (reported once every other training has ended)
-                failures.append((kind, exc))
-                continue
-            if progress:
-                print(f"[perturb] {kind}: trained", flush=True)
+    stopped: list[str] = []
+    not_started: list[str] = []
+    # A stop signal to this process (a Ctrl-C reaches the workers too, which ignore it) is passed on to every
+    # training process, which saves where it is and stops, as one training in this process does (engine/stop.py);
+    # the trainings not yet started never start. A second signal stops them at once.
+    with (stop_on_signal(announce=progress, on_signal=pass_stop_on,
+                         what="every training saves where it is, then the study stops") as stop,
+          ProcessPoolExecutor(max_workers=min(jobs, len(trainings)), mp_context=get_context("spawn"),
+                              initializer=start_training_process) as pool):
+        futures = {pool.submit(_train_one, t, captions, tagged, False): t.kind for t in trainings}
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            if stop.requested:  # (a cancelled one is not running: it never will)
+                not_started += [futures[f] for f in pending if f.cancel()]
+                pending = {f for f in pending if not f.cancelled()}
+            for future in done:
+                kind = futures[future]
+                try:
+                    future.result()
+                except TrainingStopped:
+                    stopped.append(kind)
+                    continue
+                except BaseException as exc:  # (reported once every other training has ended)
+                    failures.append((kind, exc))
+                    continue
+                if progress:
+                    print(f"[perturb] {kind}: trained", flush=True)
+    if stop.requested and not failures:
+        saved = (f"{', '.join(sorted(stopped))} saved where they were (each in its run's last/)" if stopped
+                 else "nothing to save")
+        raise TrainingStopped(f"stopped by {stop.name}: {saved}"
+                              + (f"; not started: {', '.join(sorted(not_started))}" if not_started else ""),
+                              int(stop.signal or 0))
     if failures:  # (an ItmatchError comes back from its process with its whole message: the CLI prints it)
         print(f"[perturb] failed: {', '.join(kind for kind, _ in failures)}; the finished runs stay, a rerun "
               "resumes the others", file=sys.stderr, flush=True)

@@ -12,11 +12,12 @@ have without this (SIGINT raises KeyboardInterrupt, SIGTERM ends the process), f
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -55,26 +56,41 @@ class StopRequest:
         return signal.Signals(self.signal).name if self.signal is not None else ""
 
 
+#: the stop signal a training process (`start_training_process`) received, within a training or between two: every
+#: training it starts later starts asked to stop, so that it saves and ends at its first step instead of training on
+_training_process_stop = StopRequest()
+_in_training_process = False
+
+
 @contextlib.contextmanager
-def stop_on_signal(enabled: bool = True, announce: bool = True) -> Iterator[StopRequest]:
+def stop_on_signal(enabled: bool = True, announce: bool = True, *,
+                   on_signal: Callable[[int, bool], None] | None = None,
+                   what: str = "the training saves where it is, then stops") -> Iterator[StopRequest]:
     """Catch SIGINT and SIGTERM while the block runs (the handlers are put back after it). Off where a signal
     handler cannot be set (not the main thread) or when not `enabled` (under torchrun, where every rank would have
     to agree on the step to stop at): the request then never comes and the signals act as they always did.
-    `announce`: say on stderr, at the first signal, what happens now. A signal ignored when the block begins stays
-    ignored: a shell starts a background job (`itmatch train ... &`) with SIGINT ignored so that a Ctrl-C meant for
-    the foreground leaves it alone, and Python itself keeps such a SIGINT ignored."""
+    `announce`: say on stderr, at the first signal, what happens now (`what`). A signal ignored when the block begins
+    stays ignored: a shell starts a background job (`itmatch train ... &`) with SIGINT ignored so that a Ctrl-C meant
+    for the foreground leaves it alone, and Python itself keeps such a SIGINT ignored. `on_signal(signum, first)` is
+    called at each signal before it is acted on (a parent passes it on to the processes that train for it:
+    `pass_stop_on`)."""
     request = StopRequest()
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield request
         return
+    request.signal = _training_process_stop.signal  # (None but in a training process asked to stop)
     previous: dict[int, Any] = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        if on_signal is not None:
+            on_signal(signum, request.signal is None)
+        if _in_training_process:
+            _remember_stop(signum, frame)
         if request.signal is None:
             request.signal = signum
             if announce:
-                print(f"\nitmatch: {signal.Signals(signum).name}: the training saves where it is, then stops (send "
-                      "it again to stop at once, without saving)", file=sys.stderr, flush=True)
+                print(f"\nitmatch: {signal.Signals(signum).name}: {what} (send it again to stop at once, without "
+                      "saving)", file=sys.stderr, flush=True)
             if request._interruptible:
                 raise StopNow
             return
@@ -100,3 +116,29 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     before its save; the workers end when the main process shuts its loader down, or when it is gone."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+
+
+def start_training_process() -> None:
+    """The start (`initializer`) of a pool process that trains for a parent holding `stop_on_signal` with
+    `pass_stop_on`: the parent decides when its trainings stop. A terminal's Ctrl-C, which reaches the whole process
+    group, is ignored here (the parent passes it on as SIGTERM). A SIGTERM is kept (`_training_process_stop`), so that a
+    training the pool had already queued to this process starts asked to stop (it saves at its first step); one that
+    comes between two trainings does not end the process, which would break the pool and have it kill the other
+    trainings mid-save."""
+    global _in_training_process
+    _in_training_process = True
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _remember_stop)
+
+
+def _remember_stop(signum: int, frame: FrameType | None) -> None:
+    _training_process_stop.signal = _training_process_stop.signal or signum
+
+
+def pass_stop_on(signum: int, first: bool) -> None:
+    """`on_signal` of a parent whose trainings run in its child processes (started with `start_training_process`):
+    the first stop signal asks each to save where it is and stop (SIGTERM), the second stops them at once
+    (SIGKILL), as the two signals do to a training in this process."""
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signal.SIGTERM if first else signal.SIGKILL)
