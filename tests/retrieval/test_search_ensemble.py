@@ -148,3 +148,15 @@ def test_the_shipped_dev_pick_searches_across_backbones(shipped_vsepp_index, tin
     assert not ensemble.explains
     assert ensemble.explain_note.startswith("This ensemble's models (mmca_alpha0_lite2_decay4-flickr8k, "
                                             "vsepp-flickr8k) all score a photo without attending")
+
+
+def test_a_shortlist_is_the_first_models_and_every_model_scores_it(scan_index, shipped_vsepp_index):
+    full = Searcher(shipped_vsepp_index, ensemble=[scan_index])
+    short = Searcher(shipped_vsepp_index, ensemble=[scan_index], shortlist=4)
+    first_stage = Searcher(shipped_vsepp_index, shortlist=4).candidates(short.encode_query(QUERY))
+    hits = short.search(QUERY, k=10)
+    assert len(hits) == 4 and {h.id for h in hits} == {short.ids[r] for r in first_stage}
+    everyone = _scores_by_id(full, QUERY)
+    assert all(h.score == pytest.approx(everyone[h.id], abs=1e-5) for h in hits)  # (the ensemble's mean, re-ranked)
+    with pytest.raises(ConfigError, match="no global embedding for a first-stage shortlist"):
+        Searcher(scan_index, ensemble=[shipped_vsepp_index], shortlist=4)  # (SCAN first: it has none)
