@@ -148,7 +148,7 @@ def test_spectral_norm_asa_matches_the_equations_with_unit_norm_weights():
     with torch.no_grad():
         for layer in layers:
             layer.bias.zero_()
-    branch = m(u) - u
+        branch = m(u) - u
     assert float(branch.norm(dim=2).max()) <= 0.7 * float(u.norm(dim=2).max()) + 1e-9
 
 
