@@ -356,7 +356,7 @@ def serve(index_dir: Path, *, host: str = "127.0.0.1", port: int = 8000, checkpo
     # keep-alive longer than uvicorn's 5 s: under load a pooled client connection can sit idle that long,
     # and a server-side close racing the client's next request shows up as a connection error
     config = uvicorn.Config(create_app(searcher, allowed_hosts=hosts), host=host, port=port, log_level=log_level,
-                            timeout_keep_alive=30)
+                            timeout_keep_alive=30, backlog=BACKLOG)
     uvicorn.Server(config).run(sockets=[listening])
 
 
@@ -382,6 +382,9 @@ def _loopback(host: str) -> bool:
         return False
 
 
+BACKLOG = 2048  # connections waiting to be accepted (uvicorn's default)
+
+
 def listen(host: str, port: int) -> socket.socket:
     """A socket bound to host:port for the server (ConfigError when it cannot be: in use, or not this machine's
     address), as uvicorn binds one, so that it serves on this very socket."""
@@ -394,6 +397,10 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise ConfigError(f"cannot listen on {url_host(host)}:{port}: {exc.strerror or exc}",
                           hint=_listen_hint(exc.errno)) from None
+    # listening from here, not from when uvicorn takes the socket: a client that connects once "serving ..." is
+    # logged waits in the backlog for the server to start instead of being refused (a script that waited for the
+    # line, as tests/retrieval/test_search_ensemble.py does, met "Connection refused" in two runs of six)
+    sock.listen(BACKLOG)
     sock.set_inheritable(True)
     return sock
 
