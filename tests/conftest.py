@@ -218,3 +218,36 @@ def serving(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, ready: str) -> Iterator[tuple[int, list[str]]]:
+    """A real `itmatch serve ARGS` process on a free port until its log says `ready`; yields the port and the lines
+    it has logged (still growing), and ends it (SIGTERM, then SIGKILL after 30 s) on leaving."""
+    import socket
+    import subprocess
+    import threading
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "itmatch", "serve", *args, "--port", str(port)],
+                              stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True)  # (a read never blocks us)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None and ready not in "".join(lines):
+            time.sleep(0.2)
+        assert ready in "".join(lines), "".join(lines)
+        yield port, lines
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        reader.join(timeout=10)

@@ -3,14 +3,9 @@ model has one, a clean 409 where it has none, never a 500 (docs/search.md, "Expl
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import threading
-import time
-
 import pytest
 import torch
+from conftest import serve_process
 
 from itmatch.config import parse_overrides
 from itmatch.models.mmca.head import MMCAHead
@@ -128,28 +123,9 @@ def test_a_shipped_model_without_word_attention_says_so_in_health_and_explain_is
 def test_serve_says_at_start_that_its_model_draws_no_maps(shipped_vsepp_index):
     """`itmatch serve` (a real process on a free port) says it once in its log, before the address."""
     pytest.importorskip("uvicorn", reason="the `serve` extra (uvicorn) is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "itmatch", "serve", str(shipped_vsepp_index), "--port",
-                               str(port)], stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True)  # (a read never blocks us)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and server.poll() is None and "serving 12 images" not in "".join(lines):
-            time.sleep(0.2)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    reader.join(timeout=10)
+    with serve_process(str(shipped_vsepp_index), ready="serving 12 images") as (_, lines):
+        pass
     said = "".join(lines)
-    assert "serving 12 images" in said, said
     note = "This index's model (vsepp) scores a photo without attending from words to its regions"
     assert note in said  # (the page's note, Searcher.explain_note)
     assert said.index(note) < said.index("serving 12 images")

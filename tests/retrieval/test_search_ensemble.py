@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from conftest import serve_process
 from PIL import Image
 
 from itmatch.cli import main
@@ -166,38 +167,14 @@ def test_itmatch_serve_with_an_ensemble_answers_its_ranking_over_http(scan_index
     """A real `itmatch serve INDEX --ensemble INDEX2` process on a free port: it says at start which models it
     averages, and its /api/search ranks as the ensemble Searcher does."""
     pytest.importorskip("uvicorn", reason="the `serve` extra (uvicorn) is not installed")
-    import socket
-    import subprocess
-    import sys
-    import threading
-    import time
     import urllib.parse
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "itmatch", "serve", str(shipped_vsepp_index), "--ensemble",
-                               str(scan_index), "--port", str(port)], stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and server.poll() is None and "serving 12 images" not in "".join(lines):
-            time.sleep(0.2)
-        assert "serving 12 images" in "".join(lines), "".join(lines)
+    with serve_process(str(shipped_vsepp_index), "--ensemble", str(scan_index), ready="serving 12 images") as (
+            port, lines):
         url = f"http://127.0.0.1:{port}/api/search?q={urllib.parse.quote(QUERY)}&k=5"
         with urllib.request.urlopen(url, timeout=30) as resp:
             got = [(r["id"], r["score"]) for r in json.load(resp)["results"]]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-    reader.join(timeout=10)
     assert "each photo is ranked by the mean score of 2 models: vsepp-flickr8k, scan_t2i_avg" in "".join(lines)
     expected = Searcher(shipped_vsepp_index, ensemble=[scan_index]).search(QUERY, k=5)
     # (another process may sum in another order: the scores agree to float32's last digits, not bit for bit)
