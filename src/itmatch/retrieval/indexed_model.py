@@ -34,7 +34,8 @@ SHOWN = 3  # photo names an error lists of each kind of difference between two i
 @dataclass(frozen=True)
 class IndexedModel:
     """An index, the model that built it (checked against the index's record) and the index's encodings, prepared once
-    on the model's device (the head's per-image parts included)."""
+    on the model's device (the head's per-image parts included), in the index's row order, or, once `aligned` to an
+    ensemble's first index, in that one's (`index` keeps its own)."""
 
     index: ImageIndex
     matcher: ImageTextMatcher
