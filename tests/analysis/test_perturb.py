@@ -598,9 +598,13 @@ def test_a_parallel_study_stopped_saves_every_training_where_it_is(tiny_precomp,
 
     tag_captions(read_precomp(tiny_precomp, "train").training_captions, cache_dir=tmp_path / "tags", progress=False)
     out = tmp_path / "study"
-    argv = [sys.executable, "-m", "itmatch", "analyze", "perturb", "--preset", "vsepp", "--data", str(tiny_precomp),
-            "--out", str(out), "--protocol", "full", "--perturbations", "shuffle", "nouns", "--quiet", "--jobs", "2",
-            "--tag-cache", str(tmp_path / "tags")]
+    # SIGINT as a terminal's foreground job has it: a shell's background job (a CI started with `&`) has it ignored,
+    # and the study would then ignore the Ctrl-C as it should (engine/stop.py) and train to the end
+    as_in_a_terminal = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                        "from itmatch.cli import main; sys.exit(main(sys.argv[1:]))")
+    argv = [sys.executable, "-c", as_in_a_terminal, "analyze", "perturb", "--preset", "vsepp", "--data",
+            str(tiny_precomp), "--out", str(out), "--protocol", "full", "--perturbations", "shuffle", "nouns",
+            "--quiet", "--jobs", "2", "--tag-cache", str(tmp_path / "tags")]
     for key, value in [("model.embed_size", 32), ("model.word_dim", 16), ("train.epochs", 400),
                        ("train.batch_size", 32), ("train.val_images", 40), ("train.threads", 1),
                        ("train.log_every", 1), ("train.checkpoint_every", 0)]:
@@ -613,16 +617,21 @@ def test_a_parallel_study_stopped_saves_every_training_where_it_is(tiny_precomp,
         log = out / kind / "metrics.jsonl"
         return sum('"step"' in line for line in log.read_text().splitlines()) if log.exists() else 0
 
-    deadline = time.monotonic() + 180
-    while proc.poll() is None and time.monotonic() < deadline and min(steps("original"), steps("shuffle")) < 3:
-        time.sleep(0.05)  # (the first two trainings run side by side; nouns waits for a free process)
-    assert proc.poll() is None, proc.communicate()[1][-3000:]
     signum = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
-    if how == "SIGTERM":
-        proc.send_signal(signum)
-    else:
-        os.killpg(proc.pid, signum)
-    _, err = proc.communicate(timeout=120)
+    try:
+        deadline = time.monotonic() + 180
+        while proc.poll() is None and time.monotonic() < deadline and min(steps("original"), steps("shuffle")) < 3:
+            time.sleep(0.05)  # (the first two trainings run side by side; nouns waits for a free process)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        if how == "SIGTERM":
+            proc.send_signal(signum)
+        else:
+            os.killpg(proc.pid, signum)
+        _, err = proc.communicate(timeout=120)
+    finally:  # (a study that did not stop must not train on after the test: its trainings are in its group)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     assert proc.returncode == 128 + signum, err[-3000:]
     assert f"itmatch analyze: stopped by {signal.Signals(signum).name}: " in err and "Traceback" not in err, err[-3000:]
     assert "original, shuffle" in err and "saved where they were" in err, err[-3000:]
