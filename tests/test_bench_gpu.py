@@ -4,6 +4,7 @@ row resumes and a row whose checkpoint is missing is reported."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -73,6 +74,13 @@ def test_gpu_rows_keep_their_papers_schedules(bench):
     assert mmca.loss.warmup_epochs == config("vsepp").loss.warmup_epochs == 0
     assert config("scan_t2i_avg_no_warmup").loss.warmup_epochs == config("sman_no_warmup").loss.warmup_epochs == 0
     assert config("vsepp_warmup_seed1").train.seed == config("vsepp_seed1").train.seed == 1
+    # the best single model's three seeds: the same settings but the seed, each on the Lite2 features
+    decay4 = [config(f"mmca_alpha0_lite2_decay4{s}") for s in ("", "_seed1", "_seed2")]
+    assert [c.train.seed for c in decay4] == [0, 1, 2] and all(c.train.lr_update == 4 for c in decay4)
+    assert all(dataclasses.replace(c.train, seed=0) == decay4[0].train and c.model == decay4[0].model
+               for c in decay4)
+    assert {bench.GPU.row_data[f"mmca_alpha0_lite2_decay4{s}"] for s in ("", "_seed1", "_seed2")} == {
+        bench.DATA_LITE2}
     both = config("save_asa_ms3_both").model
     assert both.direction == "both" and (both.scan.lambda_softmax, both.scan.i2t_lambda_softmax) == (9.0, 4.0)
     assert (both.pool, both.scan.i2t_pool) == ("lse", "avg")  # SAVE Table 4's settings, t-i LSE and i-t AVG
