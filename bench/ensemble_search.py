@@ -14,7 +14,6 @@ indexes stay, so a rerun encodes nothing again. Exits with a message when the da
 from __future__ import annotations
 
 import argparse
-import csv
 import shutil
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from itmatch.data.captions import SkippedRowsWarning, read_flickr8k
+from itmatch.engine.results import read_rows
 from itmatch.pretrained import shipped
 from itmatch.retrieval.index import build_index
 from itmatch.retrieval.search import Searcher
@@ -57,10 +57,8 @@ def recalls(searcher: Searcher, pairs: list[tuple[str, str]], what: str) -> tupl
     return [100 * found[k] / len(pairs) for k in KS], (time.perf_counter() - start) / len(pairs)
 
 
-def table_figures(row: str) -> list[str]:
+def table_figures(rows: dict[str, dict[str, str]], row: str) -> list[str]:
     """The results table's text-to-image R@1/5/10 of `row` (blank where the table has no such row)."""
-    with RESULTS.open(encoding="utf-8") as f:
-        rows = {r["name"]: r for r in csv.DictReader(f)}
     return [rows[row][f"text_to_image_r{k}"] if row in rows else "" for k in KS]
 
 
@@ -93,10 +91,11 @@ def main() -> int:
           "caption's own photo among the first K; `table`: the results table's row, from extracted features")
     print(f"{'searcher':<36} {'R@1':>6} {'R@5':>6} {'R@10':>6}  {'table row':<36} {'R@1':>5} {'R@5':>5} {'R@10':>5}  "
           "s/query")
+    table = {r["name"]: r for r in read_rows(RESULTS)}
     seconds = {}
     for name, searcher in searchers.items():
         got, seconds[name] = recalls(searcher, pairs, name)
-        figures = table_figures(table_rows[name])
+        figures = table_figures(table, table_rows[name])
         print(f"{name:<36} " + " ".join(f"{r:6.1f}" for r in got) + f"  {table_rows[name]:<36} "
               + " ".join(f"{f:>5}" for f in figures) + f"  {seconds[name]:.4f}")
     alone = sum(seconds[name] for name in names)

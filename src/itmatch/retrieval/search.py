@@ -246,7 +246,8 @@ class Searcher:
 
     def encode_query(self, query: str) -> TextEmb:
         """The query as the first index's model encodes it (the one whose global embedding `candidates` reads)."""
-        return self._encode_query(query)[0]
+        self.tokens(query)
+        return self.matcher.encode_texts([query])
 
     def _encode_query(self, query: str) -> list[TextEmb]:
         """The query as each model encodes it."""
