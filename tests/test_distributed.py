@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -126,22 +128,40 @@ rank = distributed.rank()
 for name in ("gather", "local"):
     train(config_from_dict(job[name]), job["out"] + "/" + name, progress=False)
 
-mean, calls = distributed.mean_over_ranks, []
-def interrupt_at_step_11(value):  # epoch 2, batch 5: `last` holds epoch 2, batch 4
-    calls.append(value)
-    if len(calls) == 11:
+summed, steps = distributed.sum_over_ranks, []
+def interrupt_at_step_11(values):  # epoch 2, batch 5: `last` holds epoch 2, batch 4
+    if len(values) == 3:  # (a step's all-reduce: its loss and the two stop signals' votes; an epoch's end: votes)
+        steps.append(values)
+    if len(steps) == 11:
         raise KeyboardInterrupt
-    return mean(value)
-distributed.mean_over_ranks = interrupt_at_step_11
+    return summed(values)
+distributed.sum_over_ranks = interrupt_at_step_11
 try:
     train(config_from_dict(job["resume"]), job["out"] + "/resumed", progress=False)
     raise SystemExit("not interrupted")
 except KeyboardInterrupt:
     pass
-distributed.mean_over_ranks = mean
+distributed.sum_over_ranks = summed
 with open(job["out"] + f"/state{rank}.json", "w") as fh:  # what `last` held when the ranks stopped
     fh.write(open(job["out"] + "/resumed/last/state.json").read())
 train(Config(), job["out"] + "/resumed", resume=True, progress=False)
+
+import os, signal
+from itmatch.errors import TrainingStopped
+built = []
+def sigterm_to_rank_1(caption, j):  # while rank 1 alone builds its 8 captions of step 9 (epoch 2, batch 3)
+    built.append(j)
+    if rank == 1 and len(built) == 8 * 8 + 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return caption
+try:
+    train(config_from_dict(job["resume"]), job["out"] + "/stopped", progress=False, transform=sigterm_to_rank_1)
+    raise SystemExit("not stopped")
+except TrainingStopped as exc:
+    with open(job["out"] + f"/stopped{rank}.json", "w") as fh:  # what each rank said, and what `last` held
+        json.dump({"signum": exc.signum, "message": exc.message,
+                   "state": json.load(open(job["out"] + "/stopped/last/state.json"))}, fh)
+train(Config(), job["out"] + "/stopped", resume=True, progress=False)
 # a one-process run continued by two processes: rank 1 draws its own stream, not rank 0's saved one again
 train(Config(), job["out"] + "/regrouped", resume=True, progress=False, resume_overrides={"train": {"epochs": 2}})
 
@@ -264,8 +284,8 @@ def runs(tiny_precomp, tiny_search_setup, tmp_path_factory) -> dict[str, Path]:
     job.update(images=str(images), table=rows, photos=str(tiny_search_setup["photos"]),
                checkpoint=str(tiny_search_setup["checkpoint"]))
     run_ranks(WORKER, json.dumps(job))
-    return {**tiny_search_setup, **out, **{k: root / k for k in ("gather", "local", "resumed")}, "root": root,
-            "data": tiny_precomp, "table": rows}
+    two_ranks = {k: root / k for k in ("gather", "local", "resumed", "stopped")}
+    return {**tiny_search_setup, **out, **two_ranks, "root": root, "data": tiny_precomp, "table": rows}
 
 
 def test_two_processes_with_gathered_negatives_equal_one_process(runs):
@@ -311,6 +331,20 @@ def test_resume_in_two_processes_equals_an_uninterrupted_run(runs):
     assert_close_records(records(runs["resumed"]), records(runs["straight"]))
 
 
+def test_a_stop_signal_to_one_rank_stops_every_rank_at_the_same_step_and_resume_ends_as_the_uninterrupted_run(runs):
+    """SIGTERM to rank 1 alone (`kill PID` of one worker) while it builds step 9's batch: both ranks learn of it in
+    that step's all-reduce, save `last/` at that step together and end with the same TrainingStopped (rank 0 was
+    sent nothing; had it trained on, it would have waited in its next all-reduce until the timeout). Resumed by
+    the two ranks, the run ends as the uninterrupted run: its parameters and its log."""
+    for rank in (0, 1):
+        said = json.loads((runs["root"] / f"stopped{rank}.json").read_text())
+        assert said["signum"] == signal.SIGTERM
+        assert said["message"].startswith("stopped by SIGTERM at epoch 2, batch 3 of 6 (step 9); saved to ")
+        assert (said["state"]["epoch"], said["state"]["batch"], said["state"]["step"]) == (1, 3, 9)
+    assert max_diff(weights(runs["stopped"]), weights(runs["straight"])) <= 1e-6
+    assert_close_records(records(runs["stopped"]), records(runs["straight"]))
+
+
 def test_a_run_resumed_by_more_processes_gives_each_rank_its_own_random_stream(runs):
     """A run saved by one process resumed by two: the saved streams are rank 0's, and rank 1 is reseeded from the
     run's seed, its rank and the step, so the two ranks do not draw the same dropout masks from then on."""
@@ -321,7 +355,7 @@ def test_a_run_resumed_by_more_processes_gives_each_rank_its_own_random_stream(r
 
 
 def test_only_rank_0_writes_and_batch_size_must_split_evenly(runs):
-    for name in ("gather", "local", "resumed"):
+    for name in ("gather", "local", "resumed", "stopped"):
         assert not [p for p in runs[name].iterdir() if p.name.endswith(".partial")]
     for rank in (0, 1):
         assert "not divisible by the 2 processes" in (runs["root"] / f"odd{rank}.txt").read_text()
@@ -418,6 +452,42 @@ def test_cli_train_and_evaluate_under_torchrun(tiny_precomp, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("rsum") == 1
     shutil.rmtree(out)
+
+
+@pytest.mark.slow
+def test_torchrun_sent_sigterm_saves_where_its_ranks_are_and_resumes(tiny_precomp, tmp_path):
+    """`kill TORCHRUN_PID` (a scheduler's SIGTERM): torchrun's agent passes it on to each worker, once; the ranks
+    agree on the step, save `last/` there and end, rank 0 alone saying so; `--resume` under torchrun trains on from
+    that step. (Before, the workers died of it and the run lost everything since its last checkpoint.)"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "itmatch",
+              "train", "--out", str(out)]
+    agent = subprocess.Popen([*launch, "--preset", "scan_t2i_avg", "--data", str(tiny_precomp), "--set",
+                              "model.embed_size=32", "--set", "model.word_dim=32", "--set", "train.epochs=20", "--set",
+                              "train.batch_size=16", "--set", "train.val_images=20", "--set", "train.log_every=1"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().count('"step"') >= 3):
+            assert agent.poll() is None and time.monotonic() < deadline, "the training did not start its steps"
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGTERM)
+        stderr = agent.communicate(timeout=120)[1]
+    finally:
+        agent.kill()
+    assert stderr.count("itmatch train: stopped by SIGTERM") == 1, stderr  # (rank 0 alone)
+    assert "; the same command with --resume continues from there" in stderr
+    state = json.loads((out / "last" / "state.json").read_text())
+    assert state["step"] >= 3 and state["epoch"] < 20
+    assert not [p for p in out.iterdir() if p.name.endswith(".partial")]
+    done = subprocess.run([*launch, "--resume", "--set", f"train.epochs={state['epoch'] + 1}"], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    trained = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in trained if "step" in r and "epoch" in r and "loss" in r]
+    assert steps == list(range(1, steps[-1] + 1))  # every step once: none lost, none repeated
+    assert trained[-1]["epoch"] == state["epoch"] + 1
 
 
 class _MergeStopped(BaseException):

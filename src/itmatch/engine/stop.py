@@ -7,6 +7,13 @@ state that match no step), saves `last/` at that batch (the mid-epoch save that 
 and ends with `TrainingStopped`. A validation, which changes nothing and is run again on resuming, is cut short
 instead (`StopRequest.interruptible`), so the wait is at most a step and a save. A second signal acts as it would
 have without this (SIGINT raises KeyboardInterrupt, SIGTERM ends the process), for a user who cannot wait.
+
+Under torchrun the ranks must stop at the same step: each rank's save of `last/` is a collective, and a rank that
+stopped while the others trained on would leave them waiting in their next all-reduce until the timeout. A signal
+there may reach one rank (`kill PID` of a worker) or all of them (torchrun's agent passes the signal it gets on to
+every worker, once: torch >= 2.2 starts the workers in their own session, out of reach of a terminal's Ctrl-C). So
+the request is `shared` there: each rank votes in the all-reduce it does every step anyway (`agree`), and all stop
+at the first step where any rank was asked; a validation, sharded and full of collectives, is not cut short.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
+from itmatch import distributed as dist
+
 #: the signals that ask a training to stop
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -30,15 +39,22 @@ class StopNow(Exception):
 
 
 class StopRequest:
-    """Which stop signal arrived first (None: none yet); the training loop reads it between steps."""
+    """Which stop signal arrived first (None: none yet); the training loop reads it between steps. `shared` (under
+    torchrun): the ranks' agreed request instead, settled by `agree`, so that every rank reads the same."""
 
-    def __init__(self) -> None:
-        self.signal: int | None = None
+    def __init__(self, shared: bool = False) -> None:
+        self.signal: int | None = None  # the first stop signal this process received
+        self.shared = shared
+        self._agreed: int | None = None
         self._interruptible = False
 
     @contextlib.contextmanager
     def interruptible(self) -> Iterator[None]:
-        """Work that may be cut short by the request (StopNow raised where it is): nothing it does outlives it."""
+        """Work that may be cut short by the request (StopNow raised where it is): nothing it does outlives it.
+        Shared, nothing is cut short: the ranks would be cut at different collectives."""
+        if self.shared:
+            yield
+            return
         if self.requested:
             raise StopNow
         self._interruptible = True
@@ -47,13 +63,30 @@ class StopRequest:
         finally:
             self._interruptible = False
 
+    def agree(self, *means: float) -> list[float]:
+        """`means` averaged over the ranks, in the one all-reduce that also settles the request: stop if any rank
+        was asked, for the first of STOP_SIGNALS that any rank received (the same answer on every rank). In one
+        process, `means` as they are, and the request is this process's own."""
+        if not self.shared:
+            return list(means)
+        votes = [float(self.signal == sig) for sig in STOP_SIGNALS]
+        sums = dist.sum_over_ranks([*means, *votes])
+        if self._agreed is None:
+            self._agreed = next((sig for sig, n in zip(STOP_SIGNALS, sums[len(means):], strict=True) if n > 0), None)
+        return [total / dist.world_size() for total in sums[:len(means)]]
+
+    @property
+    def decided(self) -> int | None:
+        """The stop signal the training acts on: this process's, or shared, the ranks' agreed one."""
+        return self._agreed if self.shared else self.signal
+
     @property
     def requested(self) -> bool:
-        return self.signal is not None
+        return self.decided is not None
 
     @property
     def name(self) -> str:
-        return signal.Signals(self.signal).name if self.signal is not None else ""
+        return signal.Signals(self.decided).name if self.decided is not None else ""
 
 
 #: the stop signal a training process (`start_training_process`) received, within a training or between two: every
@@ -63,18 +96,18 @@ _in_training_process = False
 
 
 @contextlib.contextmanager
-def stop_on_signal(enabled: bool = True, announce: bool = True, *,
+def stop_on_signal(enabled: bool = True, announce: bool = True, *, shared: bool = False,
                    on_signal: Callable[[int, bool], None] | None = None,
                    what: str = "the training saves where it is, then stops") -> Iterator[StopRequest]:
     """Catch SIGINT and SIGTERM while the block runs (the handlers are put back after it). Off where a signal
-    handler cannot be set (not the main thread) or when not `enabled` (under torchrun, where every rank would have
-    to agree on the step to stop at): the request then never comes and the signals act as they always did.
+    handler cannot be set (not the main thread) or when not `enabled`: the request then never comes and the signals
+    act as they always did. `shared`: the ranks of a torchrun group agree on the request (`StopRequest.agree`).
     `announce`: say on stderr, at the first signal, what happens now (`what`). A signal ignored when the block begins
     stays ignored: a shell starts a background job (`itmatch train ... &`) with SIGINT ignored so that a Ctrl-C meant
     for the foreground leaves it alone, and Python itself keeps such a SIGINT ignored. `on_signal(signum, first)` is
     called at each signal before it is acted on (a parent passes it on to the processes that train for it:
     `pass_stop_on`)."""
-    request = StopRequest()
+    request = StopRequest(shared)
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield request
         return

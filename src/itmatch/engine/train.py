@@ -487,7 +487,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     as from `parse_overrides`; train.* and data locations only) are applied, e.g. {"train": {"epochs": 30}}.
     `trust_modified` loads checkpoints (`last`, train.init_from) whose files differ from their manifest.
     `stop_signals`: a SIGINT or SIGTERM while it trains saves where it is and raises `TrainingStopped`
-    (engine/stop.py); off, or under torchrun, they end the process as they always did.
+    (engine/stop.py), under torchrun on every rank at the same step; off, they end the process as they always did.
     Resuming a run that has trained all its epochs trains nothing: its result then holds a "note" saying so and
     how to train on (logged too; the CLI prints it).
 
@@ -667,13 +667,13 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         save_last()
 
     def stopped(where: str) -> TrainingStopped:
-        return TrainingStopped(f"stopped by {stop.name} {where}; saved to {last}", int(stop.signal or 0),
+        return TrainingStopped(f"stopped by {stop.name} {where}; saved to {last}", int(stop.decided or 0),
                                resume=f"itmatch train --out {run_dir} --resume")
 
     best: dict[str, Any] = state.get("best_result", {})
-    # a stop signal is honoured between steps, after a save (engine/stop.py); off under torchrun, where the
-    # ranks would have to agree on the step
-    with stop_on_signal(enabled=stop_signals and not distributed, announce=progress) as stop:
+    # a stop signal is honoured between steps, after a save (engine/stop.py); under torchrun at the same step on
+    # every rank, the first where any rank was asked (`stop.agree`)
+    with stop_on_signal(enabled=stop_signals, announce=progress, shared=distributed) as stop:
         for epoch in range(state["epoch"], cfg.train.epochs):
             batches = epoch_batches(cfg, lengths, len(dataset), epoch)
             n_batches = len(batches) if cfg.train.max_batches <= 0 else min(len(batches), cfg.train.max_batches)
@@ -710,7 +710,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 scaler.step(optimizer)
                 scaler.update()
                 state["step"] += 1
-                value = dist.mean_over_ranks(loss.item())  # the loss whose gradient the ranks averaged
+                value, = stop.agree(loss.item())  # the loss whose gradient the ranks averaged, and their stop
                 if not math.isfinite(value):  # stop before anything is saved: its step wrote NaN into the weights
                     lower = f"train.lr={cfg.train.lr / 10:g}"
                     again = (f"train on from its last checkpoint with a lower learning rate: itmatch train --out "
@@ -730,6 +730,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 if (every > 0 and (b + 1) % every == 0 and b + 1 < n_batches) or stop.requested:
                     save_within_epoch(b + 1, running, time.perf_counter() - started, time.process_time() - started_cpu)
                 if stop.requested:  # (a run saved at its epoch's last batch validates that epoch when resumed)
+                    dist.barrier()  # (torchrun: no rank ends, and has the agent stop the others, before the save)
                     bar.close()  # (the CLI's last line comes after the bar, not inside it)
                     raise stopped(f"at epoch {epoch + 1}, batch {b + 1} of {n_batches} (step {state['step']})")
             bar.close()
@@ -740,7 +741,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 with stop.interruptible():  # (cut short by a stop: it changes nothing, and a resumed run runs it again)
                     result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank,
                                              prune=cfg.train.val_prune, precision=cfg.train.precision)
-            except StopNow:
+            except StopNow:  # (in one process only: a shared request never cuts a validation short)
                 save_within_epoch(n_batches, running, train_seconds, train_cpu_seconds)
                 raise stopped(f"at epoch {epoch + 1}, in its validation") from None
             record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
@@ -767,7 +768,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                     save_checkpoint(run_dir / "best", model, cfg, vocab, state=state)
             state["best_result"] = best
             save_last()
+            stop.agree()  # (torchrun: whether any rank was asked during the validation or its saves)
             if stop.requested and epoch + 1 < cfg.train.epochs:  # (asked during the validation or its saves)
+                dist.barrier()
                 raise stopped(f"after epoch {epoch + 1}")
     log.close()
     return {"best_epoch": state["best_epoch"], "best_rsum": state["best_rsum"], "best": best}
