@@ -4,7 +4,7 @@ the photos once per model (`itmatch index`), search every test caption (5000) th
 same models (docs/results/flickr8k_gpu.csv, evaluated from extracted features by `itmatch evaluate`), and the
 seconds a query takes, each searcher measured in the same run (docs/search.md, 'Ensembles').
 
-    python bench/ensemble_search.py [--models mmca_alpha0_lite2_decay4-flickr8k,vsepp-flickr8k]
+    python bench/ensemble_search.py [--models mmca_alpha0_lite2_decay4-flickr8k,vsepp_seed1-flickr8k]
                                     [--table-row ensemble_dev_pick_shipped] [--data ../shared/data/flickr8k]
 
 The photos are copied into --work (default runs/bench/ensemble_search, git-ignored; never the repository), where the
@@ -64,7 +64,7 @@ def table_figures(rows: dict[str, dict[str, str]], row: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="mmca_alpha0_lite2_decay4-flickr8k,vsepp-flickr8k",
+    p.add_argument("--models", default="mmca_alpha0_lite2_decay4-flickr8k,vsepp_seed1-flickr8k",
                    help="comma-separated shipped model names, the ensemble's members (default: the pair "
                         "ensemble_dev_pick_shipped chose on dev)")
     p.add_argument("--table-row", default="ensemble_dev_pick_shipped",

@@ -135,12 +135,12 @@ def tiny_search_setup(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def shipped_vsepp_index(tiny_search_setup, tmp_path_factory) -> Path:
-    """The 12 test photos indexed with the shipped VSE++ model (`vsepp-flickr8k`, by name, through the real CNN): a
-    model whose score has no per-word attention, as a user of the shipped models meets it."""
+    """The 12 test photos indexed with the shipped VSE++ model (`vsepp_seed1-flickr8k`, by name, through the real
+    CNN): a model whose score has no per-word attention, as a user of the shipped models meets it."""
     from itmatch.retrieval.index import build_index
 
     out = tmp_path_factory.mktemp("shipped_vsepp") / "index"
-    build_index(tiny_search_setup["photos"], "vsepp-flickr8k", out, progress=False)
+    build_index(tiny_search_setup["photos"], "vsepp_seed1-flickr8k", out, progress=False)
     return out
 
 

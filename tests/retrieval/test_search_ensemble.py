@@ -44,7 +44,7 @@ def test_an_ensemble_ranks_every_photo_by_the_mean_of_its_models_scores(scan_ind
     hits = ensemble.search(QUERY, k=12)
     assert [h.rank for h in hits] == list(range(1, 13)) and [h.id for h in hits] == [i for _, i in expected]
     assert np.allclose([h.score for h in hits], [s for s, _ in expected], atol=1e-5)
-    assert [m.name for m in ensemble.members] == ["vsepp-flickr8k", "scan_t2i_avg"]
+    assert [m.name for m in ensemble.members] == ["vsepp_seed1-flickr8k", "scan_t2i_avg"]
     # the two models' scores differ enough for the mean to rank otherwise than either model alone: not vacuous
     assert [h.id for h in hits] != [h.id for h in vsepp.search(QUERY, k=12)]
 
@@ -148,7 +148,7 @@ def test_the_shipped_dev_pick_searches_across_backbones(shipped_vsepp_index, tin
     assert len(ensemble.search("a dog runs on the grass", k=12)) == 12
     assert not ensemble.explains
     assert ensemble.explain_note.startswith("This ensemble's models (mmca_alpha0_lite2_decay4-flickr8k, "
-                                            "vsepp-flickr8k) all score a photo without attending")
+                                            "vsepp_seed1-flickr8k) all score a photo without attending")
 
 
 def test_a_shortlist_is_the_first_models_and_every_model_scores_it(scan_index, shipped_vsepp_index):
@@ -175,7 +175,7 @@ def test_itmatch_serve_with_an_ensemble_answers_its_ranking_over_http(scan_index
         url = f"http://127.0.0.1:{port}/api/search?q={urllib.parse.quote(QUERY)}&k=5"
         with urllib.request.urlopen(url, timeout=30) as resp:
             got = [(r["id"], r["score"]) for r in json.load(resp)["results"]]
-    assert "each photo is ranked by the mean score of 2 models: vsepp-flickr8k, scan_t2i_avg" in "".join(lines)
+    assert "each photo is ranked by the mean score of 2 models: vsepp_seed1-flickr8k, scan_t2i_avg" in "".join(lines)
     expected = Searcher(shipped_vsepp_index, ensemble=[scan_index]).search(QUERY, k=5)
     # (another process may sum in another order: the scores agree to float32's last digits, not bit for bit)
     assert [i for i, _ in got] == [h.id for h in expected]
