@@ -923,15 +923,6 @@ def _how_to_continue(args: argparse.Namespace, saved: bool = False) -> str:
     return ""
 
 
-def _is_main_rank() -> bool:
-    """Rank 0 of a torchrun group, or a process on its own (torch not imported yet: no group)."""
-    if "itmatch.distributed" not in sys.modules:
-        return True
-    from itmatch.distributed import is_main
-
-    return is_main()
-
-
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     finished = False  # the command returned: every rank reaches the final barrier
@@ -945,7 +936,9 @@ def _run(argv: list[str] | None) -> int:
         print(f"itmatch {args.verb}: error: {exc}", file=sys.stderr)
         return 2
     except TrainingStopped as exc:  # (saved first: engine/stop.py)
-        if _is_main_rank():  # (under torchrun every rank stops at the same step: one says so)
+        from itmatch.distributed import is_main  # (a training stopped: torch is loaded already)
+
+        if is_main():  # (under torchrun every rank stops at the same step: one says so)
             print(f"itmatch {args.verb}: {exc.message}{_how_to_continue(args, saved=True)}", file=sys.stderr)
         return 128 + exc.signum  # what the signal alone would have made of the exit status
     except KeyboardInterrupt:

@@ -182,11 +182,6 @@ def max_over_ranks(value: int) -> int:
     return int(t.item())
 
 
-def mean_over_ranks(value: float) -> float:
-    """The mean of a float over the ranks (the logged loss: mean of the per-rank losses)."""
-    return sum_over_ranks([value])[0] / world_size()
-
-
 def sum_over_ranks(values: Sequence[float]) -> list[float]:
     """Each of `values` summed over the ranks, all in one all-reduce (float64): several figures a step cost one
     collective, and one host sync, instead of one each."""

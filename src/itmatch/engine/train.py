@@ -667,6 +667,9 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         save_last()
 
     def stopped(where: str) -> TrainingStopped:
+        """The stop's exception, once every rank is past rank 0's save (torchrun's agent stops the other workers as
+        soon as one ends: none may end before the save)."""
+        dist.barrier()
         return TrainingStopped(f"stopped by {stop.name} {where}; saved to {last}", int(stop.decided or 0),
                                resume=f"itmatch train --out {run_dir} --resume")
 
@@ -730,7 +733,6 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 if (every > 0 and (b + 1) % every == 0 and b + 1 < n_batches) or stop.requested:
                     save_within_epoch(b + 1, running, time.perf_counter() - started, time.process_time() - started_cpu)
                 if stop.requested:  # (a run saved at its epoch's last batch validates that epoch when resumed)
-                    dist.barrier()  # (torchrun: no rank ends, and has the agent stop the others, before the save)
                     bar.close()  # (the CLI's last line comes after the bar, not inside it)
                     raise stopped(f"at epoch {epoch + 1}, batch {b + 1} of {n_batches} (step {state['step']})")
             bar.close()
@@ -770,7 +772,6 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             save_last()
             stop.agree()  # (torchrun: whether any rank was asked during the validation or its saves)
             if stop.requested and epoch + 1 < cfg.train.epochs:  # (asked during the validation or its saves)
-                dist.barrier()
                 raise stopped(f"after epoch {epoch + 1}")
     log.close()
     return {"best_epoch": state["best_epoch"], "best_rsum": state["best_rsum"], "best": best}
