@@ -2,10 +2,14 @@
 the photos once per model (`itmatch index`), search every test caption (5000) through `Searcher`, as a user's
 `itmatch search` does, and report text-to-image R@1/5/10 per searcher beside the results table's figures for the
 same models (docs/results/flickr8k_gpu.csv, evaluated from extracted features by `itmatch evaluate`), and the
-seconds a query takes, each searcher measured in the same run (docs/search.md, 'Ensembles').
+seconds a query takes, each searcher measured in the same run (docs/search.md, 'Ensembles'). Then the other way, as
+`itmatch search INDEX --image PHOTO --captions FILE` does: each test photo (or the first --photos) searched over the
+5000 test captions, image-to-text R@1/5/10 (a photo's own captions, matched by their text) and the seconds a photo
+query takes (decoding the photo and reading it through the CNN included).
 
     python bench/ensemble_search.py [--models mmca_alpha0_lite2_decay4-flickr8k,vsepp_seed1-flickr8k]
                                     [--table-row ensemble_dev_pick_shipped] [--data ../shared/data/flickr8k]
+                                    [--photos N]
 
 The photos are copied into --work (default runs/bench/ensemble_search, git-ignored; never the repository), where the
 indexes stay, so a rerun encodes nothing again. Exits with a message when the data is absent.
@@ -57,9 +61,44 @@ def recalls(searcher: Searcher, pairs: list[tuple[str, str]], what: str) -> tupl
     return [100 * found[k] / len(pairs) for k in KS], (time.perf_counter() - start) / len(pairs)
 
 
-def table_figures(rows: dict[str, dict[str, str]], row: str) -> list[str]:
-    """The results table's text-to-image R@1/5/10 of `row` (blank where the table has no such row)."""
-    return [rows[row][f"text_to_image_r{k}"] if row in rows else "" for k in KS]
+def photo_recalls(searcher: Searcher, pairs: list[tuple[str, str]], photos: Path, n: int | None, what: str
+                  ) -> tuple[list[float], float]:
+    """Image-to-text R@K (percent) of the first `n` test photos (all: None), each searched over the captions the
+    searcher holds (the test captions), and the mean seconds of one photo query after a first, untimed one (which
+    encodes the captions and loads the CNNs)."""
+    own: dict[str, set[str]] = {}
+    for image, caption in pairs:
+        own.setdefault(image, set()).add(caption)
+    images = list(own)[:n]
+    searcher.search_image(photos / images[0], k=1)
+    found = dict.fromkeys(KS, 0)
+    start = time.perf_counter()
+    for image in tqdm(images, desc=f"{what} (photos)", unit="query"):
+        ranked = [r["caption"] for r in searcher.search_image(photos / image, k=max(KS))]
+        for k in KS:
+            found[k] += not own[image].isdisjoint(ranked[:k])
+    return [100 * found[k] / len(images) for k in KS], (time.perf_counter() - start) / len(images)
+
+
+def table_figures(rows: dict[str, dict[str, str]], row: str, direction: str = "text_to_image") -> list[str]:
+    """The results table's R@1/5/10 of `row` in `direction` (blank where the table has no such row)."""
+    return [rows[row][f"{direction}_r{k}"] if row in rows else "" for k in KS]
+
+
+def report(title: str, measured: dict[str, tuple[list[float], float]], table: dict[str, dict[str, str]],
+           table_rows: dict[str, str], direction: str, members: list[str], device: object) -> None:
+    """One line per searcher (its recalls beside its table row's) and the ensemble's query time against its
+    members' queries run one after the other."""
+    print(title)
+    print(f"{'searcher':<36} {'R@1':>6} {'R@5':>6} {'R@10':>6}  {'table row':<36} {'R@1':>5} {'R@5':>5} {'R@10':>5}  "
+          "s/query")
+    for name, (got, seconds) in measured.items():
+        figures = table_figures(table, table_rows[name], direction)
+        print(f"{name:<36} " + " ".join(f"{r:6.1f}" for r in got) + f"  {table_rows[name]:<36} "
+              + " ".join(f"{f:>5}" for f in figures) + f"  {seconds:.4f}")
+    alone, together = sum(measured[name][1] for name in members), measured["ensemble"][1]
+    print(f"an ensemble query takes {together / alone:.2f}x its members' queries together "
+          f"({together:.4f} s against {alone:.4f} s), on {device}")
 
 
 def main() -> int:
@@ -71,6 +110,8 @@ def main() -> int:
                    help="the results table's row of the ensemble, printed beside it")
     p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/flickr8k")
     p.add_argument("--work", type=Path, default=Path("runs/bench/ensemble_search"))
+    p.add_argument("--photos", type=int, default=None,
+                   help="photo queries: the first N test photos (default all 1000; 0: no photo queries)")
     args = p.parse_args()
     if not (args.data / "images").is_dir():
         print(f"no Flickr8K photos at {args.data / 'images'} (the shared data): nothing to measure", file=sys.stderr)
@@ -84,23 +125,23 @@ def main() -> int:
     for name in names:
         indexes.append(args.work / name)
         build_index(args.work / "photos", name, indexes[-1])
-    searchers = {name: Searcher(index) for name, index in zip(names, indexes, strict=True)}
-    searchers["ensemble"] = Searcher(indexes[0], ensemble=indexes[1:])
+    captions = [caption for _, caption in pairs]
+    searchers = {name: Searcher(index, captions=captions) for name, index in zip(names, indexes, strict=True)}
+    searchers["ensemble"] = Searcher(indexes[0], ensemble=indexes[1:], captions=captions)
     table_rows = {**{name: models[name].card["results"]["name"] for name in names}, "ensemble": args.table_row}
-    print(f"{len(pairs)} test captions over {len({i for i, _ in pairs})} photos; text-to-image recall (%), each "
-          "caption's own photo among the first K; `table`: the results table's row, from extracted features")
-    print(f"{'searcher':<36} {'R@1':>6} {'R@5':>6} {'R@10':>6}  {'table row':<36} {'R@1':>5} {'R@5':>5} {'R@10':>5}  "
-          "s/query")
     table = {r["name"]: r for r in read_rows(RESULTS)}
-    seconds = {}
-    for name, searcher in searchers.items():
-        got, seconds[name] = recalls(searcher, pairs, name)
-        figures = table_figures(table, table_rows[name])
-        print(f"{name:<36} " + " ".join(f"{r:6.1f}" for r in got) + f"  {table_rows[name]:<36} "
-              + " ".join(f"{f:>5}" for f in figures) + f"  {seconds[name]:.4f}")
-    alone = sum(seconds[name] for name in names)
-    print(f"an ensemble query takes {seconds['ensemble'] / alone:.2f}x its members' queries together "
-          f"({seconds['ensemble']:.4f} s against {alone:.4f} s), on {searchers['ensemble'].matcher.device}")
+    device = searchers["ensemble"].matcher.device
+    texts = {name: recalls(searcher, pairs, name) for name, searcher in searchers.items()}
+    n_photos = len({image for image, _ in pairs})
+    report(f"{len(pairs)} test captions over {n_photos} photos; text-to-image recall (%), each "
+           "caption's own photo among the first K; `table`: the results table's row, from extracted features",
+           texts, table, table_rows, "text_to_image", names, device)
+    if args.photos != 0:
+        photos = {name: photo_recalls(searcher, pairs, args.work / "photos", args.photos, name)
+                  for name, searcher in searchers.items()}
+        report(f"\n{min(args.photos or n_photos, n_photos)} test photos over the {len(pairs)} "
+               "test captions; image-to-text recall (%), one of the photo's captions among the first K",
+               photos, table, table_rows, "image_to_text", names, device)
     return 0
 
 

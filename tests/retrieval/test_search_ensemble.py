@@ -60,10 +60,47 @@ def test_an_ensemble_ranks_captions_by_the_mean_and_only_those_every_model_reads
     assert singles[0].captions_without_known_word == []
     results = ensemble.search_image(photo, k=100)
     assert len(results) == 20
-    alone = [{r["caption"]: r["score"] for r in s.search_image(photo, k=100)} for s in singles]
-    for r in results:
-        assert r["score"] == pytest.approx((alone[0][r["caption"]] + alone[1][r["caption"]]) / 2, abs=1e-5)
+    mean = _mean_of_singles(captions, photo, shipped_vsepp_index, scan_index)
+    assert all(r["score"] == pytest.approx(mean[r["caption"]], abs=1e-5) for r in results)
     assert [r["score"] for r in results] == sorted((r["score"] for r in results), reverse=True)
+
+
+def test_a_photo_query_decodes_the_photo_once_and_runs_each_shared_cnn_once(scan_index, shipped_vsepp_index,
+                                                                             tiny_search_setup, monkeypatch):
+    import itmatch.retrieval.matcher as matcher_module
+    import itmatch.retrieval.search as search_module
+
+    captions = tiny_search_setup["captions"].read_text().splitlines()[:20]
+    photo = tiny_search_setup["photos"] / "test_00004.png"
+    ensemble = Searcher(shipped_vsepp_index, ensemble=[scan_index], captions=captions)
+    ensemble.search_image(photo)  # (the captions are encoded at the first photo query)
+    # both models read Lite0's cells on the CPU: one reading, so one decode and one CNN pass serve the two
+    assert len({m.matcher.photo_reading() for m in ensemble.members}) == 1
+    calls = {"decode": 0, "cnn": 0}
+
+    def counted(name, real):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(search_module, "decode_image", counted("decode", search_module.decode_image))
+    monkeypatch.setattr(matcher_module, "decode_image", counted("decode", matcher_module.decode_image))
+    monkeypatch.setattr(matcher_module, "grid_features", counted("cnn", matcher_module.grid_features))
+    results = ensemble.search_image(photo, k=100)
+    assert calls == {"decode": 1, "cnn": 1}
+    # the shared features give each model its own scores: the mean of the single-model searches
+    mean = _mean_of_singles(captions, photo, shipped_vsepp_index, scan_index)
+    assert all(r["score"] == pytest.approx(mean[r["caption"]], abs=1e-5) for r in results)
+
+
+def _mean_of_singles(captions, photo, *indexes) -> dict[str, float]:
+    """Each caption's mean score over single-model searches of `photo`, one index each (of the captions every one
+    of them ranks)."""
+    alone = [{r["caption"]: r["score"] for r in Searcher(index, captions=captions).search_image(photo, k=100)}
+             for index in indexes]
+    return {caption: sum(a[caption] for a in alone) / len(alone) for caption in alone[0]
+            if all(caption in a for a in alone)}
 
 
 def test_a_query_no_model_of_the_ensemble_can_read_is_refused_naming_that_model(scan_index, shipped_vsepp_index):
@@ -143,9 +180,16 @@ def test_the_shipped_dev_pick_searches_across_backbones(shipped_vsepp_index, tin
     cells, VSE++ on Lite0 cells, each index read through its own CNN; neither draws attention maps, and says so."""
     mmca = tmp_path / "mmca"
     build_index(tiny_search_setup["photos"], "mmca_alpha0_lite2_decay4-flickr8k", mmca, progress=False)
-    ensemble = Searcher(mmca, ensemble=[shipped_vsepp_index])
+    captions = ["a dog runs on the grass", "a man rides a bike down the street", "two children play in the water"]
+    ensemble = Searcher(mmca, ensemble=[shipped_vsepp_index], captions=captions)
     assert [m.index.manifest["model"]["backbone"] for m in ensemble.members] == ["lite2", "lite0"]
     assert len(ensemble.search("a dog runs on the grass", k=12)) == 12
+    # photo -> captions: two CNNs, so the photo is read twice, each model through its own
+    assert len({m.matcher.photo_reading() for m in ensemble.members}) == 2
+    photo = tiny_search_setup["photos"] / "test_00004.png"
+    mean = _mean_of_singles(captions, photo, mmca, shipped_vsepp_index)
+    results = ensemble.search_image(photo, k=3)
+    assert [r["score"] for r in results] == pytest.approx(sorted(mean.values(), reverse=True), abs=1e-5)
     assert not ensemble.explains
     assert ensemble.explain_note.startswith("This ensemble's models (mmca_alpha0_lite2_decay4-flickr8k, "
                                             "vsepp_seed1-flickr8k) all score a photo without attending")

@@ -165,6 +165,12 @@ class ImageTextMatcher:
             return MultiScaleArray({s: torch.cat([p[s] for p in parts]).numpy() for s in inputs})
         return torch.cat(parts)
 
+    def photo_reading(self) -> tuple[str, tuple[str, ...], Placement]:
+        """How this model reads a photo: its CNN, what it takes of it (cells, stage maps or pixels) and where it
+        runs. Two models with the same reading get the same `image_features` of a photo, so an ensemble computes
+        them once for both."""
+        return self.backbone_name, image_inputs(self.checkpoint.config.model), self.placement
+
     def expected_input(self) -> tuple[str, tuple[int | None, ...]]:
         """What the model reads for N images given precomputed: a description and the shape after N (None where
         the model does not fix the size), e.g. ("region features", (49, 1280)) for a model of Lite0 features,

@@ -296,8 +296,17 @@ class Searcher:
         with self._lock:
             if self._caption_embs is None:
                 self._caption_embs = [member.matcher.encode_texts(self.captions) for member in self.members]
-            scores = _mean([member.scores(member.matcher.encode_images([image]), captions)
-                            for member, captions in zip(self.members, self._caption_embs, strict=True)])[0]
+            # the photo is decoded once, and read once by each CNN the ensemble's models share (a model's photo
+            # features are a function of its reading alone: matcher.photo_reading)
+            photo = decode_image(image) if isinstance(image, (str, Path, bytes)) else image
+            read: dict[tuple, Any] = {}
+            scores = []
+            for member, captions in zip(self.members, self._caption_embs, strict=True):
+                reading = member.matcher.photo_reading()
+                if reading not in read:
+                    read[reading] = member.matcher.image_features([photo])
+                scores.append(member.scores(member.matcher.encode_images(read[reading]), captions))
+            scores = _mean(scores)[0]
         top = torch.topk(scores.masked_fill(~self._rankable.to(scores.device), -torch.inf), min(k, rankable))
         return [{"rank": r + 1, "caption": self.captions[int(i)], "score": round(float(s), 6),
                  "unknown_words": self._caption_unknown[int(i)]}
