@@ -1,15 +1,15 @@
 """Photo search with an ensemble of shipped models against each model alone, on the 1000 Flickr8K test photos: index
-the photos once per model (`itmatch index`), search every test caption (5000) through `Searcher`, as a user's
-`itmatch search` does, and report text-to-image R@1/5/10 per searcher beside the results table's figures for the
-same models (docs/results/flickr8k_gpu.csv, evaluated from extracted features by `itmatch evaluate`), and the
-seconds a query takes, each searcher measured in the same run (docs/search.md, 'Ensembles'). Then the other way, as
-`itmatch search INDEX --image PHOTO --captions FILE` does: each test photo (or the first --photos) searched over the
-5000 test captions, image-to-text R@1/5/10 (a photo's own captions, matched by their text) and the seconds a photo
-query takes (decoding the photo and reading it through the CNN included).
+the photos once per model (`itmatch index`), search every test caption (5000, or the first --queries) through
+`Searcher`, as a user's `itmatch search` does, and report text-to-image R@1/5/10 per searcher beside the results
+table's figures for the same models (docs/results/flickr8k_gpu.csv, evaluated from extracted features by `itmatch
+evaluate`), and the seconds a query takes, each searcher measured in the same run (docs/search.md, 'Ensembles').
+Then the other way, as `itmatch search INDEX --image PHOTO --captions FILE` does: each test photo (or the first
+--photos) searched over the 5000 test captions, image-to-text R@1/5/10 (a photo's own captions, matched by their
+text) and the seconds a photo query takes (decoding the photo and reading it through the CNN included).
 
     python bench/ensemble_search.py [--models mmca_alpha0_lite2_decay4-flickr8k,vsepp_seed1-flickr8k]
                                     [--table-row ensemble_dev_pick_shipped] [--data ../shared/data/flickr8k]
-                                    [--photos N]
+                                    [--queries N] [--photos N]
 
 The photos are copied into --work (default runs/bench/ensemble_search, git-ignored; never the repository), where the
 indexes stay, so a rerun encodes nothing again. Exits with a message when the data is absent.
@@ -110,6 +110,8 @@ def main() -> int:
                    help="the results table's row of the ensemble, printed beside it")
     p.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/flickr8k")
     p.add_argument("--work", type=Path, default=Path("runs/bench/ensemble_search"))
+    p.add_argument("--queries", type=int, default=None,
+                   help="caption queries: the first N test captions (default all 5000; 0: none)")
     p.add_argument("--photos", type=int, default=None,
                    help="photo queries: the first N test photos (default all 1000; 0: no photo queries)")
     args = p.parse_args()
@@ -131,11 +133,13 @@ def main() -> int:
     table_rows = {**{name: models[name].card["results"]["name"] for name in names}, "ensemble": args.table_row}
     table = {r["name"]: r for r in read_rows(RESULTS)}
     device = searchers["ensemble"].matcher.device
-    texts = {name: recalls(searcher, pairs, name) for name, searcher in searchers.items()}
     n_photos = len({image for image, _ in pairs})
-    report(f"{len(pairs)} test captions over {n_photos} photos; text-to-image recall (%), each "
-           "caption's own photo among the first K; `table`: the results table's row, from extracted features",
-           texts, table, table_rows, "text_to_image", names, device)
+    if args.queries != 0:
+        queries = pairs[:args.queries]
+        texts = {name: recalls(searcher, queries, name) for name, searcher in searchers.items()}
+        report(f"{len(queries)} test captions over {n_photos} photos; text-to-image recall (%), each caption's own "
+               "photo among the first K; `table`: the results table's row, from extracted features",
+               texts, table, table_rows, "text_to_image", names, device)
     if args.photos != 0:
         photos = {name: photo_recalls(searcher, pairs, args.work / "photos", args.photos, name)
                   for name, searcher in searchers.items()}
