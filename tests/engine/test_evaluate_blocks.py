@@ -91,6 +91,27 @@ def test_listed_pairs_equal_the_exhaustive_scores_for_every_head(preset, data):
     assert (every - one_shot.flatten()[grid]).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("preset", ["vsepp", "mmca_alpha0", "scan_t2i_avg"])
+def test_captions_kept_in_their_scoring_form_are_scored_as_they_are(preset, data):
+    """A caption collection searched by photo is kept as `scoring_form` makes it: a pair-independent head's one
+    product takes the TextEmb itself (before, each call bucketed it and merged the buckets back: ~1 s a photo over
+    5000 captions), a pair head's blocks take length buckets made once; either gives the one-shot scores."""
+    feats, captions, vocab = data
+    model = tiny_model(preset)
+    img, txt = encode_images(model, feats), encode_captions(model, captions, vocab)
+    with torch.inference_mode():
+        one_shot = model.score(img, txt).float()
+    kept = inference.scoring_form(model, txt)
+    if model.head.pair_independent:
+        assert kept is txt
+        (_, _, block_txt), = score_blocks(model, img, txt)
+        assert block_txt is txt
+    else:
+        assert sorted(int(j) for columns, _ in kept for j in columns) == list(range(len(captions)))
+        assert inference.scoring_form(model, kept) is kept  # (buckets stay as they are)
+    assert (score_matrix(model, img, kept) - one_shot).abs().max() <= 1e-5
+
+
 def test_listed_pairs_bad_input_and_budget(data):
     feats, captions, vocab = data
     model = tiny_model("scan_t2i_avg")

@@ -131,6 +131,17 @@ def bucket_texts(txt: TextEmb, bucket_size: int = CAPTIONS_PER_BLOCK) -> TextBuc
             for b0 in range(0, len(txt), bucket_size)]
 
 
+def scoring_form(model: Matcher, txt: TextEmb | TextBuckets, bucket_size: int = CAPTIONS_PER_BLOCK
+                 ) -> TextEmb | TextBuckets:
+    """Captions in the form score_matrix scores them: a pair-independent head's one matrix product takes a TextEmb
+    as it is, a pair head's blocks take length buckets (bucket_texts). Keep this form of captions scored again and
+    again (a caption collection searched by photo): bucketing 5000 captions, or merging buckets back for one
+    product, costs far more than scoring them against one photo (docs/search.md, "Photo to captions")."""
+    if model.head.pair_independent or not isinstance(txt, TextEmb):
+        return txt
+    return bucket_texts(txt, bucket_size)
+
+
 def unbucket_texts(buckets: TextBuckets) -> TextEmb:
     """The captions of `buckets` as one padded TextEmb in their original order."""
     merged = concat_texts([t for _, t in buckets])
@@ -206,18 +217,20 @@ def split_buckets(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_by
     return out
 
 
-def score_blocks(model: Matcher, img: ImageEmb, buckets: TextBuckets, budget_bytes: float = DEFAULT_BUDGET,
+def score_blocks(model: Matcher, img: ImageEmb, texts: TextEmb | TextBuckets, budget_bytes: float = DEFAULT_BUDGET,
                  max_cells: int = MAX_BLOCK_CELLS, world: int = 1) -> list[Block]:
     """The blocks score_matrix fills, in order: per caption bucket (cut by split_buckets if one image x the
     bucket exceeds the budget or the block cap), runs of images sized by the budget and the cap (see
     images_per_block, which also refuses a budget too small); a pair-independent head is one matrix
-    product, cut into `world` shards of image rows."""
-    buckets = split_buckets(model, img, buckets, budget_bytes, max_cells)
-    rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, block_cells(model, max_cells))
+    product over the captions in their order (buckets merged back; a TextEmb as it is), cut into `world` shards
+    of image rows."""
     n = len(img)
     if model.head.pair_independent:
-        txt = unbucket_texts(buckets)
+        txt = texts if isinstance(texts, TextEmb) else unbucket_texts(texts)
+        images_per_block(model, img, [(torch.arange(len(txt)), txt)], budget_bytes)  # (refuses a budget too small)
         return [(slice(*dist.shard_bounds(n, r, world)), slice(0, len(txt)), txt) for r in range(world)]
+    buckets = split_buckets(model, img, scoring_form(model, texts), budget_bytes, max_cells)
+    rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, block_cells(model, max_cells))
     return [(slice(i0, min(n, i0 + rows)), columns, block_txt)
             for (columns, block_txt), rows in zip(buckets, rows_per_bucket, strict=True)
             for i0 in range(0, n, rows)]
@@ -261,13 +274,13 @@ def _score_blocks(model: Matcher, img: ImageEmb, txt: TextEmb | TextBuckets, bud
                   cache: ScoreCache | None = None, on_block: Callable[[int], None] | None = None
                   ) -> torch.Tensor | None:
     require_items(len(img), "images")
-    buckets = bucket_texts(txt, captions_per_block) if isinstance(txt, TextEmb) else txt
-    n, m = len(img), sum(len(c) for c, _ in buckets)
+    texts = scoring_form(model, txt, captions_per_block)
+    n, m = len(img), len(texts) if isinstance(texts, TextEmb) else sum(len(c) for c, _ in texts)
     device = module_device(model)
     budget_bytes = device_budget(device, budget_bytes, 4.0 * n * m)
     if world > 1:  # every rank must plan the same blocks (rank 0 places them by number): the smallest budget, since
         budget_bytes = -dist.max_over_ranks(-int(budget_bytes))  # each GPU's free memory sizes its own
-    blocks = score_blocks(model, img, buckets, budget_bytes, max_cells or default_block_cells(device), world)
+    blocks = score_blocks(model, img, texts, budget_bytes, max_cells or default_block_cells(device), world)
     score_block = BlockScorer(model)
     # (a pair-independent head is one matrix product: nothing worth keeping)
     stored = cache.matrix(model, img, blocks, world) if cache is not None and not model.head.pair_independent else None

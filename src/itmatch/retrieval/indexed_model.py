@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from itmatch.errors import ConfigError, DataError
-from itmatch.inference import score_matrix
+from itmatch.inference import TextBuckets, score_matrix
 from itmatch.models.base import ImageEmb, TextEmb
 from itmatch.retrieval.index import (
     ImageIndex,
@@ -51,7 +51,7 @@ class IndexedModel:
     def has_word_attention(self) -> bool:
         return self.matcher.model.head.has_word_attention
 
-    def scores(self, images: ImageEmb, texts: TextEmb) -> torch.Tensor:
+    def scores(self, images: ImageEmb, texts: TextEmb | TextBuckets) -> torch.Tensor:
         """[images, texts] scores by this model, in fp32 whatever the precision it runs in (so that an ensemble's
         members average alike)."""
         with self.matcher.placement.arithmetic():

@@ -23,6 +23,7 @@ from PIL import Image
 from itmatch.data.vocab import WordCoverage
 from itmatch.errors import ConfigError, DataError, ItmatchError, whole_number
 from itmatch.features.pipeline import UnreadableImage, decode_image
+from itmatch.inference import TextBuckets, scoring_form
 from itmatch.models.base import TextEmb
 from itmatch.retrieval.first_stage import FirstStageIndex
 from itmatch.retrieval.limits import MAX_K, MAX_PIXELS, MAX_QUERY_CHARS, MAX_QUERY_WORDS, MAX_UPLOAD_BYTES
@@ -204,7 +205,7 @@ class Searcher:
             if self.ids:  # (an index of no photo has nothing to shortlist: a search finds nothing, and says why)
                 self.first_stage = FirstStageIndex(shortlist_index).build(self.images.vector)
         self.captions = list(captions or [])
-        self._caption_embs: list[TextEmb] | None = None  # (each model's, encoded at the first image query)
+        self._caption_embs: list[TextEmb | TextBuckets] | None = None  # (per model, encoded at the first image query)
         coverages = [self._coverages(c) for c in self.captions]
         self._caption_unknown = [_unknown(c) for c in coverages]
         # scored as missing: a caption a model cannot read is never ranked (docs/search.md, 'Unknown words')
@@ -295,7 +296,9 @@ class Searcher:
                              status=409, hint="load captions written in the words the model was trained on")
         with self._lock:
             if self._caption_embs is None:
-                self._caption_embs = [member.matcher.encode_texts(self.captions) for member in self.members]
+                # kept as each model's head scores them, so that a photo query scores them and nothing else
+                self._caption_embs = [scoring_form(member.matcher.model, member.matcher.encode_texts(self.captions))
+                                      for member in self.members]
             # the photo is decoded once, and read once by each CNN the ensemble's models share (a model's photo
             # features are a function of its reading alone: matcher.photo_reading)
             photo = decode_image(image) if isinstance(image, (str, Path, bytes)) else image
