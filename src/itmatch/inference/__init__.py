@@ -136,7 +136,7 @@ def scoring_form(model: Matcher, txt: TextEmb | TextBuckets, bucket_size: int = 
     """Captions in the form score_matrix scores them: a pair-independent head's one matrix product takes a TextEmb
     as it is, a pair head's blocks take length buckets (bucket_texts). Keep this form of captions scored again and
     again (a caption collection searched by photo): bucketing 5000 captions, or merging buckets back for one
-    product, costs far more than scoring them against one photo (docs/search.md, "Photo to captions")."""
+    product, costs far more than scoring them against one photo (docs/search.md, "Photo → captions")."""
     if model.head.pair_independent or not isinstance(txt, TextEmb):
         return txt
     return bucket_texts(txt, bucket_size)
