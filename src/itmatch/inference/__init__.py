@@ -227,7 +227,8 @@ def score_blocks(model: Matcher, img: ImageEmb, texts: TextEmb | TextBuckets, bu
     n = len(img)
     if model.head.pair_independent:
         txt = texts if isinstance(texts, TextEmb) else unbucket_texts(texts)
-        images_per_block(model, img, [(torch.arange(len(txt)), txt)], budget_bytes)  # (refuses a budget too small)
+        # (the check alone: it refuses a budget without room for the score matrix)
+        images_per_block(model, img, [(torch.arange(len(txt), device=HOST), txt)], budget_bytes)
         return [(slice(*dist.shard_bounds(n, r, world)), slice(0, len(txt)), txt) for r in range(world)]
     buckets = split_buckets(model, img, scoring_form(model, texts), budget_bytes, max_cells)
     rows_per_bucket = images_per_block(model, img, buckets, budget_bytes, block_cells(model, max_cells))
