@@ -1,13 +1,17 @@
 """Bounded loopback load test of `itmatch serve`: N requests from C concurrent clients, then stop.
 
     python bench/load.py INDEX_DIR [--requests 2000] [--concurrency 32] [--max-seconds 300] [--json OUT]
+                         [--captions FILE] [--ensemble INDEX2]
 
 Starts the server as a subprocess on 127.0.0.1 (a free port), waits for /health, sends 200 warm-up
 requests at full concurrency, reads the server's RSS and CPU time, then sends exactly --requests
-requests (a mix: 80% text search, 10% attention maps, 10% photo files) from --concurrency clients,
-reads them again, prints throughput, p50/p99 latency per kind and overall, the error count, both RSS
-figures and the server's CPU time per request, and stops the server. Traffic goes to the
-loopback address only; the run ends after --requests requests or --max-seconds, whichever comes first.
+requests from --concurrency clients, a mix: 80% text search, 10% attention maps (text searches instead where
+the model draws none), 10% photo files; with --captions (the server's caption collection), 10% photo uploads to
+/api/search/image in place of that many text searches, each the bytes of one of the first 50 indexed photos;
+with --ensemble, the server ranks by the mean of both indexes' models. Then it reads RSS and CPU time again,
+prints throughput, p50/p99 latency per kind and overall, the error count, both RSS figures and the server's CPU
+time per request, and stops the server. Traffic goes to the loopback address only; the run ends after
+--requests requests or --max-seconds, whichever comes first.
 """
 
 from __future__ import annotations
@@ -61,19 +65,23 @@ def _pct(values: list[float], p: float) -> float:
     return round(1000 * ordered[min(len(ordered) - 1, int(p * len(ordered)))], 2) if ordered else float("nan")
 
 
-async def _run(base: str, ids: list[str], n: int, concurrency: int, deadline: float, seed: int) -> dict:
+async def _run(base: str, ids: list[str], n: int, concurrency: int, deadline: float, seed: int,
+               uploads: list[bytes] | None = None, explains: bool = True) -> dict:
     rng = random.Random(seed)
     plan = []
     for _ in range(n):
         r = rng.random()
         q = rng.choice(QUERIES)
-        if r < 0.8:
+        if uploads and r < 0.1:
+            plan.append(("upload", "/api/search/image", rng.choice(uploads)))
+        elif r < 0.8 or (r < 0.9 and not explains):  # (a model without word attention draws no maps)
             plan.append(("search", "/api/search", {"q": q, "k": 10}))
         elif r < 0.9:
             plan.append(("explain", "/api/explain", {"q": q, "id": rng.choice(ids)}))
         else:
             plan.append(("image", image_url(rng.choice(ids)), None))
-    latencies: dict[str, list[float]] = {"search": [], "explain": [], "image": []}
+    kinds = ("search", *(("explain",) if explains else ()), "image", *(("upload",) if uploads else ()))
+    latencies: dict[str, list[float]] = {kind: [] for kind in kinds}
     errors: list[str] = []
     position = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -86,7 +94,8 @@ async def _run(base: str, ids: list[str], n: int, concurrency: int, deadline: fl
                 position += 1
                 t = time.perf_counter()
                 try:
-                    resp = await client.get(path, params=params)
+                    resp = (await client.post(path, content=params, params={"k": 10}) if kind == "upload"
+                            else await client.get(path, params=params))
                     if resp.status_code != 200:
                         errors.append(f"{kind} {resp.status_code} {resp.text[:120]}")
                 except httpx.HTTPError as exc:
@@ -114,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=300, help="stop sending after this long (default 300)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     p.add_argument("--json", help="also write the figures to this JSON file")
+    p.add_argument("--captions", help="the server's caption collection (one a line): 10%% of the requests become "
+                                      "photo uploads ranked over it, in place of text searches")
+    p.add_argument("--ensemble", help="a second index of the same photos: the server ranks by both models' mean")
     args = p.parse_args(argv)
     if not 1 <= args.requests <= 100_000 or not 1 <= args.concurrency <= 256:
         p.error("--requests must be in 1..100000 and --concurrency in 1..256")
@@ -122,7 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen([sys.executable, "-m", "itmatch.cli", "serve", args.index, "--host", "127.0.0.1",
-                               "--port", str(port), "--log-level", "warning"], env=env)
+                               "--port", str(port), "--log-level", "warning",
+                               *(["--captions", args.captions] if args.captions else []),
+                               *(["--ensemble", args.ensemble] if args.ensemble else [])], env=env)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -139,17 +153,22 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.5)
         manifest = json.loads((Path(args.index) / "manifest.json").read_text())
         ids = [public_id(e["id"]) for e in manifest["images"]]  # the names as the API knows them
+        root = Path(manifest["images_root"])
+        uploads = ([(root / e["id"]).read_bytes() for e in manifest["images"][:50]]  # (read once, before the clock)
+                   if args.captions else None)
         # warm-up at full concurrency, so that the server's thread pool and allocator arenas have grown
         # before the "before" RSS is read (the difference then shows growth under load, not start-up)
-        asyncio.run(_run(base, ids, min(200, args.requests), args.concurrency, time.monotonic() + 90, 1))
+        asyncio.run(_run(base, ids, min(200, args.requests), args.concurrency, time.monotonic() + 90, 1, uploads,
+                         health["explain"]))
         rss_before, cpu_before = _rss_mb(server.pid), _cpu_seconds(server.pid)
         result = asyncio.run(_run(base, ids, args.requests, args.concurrency,
-                                  time.monotonic() + args.max_seconds, args.seed))
+                                  time.monotonic() + args.max_seconds, args.seed, uploads, health["explain"]))
         # CPU time per request: what the load costs the server, whatever else shares the machine
         cpu = _cpu_seconds(server.pid) - cpu_before
         result.update(rss_mb_before=round(rss_before, 1), rss_mb_after=round(_rss_mb(server.pid), 1),
                       server_cpu_ms_per_request=round(1000 * cpu / max(1, result["requests"]), 2),
-                      load_average_1min=os.getloadavg()[0], images=health["images"], model=health["model"],
+                      load_average_1min=os.getloadavg()[0], images=health["images"],
+                      model=health.get("models", health["model"]), captions=args.captions,
                       cpus=os.cpu_count())
         metrics = httpx.get(base + "/metrics", timeout=10).json()
         result["server_p50_ms_search"] = metrics["routes"].get("GET /api/search", {}).get("latency_ms", {}).get("p50")
