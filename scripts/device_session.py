@@ -5,6 +5,9 @@ Here, once per session (packs the photos and the wheels the GPU machine lacks in
 
     python scripts/device_session.py prepare [--with mmca,lite2,sman,perturb]
 
+(it sets the shipped models' weights aside, out of every call, until `restore` puts them back: run it after the
+last call, before any commit)
+
 There, one call per bundle, back to back (the machine goes back ~30 s after a call); the last call starts the
 work in the background and returns:
 
@@ -104,6 +107,10 @@ def all_pieces(piece: Path) -> tuple[str, list[Path]]:
 
 
 RESULTS = ["docs/results/flickr8k_gpu.csv", "docs/results/training/flickr8k_gpu.csv"]
+# The shipped models' weights, which `prepare` sets aside here for the session's calls (`restore` puts them back)
+SHIPPED_WEIGHTS = "src/itmatch/pretrained/*/model.safetensors"
+SET_ASIDE = ".device/set_aside"
+SET_ASIDE_RECORD = "set_aside.json"  # {path: {"indexed": bool}}: what was moved, and whether git's index had it
 
 
 # ------------------------------------------------------------------------------------------------ here
@@ -179,6 +186,8 @@ def prepare(args: argparse.Namespace) -> int:
         files += tag_caches()
     for row in args.runs:
         files += run_files(row)
+    if not args.keep_weights:
+        set_aside_weights()
     checkout = checkout_bytes()
     budget = CARRY_LIMIT - checkout - HEADROOM
     carry = device_dir / "carry"
@@ -193,6 +202,68 @@ def prepare(args: argparse.Namespace) -> int:
         last = " && python3 scripts/device_session.py kickoff --row ROW [--row ROW ...]" if i == len(bundles) else ""
         print(f"  carry [\".device/carry/{i:02d}\"]: "
               f"python3 scripts/device_session.py receive .device/carry/{i:02d}{last}")
+    if set_aside_record():
+        print(f"The shipped models' weights are set aside in {SET_ASIDE} (out of every call; --keep-weights keeps "
+              "them in): after the last call, before any commit, put them back with\n"
+              "  python scripts/device_session.py restore")
+    return 0
+
+
+def git(*argv: str) -> str:
+    return subprocess.run(["git", *argv], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+
+def set_aside_weights() -> list[str]:
+    """Move the shipped models' weights (SHIPPED_WEIGHTS, 63.7 MB in six packages by 2026-12-04, which
+    alone would fill a call's 64 MiB) out of what every call carries, into SET_ASIDE, which is ignored: out of the index
+    (`git rm --cached`: the tool carries what git tracks) and out of the working tree (.gitignore un-ignores them).
+    The GPU rows never read them; `restore` puts them back as they were. Returns the paths moved."""
+    listed = git("ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", SHIPPED_WEIGHTS).split("\0")
+    indexed = set(git("ls-files", "-z", "--cached", "--", SHIPPED_WEIGHTS).split("\0"))
+    moved = [path for path in listed if path and (ROOT / path).is_file()]
+    stash = ROOT / SET_ASIDE
+    kept = set_aside_record()
+    twice = [path for path in moved if (stash / path).exists()]  # (an earlier prepare's, never restored)
+    if twice:
+        raise SystemExit(f"set aside already in {SET_ASIDE}, and here too: {', '.join(twice)}: run `restore` first")
+    for path in moved:
+        (stash / path).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(ROOT / path, stash / path)
+        kept[path] = {"indexed": path in indexed}
+        (stash / SET_ASIDE_RECORD).write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    if indexed & set(moved):
+        git("rm", "-q", "--cached", "--", *sorted(indexed & set(moved)))
+    return moved
+
+
+def set_aside_record() -> dict[str, dict[str, bool]]:
+    """What `prepare` set aside and `restore` has not put back yet: {path: {"indexed": bool}}."""
+    record = ROOT / SET_ASIDE / SET_ASIDE_RECORD
+    return json.loads(record.read_text()) if record.is_file() else {}
+
+
+def restore(args: argparse.Namespace) -> int:
+    """(here) The weights `prepare` set aside, back where they were, in the index too where they were in it."""
+    stash = ROOT / SET_ASIDE
+    kept = set_aside_record()
+    if not kept:
+        print(f"nothing set aside in {SET_ASIDE}")
+        return 0
+    blocked = [path for path in kept if (ROOT / path).exists()]
+    for path in [p for p in kept if p not in blocked]:
+        (ROOT / path).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(stash / path, ROOT / path)
+    indexed = sorted(path for path, how in kept.items() if how["indexed"] and path not in blocked)
+    if indexed:
+        git("add", "-f", "--", *indexed)
+    left = {path: how for path, how in kept.items() if path in blocked}
+    (stash / SET_ASIDE_RECORD).write_text(json.dumps(left, indent=1, sort_keys=True) + "\n")
+    print(f"restored {len(kept) - len(left)} shipped weights ({len(indexed)} into the index again)")
+    if left:
+        print(f"kept in {SET_ASIDE}, since a file is at their place now (compare the two, remove one, restore "
+              f"again): {', '.join(left)}")
+        return 1
+    shutil.rmtree(stash)
     return 0
 
 
@@ -1099,7 +1170,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"runs of {RUNS} to carry there: a finished one (e.g. vsepp, for vsepp_ft; a study's run, "
                         "e.g. perturb/scan_t2i_avg/shuffle, that `fetch` brought back), or a stopped one whole, which "
                         "the row resumes there")
+    p.add_argument("--keep-weights", action="store_true",
+                   help=f"leave the shipped models' weights ({SHIPPED_WEIGHTS}) in the calls (by default they are "
+                        "set aside until `restore`: no GPU row reads them, and they fill a call)")
     p.set_defaults(func=prepare)
+    sub.add_parser("restore", help="(here, after the session's last call) put back the weights `prepare` set aside"
+                   ).set_defaults(func=restore)
     p = sub.add_parser("receive", help="(there) unpack one carried bundle into DEVICE_ROOT")
     p.add_argument("bundle")
     p.set_defaults(func=receive)
@@ -1169,7 +1245,11 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
         check_items(args)
-    return args.func(args)
+    status = args.func(args)
+    if args.func is take and set_aside_record():
+        print("(the shipped weights are still set aside: `python scripts/device_session.py restore` once the "
+              "session's calls are over)")
+    return status
 
 
 def already_planned(args: argparse.Namespace) -> list[str]:

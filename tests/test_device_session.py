@@ -872,7 +872,7 @@ def test_prepare_carries_the_wheels_of_this_prepare_only(session, tmp_path, monk
         return subprocess.CompletedProcess(argv, 0)
 
     monkeypatch.setattr(session.subprocess, "run", download)
-    assert session.main(["prepare"]) == 0
+    assert session.main(["prepare", "--keep-weights"]) == 0  # (no git here: the weights' test is below)
     carried = sorted(p.name for p in (tmp_path / "checkout" / ".device" / "carry").rglob("*.whl"))
     assert carried == sorted(f"{name.replace('-', '_')}-9.0-py3-none-any.whl" for name in session.WHEELS["core"])
 
@@ -956,3 +956,57 @@ def test_a_real_run_stopped_there_resumes_here_as_if_never_moved(session, tiny_p
     resumed = train(cfg(), "runs/flickr8k_gpu/vsepp", resume=True, progress=False)
     assert _untimed(resumed) == _untimed(whole)
     assert _log(here / "runs" / "flickr8k_gpu" / "vsepp") == _log(there / "runs" / "flickr8k_gpu" / "whole")
+
+
+def test_prepare_sets_the_shipped_weights_aside_and_restore_puts_them_back_as_they_were(session, tmp_path,
+                                                                                         monkeypatch):
+    """The shipped weights (63.7 MB by 2026-12-04) would fill a call on their own: `prepare` takes them out of what
+    the tool carries (git's index and the working tree), `restore` puts each back byte for byte, committed ones in
+    the index again and a package not yet committed as it was, untracked."""
+    root = tmp_path / "checkout"
+    (root / "src" / "itmatch" / "pretrained").mkdir(parents=True)
+    shutil.copy(ROOT / ".gitignore", root / ".gitignore")  # (its rule that un-ignores the shipped weights)
+
+    def git(*argv):
+        return subprocess.run(["git", *argv], cwd=root, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    weights = {name: os.urandom(3000 + i) for i, name in enumerate(["vsepp-flickr8k", "scan_i2t_lse-flickr8k"])}
+    for name, data in weights.items():
+        (root / "src" / "itmatch" / "pretrained" / name).mkdir()
+        (root / "src" / "itmatch" / "pretrained" / name / "model.safetensors").write_bytes(data)
+        (root / "src" / "itmatch" / "pretrained" / name / "card.json").write_text("{}\n")
+    git("add", "-A", ":!src/itmatch/pretrained/scan_i2t_lse-flickr8k")  # (shipped, not yet committed)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "shipped")
+    before = git("status", "--porcelain")
+    monkeypatch.setattr(session, "ROOT", root)
+    monkeypatch.setattr(session, "SHARED", tmp_path / "shared")
+    monkeypatch.setattr(session, "WHEELS", {"core": []})
+    assert session.main(["prepare"]) == 0
+    carried = git("ls-files", "--cached", "--others", "--exclude-standard")
+    assert "model.safetensors" not in carried and "card.json" in carried
+    left = [root / ".gitignore", *root.glob("src/itmatch/pretrained/*/card.json")]
+    assert session.checkout_bytes() == sum(path.stat().st_size + session.FILE_OVERHEAD for path in left)
+    assert session.main(["prepare"]) == 0  # (again: nothing more to set aside, and nothing lost)
+    assert session.main(["restore"]) == 0
+    for name, data in weights.items():
+        assert (root / "src" / "itmatch" / "pretrained" / name / "model.safetensors").read_bytes() == data
+    assert git("status", "--porcelain") == before
+    assert not (root / session.SET_ASIDE).exists()
+    assert session.main(["restore"]) == 0  # (nothing set aside: says so)
+
+
+def test_restore_keeps_a_set_aside_weight_whose_place_holds_another_file(session, tmp_path, monkeypatch, capsys):
+    root = tmp_path / "checkout"
+    package = root / "src" / "itmatch" / "pretrained" / "vsepp-flickr8k"
+    package.mkdir(parents=True)
+    subprocess.run(["git", "init", "-q"], cwd=root, check=True)
+    (package / "model.safetensors").write_bytes(b"shipped")
+    monkeypatch.setattr(session, "ROOT", root)
+    assert session.set_aside_weights() == ["src/itmatch/pretrained/vsepp-flickr8k/model.safetensors"]
+    (package / "model.safetensors").write_bytes(b"shipped again meanwhile")
+    assert session.main(["restore"]) == 1
+    assert "kept in .device/set_aside" in capsys.readouterr().out
+    assert (package / "model.safetensors").read_bytes() == b"shipped again meanwhile"
+    assert (root / session.SET_ASIDE / "src/itmatch/pretrained/vsepp-flickr8k/model.safetensors").read_bytes() == \
+        b"shipped"
