@@ -636,7 +636,11 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     dataset = PairDataset(train_split, vocab, transform, read_images=resident is None)
     sampler = EpochBatches()
     loader = make_loader(dataset, sampler, cfg, placement, resident=resident is not None)
-    lengths = [len(vocab.encode(c)) for c in dataset.captions] if cfg.train.bucket_by_length else []
+    # WordPiece counts the captions it cuts to the encoder's limit as it encodes them, the training captions once a
+    # run (PairDataset keeps their ids): an epoch reports those it encoded first, all of them in the first epoch
+    truncated_before = getattr(vocab, "truncated", 0)
+    # (before the loader's workers start: they inherit the encoded captions)
+    lengths = [len(dataset.caption_ids(j)) for j in range(len(dataset))] if cfg.train.bucket_by_length else []
     # only rank 0 writes the log; the other ranks write the same lines nowhere
     log = metrics_path.open("a", encoding="utf-8") if main else open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
     log.write(header)  # a new run's first line (pretrained word vector counts), a resumed run's new settings
@@ -698,7 +702,6 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             running = float(state["running_loss"])
             started = time.perf_counter() - float(state.get("epoch_seconds", 0.0))
             started_cpu = time.process_time() - float(state.get("epoch_cpu_seconds", 0.0))
-            truncated_before = getattr(vocab, "truncated", 0)  # WordPiece: captions cut to the encoder's limit
             for b, batch in enumerate(loader, start=first):
                 batch = batch.to(placement.device, non_blocking=True)
                 if resident is not None:  # the images gathered by image_index, on the device
@@ -746,6 +749,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             except StopNow:  # (in one process only: a shared request never cuts a validation short)
                 save_within_epoch(n_batches, running, train_seconds, train_cpu_seconds)
                 raise stopped(f"at epoch {epoch + 1}, in its validation") from None
+            truncated_before = getattr(vocab, "truncated", 0)  # (the validation's captions are not training's)
             record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
                       "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
                       "train_cpu_seconds": round(train_cpu_seconds, 1),  # this process; == wall on a free core
