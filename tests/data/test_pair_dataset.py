@@ -1,5 +1,6 @@
 """The training pairs' captions: each encoded by the vocabulary once per run, not once per step (the tokenizer's
-regexes took ~18 ms a batch of 128, as long as a launch-bound GPU step), and a transform's captions every time."""
+regexes took ~13 ms a batch of 128, about as long as a launch-bound GPU step's launches), and a transform's
+captions every time."""
 
 from __future__ import annotations
 

@@ -94,9 +94,10 @@ class PairDataset(Dataset):
         self.split, self.vocab, self.transform = split, vocab, transform
         self.captions = split.training_captions
         self.read_images = read_images
-        # each caption's ids, encoded once: the Treebank tokenizer's regexes take ~0.14 ms a caption (measured on two
-        # CPU cores), ~18 ms a batch of 128, which every step paid again (on a GPU, where a step's launches take
-        # ~20 ms, that doubled it). A transform's captions are encoded each time: they may change with the epoch.
+        # each caption's ids, encoded once (the lists are shared: never changed in place): the Treebank tokenizer's
+        # regexes take ~0.1 ms a caption, ~13 ms a batch of 128 (bench/trainer_host.py, two CPU cores), which every
+        # step paid again; on a GPU a step's launches take ~20 ms. A transform's captions are encoded each time: they
+        # may change with the epoch.
         self._ids: list[list[int] | None] = [None] * len(self.captions)
 
     def __len__(self) -> int:
