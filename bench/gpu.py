@@ -8,6 +8,7 @@ sizes (--smoke), which is how they are kept working without one.
   python bench/gpu.py eval train --device cpu --smoke  # the CPU check (seconds)
   python bench/gpu.py resident --device cuda --data runs/data/flickr8k_lite0   # features resident vs streamed
   python bench/gpu.py syncs --device cuda --data runs/data/flickr8k_lite0 --presets scan_t2i_avg   # host waits
+  python bench/gpu.py profile --device cuda --data runs/data/flickr8k_lite0 --presets sman   # where a step goes
 
 eval: exact evaluation of the SCAN t-i AVG head at Flickr30K test scale (random region features, the real test
 captions' lengths), seconds in fp32, TF32 and bf16 autocast, the FLOPs actually executed (torch's counter) as a
@@ -33,6 +34,9 @@ engine.resident.resident_images) and reported beside the epoch, with the residen
 --workers sets train.workers.
 syncs: every call that makes the host wait for the GPU during a few steps of the real trainer and its validation,
 counted per line of itmatch's source (CUDA only: torch.cuda.set_sync_debug_mode).
+profile: a few steps of the real trainer per preset, plain (ms a step), under cProfile (Python functions by their own
+time) and under torch.profiler (ops by their own host and device time): where the trainer's time goes beside the
+model step that `train` times alone.
 Writes a JSON report (--out) and prints one line per measurement; nothing here is a test."""
 
 from __future__ import annotations
@@ -472,9 +476,75 @@ def section_syncs(args, placement: Placement) -> dict:
     return {"rows": rows}
 
 
+def section_profile(args, placement: Placement) -> dict:
+    """Where a step of the real trainer goes (docs/gpu.md, "The sixth GPU session": on an H200 the trainer ran
+    2.4-2.7x below `train`'s model step alone). Per preset, --max-batches steps (default 30) of
+    `itmatch.engine.train.train` on --data, resident features, bucketed batches, three times after a warm-up run:
+    plain (the ms a step, from the epoch's train_seconds), under cProfile (the Python functions that take the host's
+    time, by their own time) and under torch.profiler (the torch ops by their own host time and, on a GPU, by their
+    device time). The one-off work (the model's upload, the vocabulary, the validation on 100 dev images) is in the
+    two profiles too: an op or function called about once a step (`calls` against the steps) is per step."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from itmatch.engine.train import train
+    from itmatch.models.registry import resolve_config
+
+    if not args.data:
+        raise SystemExit("profile: pass --data (a precomp directory to train on)")
+    steps = args.max_batches or 30
+    cuda = placement.device.type == "cuda"
+    rows = []
+    for preset in args.presets:
+        def run(name: str, preset=preset) -> float:
+            out = Path(args.runs) / f"{preset}_profile_{name}"
+            cfg = resolve_config(preset, {"data": {"path": args.data}, "train": {
+                "epochs": 1, "max_batches": steps, "resident": "on", "val_images": 100, "bucket_by_length": True}})
+            train(cfg, out, force=True, progress=False, device=str(placement.device))
+            lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+            return 1000 * next(x for x in lines if "train_seconds" in x)["train_seconds"] / steps
+
+        run("warmup")  # (the CUDA context, cuDNN and the allocator warm before anything is timed)
+        ms = run("plain")
+        host = cProfile.Profile()
+        host.runcall(run, "cprofile")
+        functions = sorted(pstats.Stats(host).stats.items(), key=lambda kv: -kv[1][2])[:args.top]
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+        with profile(activities=activities) as prof:
+            run("torch")
+        averages = prof.key_averages()
+        by_host = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:args.top]
+        by_device = sorted(averages, key=lambda e: -getattr(e, "self_device_time_total", 0))[:args.top] if cuda else []
+        row = {"preset": preset, "steps": steps, "ms_a_step": ms,
+               "python": [{"function": f"{Path(f).name}:{line}({name})", "calls": stat[1],
+                           "own_seconds": stat[2], "cumulative_seconds": stat[3]}
+                          for (f, line, name), stat in functions],
+               "ops_by_host": [{"op": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1000}
+                               for e in by_host],
+               "ops_by_device": [{"op": e.key, "calls": e.count,
+                                  "self_device_ms": getattr(e, "self_device_time_total", 0) / 1000}
+                                 for e in by_device]}
+        rows.append(row)
+        print(f"profile {preset:<16} {ms:.1f} ms a step over {steps} steps (plain run)", flush=True)
+        print("    python, by own time:", flush=True)
+        for r in row["python"]:
+            print(f"      {r['own_seconds']:8.3f} s own {r['cumulative_seconds']:8.3f} s cum {r['calls']:8d} calls  "
+                  f"{r['function']}", flush=True)
+        print("    torch ops, by own host time:", flush=True)
+        for r in row["ops_by_host"]:
+            print(f"      {r['self_host_ms']:10.1f} ms {r['calls']:8d} calls  {r['op']}", flush=True)
+        if cuda:
+            print("    torch ops, by own device time:", flush=True)
+            for r in row["ops_by_device"]:
+                print(f"      {r['self_device_ms']:10.1f} ms {r['calls']:8d} calls  {r['op']}", flush=True)
+    return {"rows": rows}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sections", nargs="+", choices=["eval", "blocks", "train", "resident", "syncs"])
+    p.add_argument("sections", nargs="+", choices=["eval", "blocks", "train", "resident", "syncs", "profile"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--smoke", action="store_true", help="small sizes (the CPU check: seconds)")
     p.add_argument("--images", type=int, help="images scored (default 1000; --smoke 4)")
@@ -498,6 +568,7 @@ def main() -> int:
     p.add_argument("--max-batches", type=int, default=0, help="cap batches per epoch of the recall runs")
     p.add_argument("--runs", default="runs/bench_gpu", help="run directories of the recall and resident runs")
     p.add_argument("--workers", type=int, default=0, help="train.workers of the `resident` runs")
+    p.add_argument("--top", type=int, default=15, help="`profile`: functions and ops listed per preset")
     p.add_argument("--out", help="JSON report (default runs/bench_gpu/<device>.json)")
     args = p.parse_args()
     placement = resolve(args.device, "fp32")
@@ -523,7 +594,8 @@ def main() -> int:
     np.random.seed(0)
     for section in args.sections:
         report[section] = {"eval": section_eval, "blocks": section_blocks, "train": section_train,
-                           "resident": section_resident, "syncs": section_syncs}[section](args, placement)
+                           "resident": section_resident, "syncs": section_syncs,
+                           "profile": section_profile}[section](args, placement)
     out = Path(args.out or ROOT / "runs" / "bench_gpu" / f"{device.type}{'_smoke' if args.smoke else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

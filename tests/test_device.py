@@ -442,6 +442,22 @@ def test_the_sync_census_counts_each_waiting_line_of_our_source():
     assert warnings.showwarning is shown
 
 
+def test_the_trainer_profile_names_the_steps_python_and_ops_on_the_cpu(tiny_precomp, tmp_path, capsys):
+    """bench/gpu.py profile: a few real trainer steps, then where their time went, Python functions and torch ops
+    (on a GPU also by device time); on the CPU it runs the same way, without the device column."""
+    import argparse
+
+    gpu = load_script("bench/gpu.py")
+    args = argparse.Namespace(data=str(tiny_precomp), max_batches=2, presets=["vsepp"], runs=str(tmp_path), top=40)
+    report = gpu.section_profile(args, resolve("cpu", "fp32"))
+    row, = report["rows"]
+    assert row["preset"] == "vsepp" and row["steps"] == 2 and row["ms_a_step"] > 0
+    own = [f["own_seconds"] for f in row["python"]]
+    assert own == sorted(own, reverse=True) and any("run_backward" in f["function"] for f in row["python"])
+    assert any(op["op"].startswith("aten::") for op in row["ops_by_host"]) and row["ops_by_device"] == []
+    assert "profile vsepp" in capsys.readouterr().out
+
+
 def test_a_gpu_schedule_on_a_cpu_only_machine_names_the_cpu_schedule(tmp_path, capsys, monkeypatch):
     """configs/flickr8k/gpu.yaml sets train.device: cuda; without CUDA, training stops before any work and
     says to use the CPU schedule."""
