@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from perf import F30K, counted_flops, make_model, random_features, read_captions  # noqa: E402
 
+from itmatch.config import Config  # noqa: E402
 from itmatch.data.datasets import pad_tokens  # noqa: E402
 from itmatch.device import Placement, resolve  # noqa: E402
 from itmatch.inference import (  # noqa: E402
@@ -380,10 +381,23 @@ def upload_seconds(args, preset: str, device: torch.device) -> float | None:
     return seconds
 
 
-def section_resident(args, placement: Placement) -> dict:
-    from itmatch.engine.checkpoint import load_checkpoint
+def trainer_epoch(args, placement: Placement, preset: str, out: Path, **settings) -> tuple[Config, dict]:
+    """One epoch of the real trainer (`itmatch.engine.train.train`) of `preset` on --data into `out` on the
+    placement's device: length-bucketed batches, the validation on 100 dev images, and the train.* `settings`
+    (max_batches, resident, ...) over those. Its config and its epoch's record in metrics.jsonl (batches,
+    train_seconds, ...): what `resident`, `syncs` and `profile` train and time."""
     from itmatch.engine.train import train
     from itmatch.models.registry import resolve_config
+
+    cfg = resolve_config(preset, {"data": {"path": args.data}, "train": {
+        "epochs": 1, "val_images": 100, "bucket_by_length": True, **settings}})
+    train(cfg, out, force=True, progress=False, device=str(placement.device))
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    return cfg, next(x for x in lines if "train_seconds" in x)
+
+
+def section_resident(args, placement: Placement) -> dict:
+    from itmatch.engine.checkpoint import load_checkpoint
 
     if not args.data:
         raise SystemExit("resident: pass --data (a precomp directory to train on)")
@@ -391,12 +405,8 @@ def section_resident(args, placement: Placement) -> dict:
     for preset in args.presets:
         def run(mode: str, name: str, max_batches: int, preset=preset) -> tuple[dict, dict]:
             out = Path(args.runs) / f"{preset}_resident_{name}"
-            cfg = resolve_config(preset, {"data": {"path": args.data}, "train": {
-                "epochs": 1, "max_batches": max_batches, "resident": mode, "workers": args.workers,
-                "val_images": 100, "bucket_by_length": True}})
-            train(cfg, out, force=True, progress=False, device=str(placement.device))
-            lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-            epoch = next(x for x in lines if "train_seconds" in x)
+            cfg, epoch = trainer_epoch(args, placement, preset, out, max_batches=max_batches, resident=mode,
+                                       workers=args.workers)
             return ({"batch": cfg.train.batch_size, **{k: epoch[k] for k in ("batches", "train_seconds")}},
                     load_checkpoint(out / "last").model.state_dict())
 
@@ -453,9 +463,6 @@ def section_syncs(args, placement: Placement) -> dict:
     itmatch's source that made it (`counted_syncs`). At batch 128 a step is bound by the host's kernel launches
     (docs/gpu.md, "Training throughput"): a sync inside the step stops the host from queueing the next launches
     while the GPU drains, so these lines are where a step's time goes to waiting."""
-    from itmatch.engine.train import train
-    from itmatch.models.registry import resolve_config
-
     if placement.device.type != "cuda":
         print("syncs: needs a CUDA device (torch.cuda.set_sync_debug_mode); skipped", flush=True)
         return {"skipped": "no CUDA device"}
@@ -463,11 +470,9 @@ def section_syncs(args, placement: Placement) -> dict:
         raise SystemExit("syncs: pass --data (a precomp directory to train on)")
     rows = []
     for preset in args.presets:
-        cfg = resolve_config(preset, {"data": {"path": args.data}, "train": {
-            "epochs": 1, "max_batches": args.max_batches or 5, "resident": "on", "val_images": 100,
-            "bucket_by_length": True}})
         with counted_syncs(ROOT / "src") as sites:
-            train(cfg, Path(args.runs) / f"{preset}_syncs", force=True, progress=False, device=str(placement.device))
+            cfg, _ = trainer_epoch(args, placement, preset, Path(args.runs) / f"{preset}_syncs",
+                                   max_batches=args.max_batches or 5, resident="on")
         rows.append({"preset": preset, "steps": cfg.train.max_batches, "sites": dict(sites.most_common())})
         print(f"syncs {preset:<16} {sum(sites.values())} in {cfg.train.max_batches} steps and a validation:",
               flush=True)
@@ -489,9 +494,6 @@ def section_profile(args, placement: Placement) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from itmatch.engine.train import train
-    from itmatch.models.registry import resolve_config
-
     if not args.data:
         raise SystemExit("profile: pass --data (a precomp directory to train on)")
     steps = args.max_batches or 30
@@ -499,12 +501,9 @@ def section_profile(args, placement: Placement) -> dict:
     rows = []
     for preset in args.presets:
         def run(name: str, preset=preset) -> float:
-            out = Path(args.runs) / f"{preset}_profile_{name}"
-            cfg = resolve_config(preset, {"data": {"path": args.data}, "train": {
-                "epochs": 1, "max_batches": steps, "resident": "on", "val_images": 100, "bucket_by_length": True}})
-            train(cfg, out, force=True, progress=False, device=str(placement.device))
-            lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-            return 1000 * next(x for x in lines if "train_seconds" in x)["train_seconds"] / steps
+            _, epoch = trainer_epoch(args, placement, preset, Path(args.runs) / f"{preset}_profile_{name}",
+                                     max_batches=steps, resident="on")
+            return 1000 * epoch["train_seconds"] / steps
 
         run("warmup")  # (the CUDA context, cuDNN and the allocator warm before anything is timed)
         ms = run("plain")
