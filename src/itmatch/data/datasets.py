@@ -34,7 +34,7 @@ class TextBatch:
 def pad_tokens(sequences: list[list[int]]) -> TextBatch:
     """Token ids padded with 0 into a host batch (explicitly the CPU: a batch is built on the host and moved
     to the model's device whole, with TextBatch.to / PairBatch.to)."""
-    # (filled in numpy, then one tensor: a torch.tensor a caption took ~0.6 ms a batch of 128, numpy 0.05)
+    # (filled in numpy, then one tensor: not one torch.tensor a caption, which every training step paid for)
     lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
     tokens = np.zeros((len(sequences), int(lengths.max())), dtype=np.int64)
     for i, s in enumerate(sequences):
