@@ -77,6 +77,7 @@ from itmatch.inference import (  # noqa: E402
 from itmatch.models.scan import fused  # noqa: E402
 
 FLICKR8K_TRAIN_CAPTIONS = 30000  # 6000 images x 5: one epoch at batch 128 is 234 steps
+LITE0_REGIONS = 49  # `train` steps on Lite0's 7 x 7 grid of cells, what the Flickr8K rows train on
 
 
 def synchronize(device: torch.device) -> None:
@@ -305,12 +306,12 @@ def section_train(args, placement: Placement) -> dict:
     device = placement.device
     precisions = ["fp32", "bf16"]
     captions = read_captions(F30K[0], args.batch)
-    # Lite0's 7 x 7 grid of 1280-d cells (what the Flickr8K rows train on)
-    feats = torch.from_numpy(random_features(args.batch, seed=2, k=49, dim=args.img_dim)).to(device)
+    feats = torch.from_numpy(random_features(args.batch, seed=2, k=LITE0_REGIONS, dim=args.img_dim)).to(device)
     rows = []
     for preset in args.presets:
         for precision in precisions:
-            model, cfg, vocab = make_model(preset, embed=args.embed, img_dim=args.img_dim, training=True)
+            model, cfg, vocab = make_model(preset, embed=args.embed, img_dim=args.img_dim, training=True,
+                                           regions=LITE0_REGIONS)
             model.to(device).train()
             run = Placement(device, precision)
             batch = pad_tokens([vocab.encode(c) for c in captions]).to(device)

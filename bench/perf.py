@@ -125,18 +125,19 @@ TRAINING_BUDGET = {"mmca": ["model.mmca.train_negatives=8"]}
 
 
 def make_model(preset: str, vocab_file: Path = F30K[1], embed: int | None = None, img_dim: int = FEAT_DIM,
-               training: bool = False):
+               training: bool = False, regions: int = K_REGIONS):
     """A preset's untrained model (seed 0) on 1024-d region features, at its own joint dimension D unless
     `embed` is given, with the tokenizer it trains with: the dataset's word vocabulary, or the WordPiece of its
-    frozen pretrained text encoder (MMCA). `training`: with the bench's TRAINING_BUDGET for its arch."""
+    frozen pretrained text encoder (MMCA). `training`: with the bench's TRAINING_BUDGET for its arch. `regions`: the
+    grid SMAN checks its images against (the other heads take any number of regions)."""
     cfg = resolve_config(preset)  # (an unknown preset: the registry's error, naming the presets there are)
     if training and cfg.model.arch in TRAINING_BUDGET:
         cfg = resolve_config(preset, parse_overrides(TRAINING_BUDGET[cfg.model.arch]))
     if cfg.data.tokenizer == "word":
         cfg.data.vocab = str(vocab_file)
     vocab = make_vocab(cfg, [])
-    if cfg.model.arch == "sman":  # its grid check: every head here sees the same 36 regions per image
-        cfg.model.sman.regions = K_REGIONS
+    if cfg.model.arch == "sman":  # its grid check: every head of a bench sees the same regions per image
+        cfg.model.sman.regions = regions
     cfg.model.vocab_size, cfg.model.img_dim = len(vocab), img_dim
     cfg.model.embed_size = embed or cfg.model.embed_size
     torch.manual_seed(0)

@@ -819,11 +819,22 @@ def _progress(runs: Path, item: str) -> str:
 
 
 def _epochs(metrics: Path) -> str:
-    """'epoch E: dev rsum R' of each finished epoch of a run, from its metrics.jsonl."""
+    """'E: dev rsum R' of each finished epoch of a run, from its metrics.jsonl, and where the last epoch's time went:
+    training, validation and the rest (the saves after the epoch before it), when the trainer recorded them."""
     if not metrics.exists():
         return "no epoch yet"
     done = [epoch for epoch in map(_json_line, metrics.read_text().splitlines()) if "val_rsum" in epoch]
-    return ", ".join(f"{e['epoch']}: {e['val_rsum']:.1f}" for e in done) or "no epoch yet"
+    if not done:
+        return "no epoch yet"
+    said = ", ".join(f"{e['epoch']}: {e['val_rsum']:.1f}" for e in done)
+    last = done[-1]
+    train, val = last.get("train_seconds"), last.get("val", {}).get("eval_seconds")
+    if train is None or val is None:
+        return said
+    said += f" (epoch {last['epoch']}: {train:.0f} s training, {val:.0f} s validation"
+    if len(done) > 1 and "ended_at_seconds" in done[-2] and "ended_at_seconds" in last:  # (since 2026-12-04)
+        said += f", {last['ended_at_seconds'] - done[-2]['ended_at_seconds']:.0f} s in all"
+    return said + ")"
 
 
 def _json_line(line: str) -> dict[str, Any]:

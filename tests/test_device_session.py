@@ -100,6 +100,16 @@ def test_poll_reads_each_rows_epochs_and_skips_a_half_written_line(session, tmp_
     assert session._epochs(metrics) == "1: 101.2, 2: 150.0"
 
 
+def test_poll_says_where_the_last_epochs_time_went(session, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    epoch = {"val_rsum": 101.25, "train_seconds": 13.6, "val": {"eval_seconds": 9.2}}
+    metrics.write_text(json.dumps({"epoch": 1, **epoch, "ended_at_seconds": 1000.0}) + "\n"
+                       + json.dumps({"epoch": 2, **epoch, "ended_at_seconds": 1025.4}) + "\n")
+    assert session._epochs(metrics) == ("1: 101.2, 2: 101.2 (epoch 2: 14 s training, 9 s validation, 25 s in all)")
+    metrics.write_text(json.dumps({"epoch": 1, **epoch}) + "\n")  # one epoch, or a trainer before ended_at_seconds
+    assert session._epochs(metrics) == "1: 101.2 (epoch 1: 14 s training, 9 s validation)"
+
+
 def test_poll_waits_for_every_copy_of_an_item_by_its_whole_name(session, tmp_path):
     """`scan_i2t_lse: exit` is no line of the ensemble that ends in `+scan_i2t_lse`; an item started again after it
     ended is waited for again; a traceback in driver.log (another driver's) ends no wait."""

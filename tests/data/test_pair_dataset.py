@@ -1,12 +1,16 @@
-"""The training pairs' captions: each encoded by the vocabulary once per run, not once per step (the tokenizer's
-regexes took ~13 ms a batch of 128, about as long as a launch-bound GPU step's launches), and a transform's
-captions every time."""
+"""The captions a run reads: each training pair's encoded by the vocabulary once per run, not once per step (the
+tokenizer's regexes took ~13 ms a batch of 128, about as long as a launch-bound GPU step's launches), a transform's
+captions every time, and the dev captions once for all the run's validations."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from itmatch.data.datasets import PairDataset
 from itmatch.data.precomp import read_precomp
-from itmatch.data.vocab import build_vocab
+from itmatch.data.vocab import Vocab, build_vocab
+from itmatch.engine.train import train
+from itmatch.models.registry import resolve_config
 
 
 class CountingVocab:
@@ -48,3 +52,18 @@ def test_a_transforms_captions_are_encoded_each_time(tiny_precomp):
     for epoch in range(2):
         assert dataset[(epoch, 0)][1] == vocab.encode(reverse(split.training_captions[0], 0))
     assert calls == [0, 0, 0, 0] and len(counting.encoded) == 2
+
+
+def test_the_validations_of_a_run_tokenize_each_dev_caption_once(tiny_precomp, tmp_path, monkeypatch):
+    cfg = resolve_config("vsepp", {"model": {"embed_size": 16, "word_dim": 8}, "data": {"path": str(tiny_precomp)},
+                                   "train": {"epochs": 3, "val_images": 4, "batch_size": 16, "max_batches": 2,
+                                             "threads": 1}})
+    training = set(read_precomp(tiny_precomp, "train").training_captions)
+    dev = [c for c in read_precomp(tiny_precomp, "dev").head(4).captions if c not in training]
+    tokenized: Counter[str] = Counter()
+    words = Vocab.words
+    monkeypatch.setattr(Vocab, "words", lambda self, text: tokenized.update([text]) or words(self, text))
+    train(cfg, tmp_path / "run", progress=False)
+    log = [line for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if "val_rsum" in line]
+    assert len(log) == 3 and dev
+    assert {c: tokenized[c] for c in dev} == {c: 2 for c in dev}  # its ids and its unknown words, in the first epoch

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from itmatch.data.vocab import Vocab, build_vocab, tokenize, unknown_word_report
+from itmatch.data.vocab import RememberedVocab, Vocab, build_vocab, tokenize, unknown_word_report
 from itmatch.errors import DataError
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
@@ -98,3 +98,17 @@ def test_wordpiece_unknown_means_read_as_unk():
     assert cov.unknown == ["🐕", "ɮ"] and cov.has_known_word
     assert not vocab.coverage("🐕 ɮ").has_known_word
     assert vocab.tokenizer.token_to_id("[UNK]") in vocab.encode("🐕")  # the model input is unchanged
+
+
+def test_a_remembered_vocabulary_reads_as_its_vocabulary_and_tokenizes_each_text_once(monkeypatch):
+    vocab = build_vocab(["a dog runs", "a dog sits", "a cat"], min_count=1)
+    captions = ["a dog runs on grass", "a cat", "a dog runs on grass"]
+    expected = [vocab.encode(c) for c in captions], unknown_word_report(vocab, captions)
+    tokenized = []
+    words = Vocab.words
+    monkeypatch.setattr(Vocab, "words", lambda self, text: tokenized.append(text) or words(self, text))
+    remembered = RememberedVocab(vocab)
+    for _ in range(3):  # (three validations of the same captions)
+        assert ([remembered.encode(c) for c in captions], unknown_word_report(remembered, captions)) == expected
+    assert sorted(tokenized) == sorted(["a dog runs on grass", "a cat"] * 2)  # once for the ids, once for coverage
+    assert len(remembered) == len(vocab) and remembered.word2idx is vocab.word2idx  # the rest is the vocabulary's

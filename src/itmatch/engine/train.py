@@ -34,7 +34,7 @@ from itmatch.data.datasets import (
     collate_pairs,
 )
 from itmatch.data.precomp import META_NAME, PrecompSplit
-from itmatch.data.vocab import AnyVocab
+from itmatch.data.vocab import AnyVocab, RememberedVocab
 from itmatch.device import Placement, machine_name, resolve
 from itmatch.engine.augment import check_region_dropout, training_region_mask
 from itmatch.engine.checkpoint import (
@@ -634,6 +634,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     if progress:  # (the CLI configures no logging handler: say it where the epoch lines go)
         tqdm.write(f"training features: {why}")
     dataset = PairDataset(train_split, vocab, transform, read_images=resident is None)
+    val_vocab = RememberedVocab(vocab)  # every epoch validates on the same dev captions: each is tokenized once a run
     sampler = EpochBatches()
     loader = make_loader(dataset, sampler, cfg, placement, resident=resident is not None)
     # WordPiece counts the captions it cuts to the encoder's limit as it encodes them, the training captions once a
@@ -744,7 +745,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             truncated = getattr(vocab, "truncated", 0) - truncated_before
             try:
                 with stop.interruptible():  # (cut short by a stop: it changes nothing, and a resumed run runs it again)
-                    result = evaluate_models([(model, vocab)], val_split, "full", rerank=cfg.train.val_rerank,
+                    result = evaluate_models([(model, val_vocab)], val_split, "full", rerank=cfg.train.val_rerank,
                                              prune=cfg.train.val_prune, precision=cfg.train.precision)
             except StopNow:  # (in one process only: a shared request never cuts a validation short)
                 save_within_epoch(n_batches, running, train_seconds, train_cpu_seconds)
@@ -753,7 +754,10 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             record = {"epoch": epoch + 1, "val_rsum": result["rsum"], "val": result, "lr": lr, "hardest": hardest,
                       "mean_loss": running / max(1, n_batches), "train_seconds": round(train_seconds, 1),
                       "train_cpu_seconds": round(train_cpu_seconds, 1),  # this process; == wall on a free core
-                      "batches": n_batches}
+                      "batches": n_batches,
+                      # when the validation ended (Unix time; named as timings are): two epochs' difference is an
+                      # epoch's whole wall time, its training, validation (val.eval_seconds) and saves together
+                      "ended_at_seconds": round(time.time(), 1)}
             if truncated:
                 record["truncated_captions"] = truncated
                 if progress:
@@ -764,7 +768,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
             if progress:
                 tqdm.write(f"epoch {epoch + 1}: dev rsum {result['rsum']:.1f} "
                            f"(i2t R@1 {result['image_to_text']['r1']:.1f}, t2i R@1 {result['text_to_image']['r1']:.1f})"
-                           f" loss {record['mean_loss']:.2f}, {train_seconds:.0f} s")
+                           f" loss {record['mean_loss']:.2f}, {train_seconds:.0f} s training + "
+                           f"{result['eval_seconds']:.0f} s validation")
             state.update(epoch=epoch + 1, batch=0, running_loss=0.0, epoch_seconds=0.0, epoch_cpu_seconds=0.0)
             if result["rsum"] > state["best_rsum"] or math.isnan(state["best_rsum"]):
                 state.update(best_rsum=result["rsum"], best_epoch=epoch + 1)
