@@ -281,6 +281,11 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # epoch 32 peaked at epoch 10 (dev rsum 246.1) and stayed on a 231-243 plateau at lr 0.05 (docs/sman.md, "On the
     # GPU with the warm-up epoch"): the lr decay moved to that peak, as for the best single model (docs/training.md)
     "sman_decay10": ("sman", ["train.lr_update=10", "train.epochs=14"]),
+    # ... and its Table III ablations on that schedule, so that "SMAN > its ablations" compares one schedule. SMAN-IM
+    # and SMAN-SIM are pair-independent (one product of per-item vectors): the CPU trains them, ~1 s a step on two
+    # cores
+    **{f"{p}_decay10": (p, ["train.lr_update=10", "train.epochs=14"])
+       for p in ("sman_im", "sman_im_loc", "sman_sim", "sman_inter")},
     **with_seeds("vsepp_warmup", "vsepp", ["loss.warmup_epochs=1"]),
     # the accelerator issue's precision check: the same schedule and seed in bf16 autocast beside the fp32 row (it
     # asks for at most 1 rsum lost; one pair cannot show that alone, two seeds of one model differ by more)
