@@ -65,6 +65,9 @@ def test_blocked_equals_one_shot_for_every_head(preset, data):
     # the evaluator's own path: captions encoded straight into length buckets
     buckets = encode_caption_buckets(model, captions, vocab, bucket_size=5)
     assert (score_matrix(model, img, buckets) - one_shot).abs().max() <= 1e-5
+    if model.head.pair_independent:  # its score reads the vectors alone (all a search keeps of photos and captions)
+        with torch.inference_mode():
+            assert torch.equal(model.score(img.vectors_only(), txt.vectors_only()), model.score(img, txt))
 
 
 @pytest.mark.parametrize("preset", sorted(p for p in PRESETS if not p.endswith("_coco")))
@@ -94,16 +97,19 @@ def test_listed_pairs_equal_the_exhaustive_scores_for_every_head(preset, data):
 @pytest.mark.parametrize("preset", ["vsepp", "mmca_alpha0", "scan_t2i_avg"])
 def test_captions_kept_in_their_scoring_form_are_scored_as_they_are(preset, data):
     """A caption collection searched by photo is kept as `scoring_form` makes it: a pair-independent head's one
-    product takes the TextEmb itself (before, each call bucketed it and merged the buckets back: ~1 s a photo over
-    5000 captions), a pair head's blocks take length buckets made once; either gives the one-shot scores."""
+    product takes the captions' vectors alone (before, each call bucketed the TextEmb and merged the buckets back: ~1
+    s a photo over 5000 captions; and it kept their word embeddings), a pair head's blocks take length buckets made
+    once; either gives the one-shot scores."""
     feats, captions, vocab = data
     model = tiny_model(preset)
     img, txt = encode_images(model, feats), encode_captions(model, captions, vocab)
     with torch.inference_mode():
         one_shot = model.score(img, txt).float()
     kept = inference.scoring_form(model, txt)
-    if model.head.pair_independent:
-        assert kept is txt
+    if model.head.pair_independent:  # the vectors alone: no word embeddings kept
+        assert kept.words.numel() == 0 and torch.equal(kept.vector, txt.vector) and torch.equal(kept.lengths,
+                                                                                               txt.lengths)
+        assert inference.scoring_form(model, kept) is kept
         (_, _, block_txt), = score_blocks(model, img, txt)
         assert block_txt is txt
     else:

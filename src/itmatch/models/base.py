@@ -85,6 +85,18 @@ class Embeddings:
     def to(self, device: torch.device | str) -> Self:
         return self.map_tensors(lambda value: value.to(device))
 
+    def vectors_only(self) -> Self:
+        """What a pair-independent head scores: the item vectors alone (its score is one product of them). The other
+        per-item tensors (regions or words, the mask) become empty ones of width 0, new, since views would keep
+        their storage, and the extras are dropped: an index's photos and a caption collection held for such a head
+        keep ~k and ~L times less (docs/search.md, "What a search keeps in memory")."""
+        if getattr(self, "vector", None) is None:
+            raise ValueError("vectors_only: these embeddings have no item vector")
+        changes = {f.name: value.new_empty((value.shape[0], 0, *value.shape[2:])) for f in fields(self)
+                   if f.name != "vector" and isinstance(value := getattr(self, f.name), torch.Tensor)
+                   and value.dim() > 1}
+        return replace(self, **changes, extras={})
+
 
 @dataclass
 class ImageEmb(Embeddings):

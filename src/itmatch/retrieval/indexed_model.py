@@ -34,8 +34,8 @@ SHOWN = 3  # photo names an error lists of each kind of difference between two i
 @dataclass(frozen=True)
 class IndexedModel:
     """An index, the model that built it (checked against the index's record) and the index's encodings, prepared once
-    on the model's device (the head's per-image parts included), in the index's row order, or, once `aligned` to an
-    ensemble's first index, in that one's (`index` keeps its own)."""
+    on the model's device (the head's per-image parts included; a pair-independent head's, their vectors alone), in
+    the index's row order, or, once `aligned` to an ensemble's first index, in that one's (`index` keeps its own)."""
 
     index: ImageIndex
     matcher: ImageTextMatcher
@@ -77,6 +77,8 @@ def open_indexed_model(index_dir: Path | str, checkpoint: Path | str | None, *, 
     index.check_model(identity or model_identity(ckpt, matcher.backbone_name))
     with torch.inference_mode():
         images = matcher.model.head.prepare_images(index.image_emb().to(matcher.device))
+    if matcher.model.head.pair_independent:  # (its score reads the photos' vectors alone: no regions kept)
+        images = images.vectors_only()
     return IndexedModel(index, matcher, images)
 
 
