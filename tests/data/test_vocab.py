@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,5 @@ def test_a_remembered_vocabulary_reads_as_its_vocabulary_and_tokenizes_each_text
         assert ([remembered.encode(c) for c in captions], unknown_word_report(remembered, captions)) == expected
     assert sorted(tokenized) == sorted(["a dog runs on grass", "a cat"] * 2)  # once for the ids, once for coverage
     assert len(remembered) == len(vocab) and remembered.word2idx is vocab.word2idx  # the rest is the vocabulary's
+    copied = copy.deepcopy(remembered)  # (a copy is made before its attributes are set: nothing loops)
+    assert copied.encode(captions[0]) == expected[0][0] and copied.vocab is not vocab

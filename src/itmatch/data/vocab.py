@@ -289,6 +289,8 @@ class RememberedVocab:
         return len(self.vocab)
 
     def __getattr__(self, name: str):  # (only for what is not defined here: the vocabulary's own attributes)
+        if name == "vocab":  # (not set yet: an instance copy() or pickle is making; not the vocabulary's to answer)
+            raise AttributeError(name)
         return getattr(self.vocab, name)
 
 
