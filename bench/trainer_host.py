@@ -29,18 +29,20 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from itmatch.config import parse_overrides
-from itmatch.data.vocab import RememberedVocab
-from itmatch.engine.checkpoint import load_checkpoint
-from itmatch.engine.evaluate import evaluate_models
-from itmatch.engine.inputs import open_split
-from itmatch.engine.train import train
-from itmatch.models.registry import resolve_config
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import timed  # noqa: E402  (best of `repeats` after one untimed call)
+
+from itmatch.config import parse_overrides  # noqa: E402
+from itmatch.data.vocab import RememberedVocab  # noqa: E402
+from itmatch.engine.checkpoint import load_checkpoint  # noqa: E402
+from itmatch.engine.evaluate import evaluate_models  # noqa: E402
+from itmatch.engine.inputs import open_split  # noqa: E402
+from itmatch.engine.train import train  # noqa: E402
+from itmatch.models.registry import resolve_config  # noqa: E402
 
 
 def identity(caption: str, j: int) -> str:
@@ -62,18 +64,10 @@ def validation_seconds(run: Path, repeats: int) -> tuple[float, float]:
     them remembered (the best of `repeats` each)."""
     ckpt = load_checkpoint(run / "best")
     dev = open_split(ckpt.config, ckpt.config.data.val_split)
-    remembered = RememberedVocab(ckpt.vocab)
-    evaluate_models([(ckpt.model, remembered)], dev)  # (the first epoch's validation: it reads them)
-
-    def best(vocab) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            evaluate_models([(ckpt.model, vocab)], dev)
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return best(ckpt.vocab), best(remembered)
+    cpu = torch.device("cpu")
+    # (timed's untimed first call is, for the remembered one, the first epoch's validation, which reads the captions)
+    return tuple(timed(lambda vocab=vocab: evaluate_models([(ckpt.model, vocab)], dev), cpu, repeats)
+                 for vocab in (ckpt.vocab, RememberedVocab(ckpt.vocab)))
 
 
 def main() -> int:
