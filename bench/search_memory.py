@@ -7,8 +7,11 @@ memory"); a pair head (SCAN) keeps what its blocks read.
     python bench/search_memory.py [--models mmca_alpha0_lite2_decay4-flickr8k,vsepp_seed1-flickr8k]
                                   [--data ../shared/data/flickr8k] [--work runs/bench/ensemble_search]
 
-The indexes are bench/ensemble_search.py's (built here where they are missing, into --work, git-ignored). Exact byte
-counts, not timings. Exits with a message when the data is absent.
+The indexes are bench/ensemble_search.py's (built here where they are missing, into --work, git-ignored, and brought
+up to date where they are not). Exact byte
+counts, not timings. Exits with a message when the data is absent. It also prints each index's bytes on disk beside
+those of the image encoder's every field (the features and regions, vectors and extras: what an index of a
+pair-independent model stored until 2026-12-05; docs/search.md, "Index").
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,19 +56,27 @@ def main() -> int:
           "prepared embeddings)")
     for name in args.models.split(","):
         index = work / name
-        if not (index / "manifest.json").is_file():
-            build_index(work / "photos", name, index)
+        build_index(work / "photos", name, index)  # (built, or brought up to date: an older layout is rewritten)
         searcher = Searcher(index, captions=captions)
         searcher.search_image(work / "photos" / pairs[0][0], k=1)  # (encodes the captions, as a first photo query)
         (member,) = searcher.members
         model = member.matcher.model
         with torch.inference_mode():
-            photos = model.head.prepare_images(member.index.image_emb())
+            fields = model.encode_image_fields(torch.from_numpy(np.array(member.index.features())))
+            photos = model.head.prepare_images(fields)
             texts = encode_captions(model, captions, member.matcher.vocab)
         kept_photos, kept_captions = megabytes(member.images), megabytes(searcher._caption_embs[0])
         print(f"{name:<36} photos {kept_photos:8.1f} / {megabytes(photos):8.1f}   captions {kept_captions:8.1f} / "
               f"{megabytes(texts):8.1f}   ({'pair-independent' if model.head.pair_independent else 'pair'} head)",
               flush=True)
+        # on disk: the index's arrays, beside what the encoder's every field would take (the layout before
+        # 2026-12-05, kept for pair heads: their search reads the regions)
+        arrays = member.index.manifest["arrays"]
+        on_disk = {name: (index / spec["file"]).stat().st_size / 1e6 for name, spec in arrays.items()}
+        every_field = on_disk["features"] + megabytes(fields)
+        parts = ", ".join(f"{array} {mb:.1f}" for array, mb in on_disk.items())
+        print(f"{'':<36} index on disk {sum(on_disk.values()):8.1f} MB ({parts}) / {every_field:8.1f} MB with the "
+              f"encoder's every field (format version {member.index.manifest['version']})", flush=True)
     return 0
 
 

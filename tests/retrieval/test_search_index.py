@@ -512,20 +512,30 @@ def test_scan_attention_matches_per_pair_reference():
             assert torch.allclose(alpha[n, :, m, :length].sum(0), torch.ones(length), atol=1e-6)
 
 
-def test_global_vector_model_stores_vectors(tiny_search_setup, tmp_path):
-    """VSE++ has a pair-independent vector: the index stores it (for a future first stage), search
-    works, and explain says the model has no attention to show."""
+@pytest.fixture(scope="module")
+def tiny_vsepp(tiny_search_setup, tmp_path_factory):
+    """A VSE++ checkpoint trained two steps on the search scenes: a pair-independent head."""
     from itmatch.engine.train import train
     from itmatch.models.registry import resolve_config
 
+    run = tmp_path_factory.mktemp("tiny_vsepp") / "run"
     cfg = resolve_config("vsepp", {"model": {"embed_size": 16, "word_dim": 16},
                                    "data": {"path": str(tiny_search_setup["root"] / "precomp")},
                                    "train": {"epochs": 1, "batch_size": 16, "max_batches": 2, "val_images": 8}})
-    train(cfg, tmp_path / "run", progress=False)
+    train(cfg, run, progress=False)
+    return run / "best"
+
+
+def test_global_vector_model_stores_vectors(tiny_search_setup, tiny_vsepp, tmp_path):
+    """VSE++ has a pair-independent vector, its score's only input: the index stores it and no regions (format
+    version 3), search works, and explain says the model has no attention to show."""
     out = tmp_path / "index"
-    build_index(tiny_search_setup["photos"], tmp_path / "run" / "best", out, progress=False)
+    build_index(tiny_search_setup["photos"], tiny_vsepp, out, progress=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert (manifest["version"], manifest["image_encodings"]) == (3, "vectors")
+    assert sorted(manifest["arrays"]) == ["features", "vectors"] and manifest["image_extras"] == []
     index = load_index(out)
-    assert index.vectors is not None and index.vectors.shape == (12, 16)
+    assert index.vectors is not None and index.vectors.shape == (12, 16) and index.regions is None
     searcher = Searcher(out)
     expected = searcher.matcher.encode_images([tiny_search_setup["photos"] / searcher.ids[0]]).vector[0]
     assert torch.allclose(torch.from_numpy(np.array(index.vectors[0])), expected, atol=1e-5)
@@ -571,12 +581,18 @@ def test_sman_index_ranks_exactly_as_the_model_scores(tiny_search_setup, tmp_pat
     out = tmp_path / "index"
     build_index(tiny_search_setup["photos"], ckpt, out, progress=False)
     manifest = json.loads((out / MANIFEST).read_text())
-    assert manifest["image_extras"] == ["att1", "v0", "v1"]
-    assert manifest["arrays"]["extra_v0"]["shape"] == [12, 8]
-    # SMAN's regions are the backbone's cells themselves: stored once, as the features
-    assert "regions" not in manifest["arrays"] and (manifest["regions_from"], manifest["version"]) == ("features", 2)
     index = load_index(out)
-    assert np.array_equal(index.regions, index.features())
+    if alpha == 1.0:  # pair-independent: the vectors, v(2) appended once, at indexing, and nothing else
+        assert sorted(manifest["arrays"]) == ["features", "vectors"] and manifest["version"] == 3
+        # [v0/|v0|, v1/|v1|, v(2)/|v(2)|], D = 8 each: v(2) appended once
+        assert manifest["arrays"]["vectors"]["shape"] == [12, 24] and index.regions is None
+    else:
+        assert manifest["image_extras"] == ["att1", "v0", "v1"]
+        assert manifest["arrays"]["extra_v0"]["shape"] == [12, 8]
+        # SMAN's regions are the backbone's cells themselves: stored once, as the features
+        assert "regions" not in manifest["arrays"]
+        assert (manifest["regions_from"], manifest["version"]) == ("features", 2)
+        assert np.array_equal(index.regions, index.features())
     searcher = Searcher(out)
     query = "a red circle above two stars"
     hits = searcher.search(query, k=12)
@@ -628,9 +644,68 @@ def test_an_index_of_a_model_whose_regions_are_its_own_stays_version_1(tiny_sear
     build_index(tiny_search_setup["photos"], tiny_search_setup["checkpoint"], out, progress=False)
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["version"] == 1 and "regions" in manifest["arrays"] and "regions_from" not in manifest
-    (out / MANIFEST).write_text(json.dumps({**manifest, "version": 3}))
-    with pytest.raises(DataError, match=r"index format version 3 is not one this itmatch reads \(1, 2\)"):
+    (out / MANIFEST).write_text(json.dumps({**manifest, "version": 4}))
+    with pytest.raises(DataError, match=r"index format version 4 is not one this itmatch reads \(1, 2, 3\)"):
         load_index(out)
+
+
+def _as_indexed_before_vectors_only(monkeypatch):
+    """Index as itmatch did before 2026-12-05: a pair-independent model's every encoder field, regions included."""
+    from itmatch.models.base import SimilarityHead
+
+    monkeypatch.setattr(SimilarityHead, "pair_independent", property(lambda head: False))  # (as the index saw it)
+
+
+def test_an_older_index_of_a_pair_independent_model_searches_the_same_and_is_rewritten_without_regions(
+        tiny_search_setup, tiny_vsepp, tmp_path, monkeypatch, caplog):
+    """An index written before (version 1: VSE++'s regions and vectors) searches as a new one does, and says how
+    to drop the regions; `itmatch index` again rewrites it as vectors alone from its stored features, without
+    reading a photo through the CNN, and the search is unchanged."""
+    import itmatch.retrieval.index as index_module
+
+    out, new = tmp_path / "old", tmp_path / "new"
+    build_index(tiny_search_setup["photos"], tiny_vsepp, new, progress=False)
+    with monkeypatch.context() as patched:
+        _as_indexed_before_vectors_only(patched)
+        build_index(tiny_search_setup["photos"], tiny_vsepp, out, progress=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["version"] == 1 and "regions" in manifest["arrays"] and "image_encodings" not in manifest
+    query = "a red circle above two stars"
+    with caplog.at_level("INFO", logger="itmatch.retrieval"):
+        reference = score_of(Searcher(out), query)
+    assert "holds regions its model never reads" in caplog.text
+    assert f"itmatch index {tiny_search_setup['photos']}" in caplog.text
+    assert torch.allclose(score_of(Searcher(new), query), reference, atol=1e-6, rtol=0)
+
+    def no_cnn(*args, **kwargs):
+        raise AssertionError("the CNN ran: the stored features were not reused")
+
+    monkeypatch.setattr(index_module, "grid_features", no_cnn)
+    summary = build_index(tiny_search_setup["photos"], tiny_vsepp, out, progress=False)
+    assert summary["images"] == 12 and not summary["skipped"]
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert sorted(manifest["arrays"]) == ["features", "vectors"] and manifest["version"] == 3
+    assert not list(out.glob("regions-*.npy"))
+    assert torch.allclose(score_of(Searcher(out), query), reference, atol=1e-6, rtol=0)
+
+
+def test_a_chunk_of_the_other_layout_is_encoded_again_on_resume(tiny_search_setup, tiny_vsepp, tmp_path, monkeypatch):
+    """A run stopped under an older itmatch left chunks of a pair-independent model's fields: the resumed run
+    encodes their photos again (its vectors are the head's prepared ones), and keeps chunks of its own."""
+    out = tmp_path / "index"
+
+    def stop(done, total):
+        if done >= 4:
+            raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        _as_indexed_before_vectors_only(patched)
+        build_index(tiny_search_setup["photos"], tiny_vsepp, out, progress=False, chunk=4, on_chunk=stop)
+    assert (build_index(tiny_search_setup["photos"], tiny_vsepp, out, progress=False)["encoded"]) == 12
+    with pytest.raises(KeyboardInterrupt):
+        build_index(tiny_search_setup["photos"], tiny_vsepp, tmp_path / "again", progress=False, chunk=4,
+                    on_chunk=stop)
+    assert build_index(tiny_search_setup["photos"], tiny_vsepp, tmp_path / "again", progress=False)["encoded"] == 8
 
 
 def score_of(searcher: Searcher, query: str) -> torch.Tensor:

@@ -4,6 +4,7 @@ and ranks as it does with them (docs/search.md, "What a search keeps in memory")
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +22,8 @@ def test_a_pair_independent_model_keeps_the_vectors_alone_and_ranks_as_with_ever
     assert member.images.regions.numel() == 0 and member.images.extras == {}
     assert member.images.vector.shape == (len(searcher.ids), 1024)
     with torch.inference_mode():
-        full = matcher.model.head.prepare_images(member.index.image_emb())
+        features = torch.from_numpy(np.array(member.index.features()))
+        full = matcher.model.head.prepare_images(matcher.model.encode_image_fields(features))
         expected = matcher.score(full, [QUERY])[:, 0]
     got = {hit.id: hit.score for hit in searcher.search(QUERY, k=len(searcher.ids))}
     assert got == pytest.approx(dict(zip(searcher.ids, expected.tolist(), strict=True)), abs=1e-6)

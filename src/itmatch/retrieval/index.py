@@ -47,9 +47,12 @@ MANIFEST = "manifest.json"
 PARTS = "parts"
 FORMAT = "itmatch-index"
 # 2: the regions may be stored once, as the features (manifest "regions_from"; a model whose image encoder passes
-# the backbone's cells through, SMAN); an index without that is written as version 1, which older itmatch reads
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# the backbone's cells through, SMAN). 3: a pair-independent model's photos are stored as the item vectors its score
+# reads, prepared, and nothing else (manifest "image_encodings": "vectors"; VSE++, MMCA alpha = 0, SMAN-IM). Each
+# index is written as the lowest version that holds it, so that older itmatch reads every index it can
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+VECTORS_ONLY = "vectors"  # manifest "image_encodings" of a version-3 index; absent: the encoder's every field
 ARRAYS = ("features", "regions", "vectors")
 EXTRA_PREFIX = "extra_"  # array name of an ImageEmb.extras entry: extra_<key>
 
@@ -238,13 +241,19 @@ def _open_array(index_dir: Path, manifest: dict, name: str, verify: bool) -> np.
     return arr
 
 
+def encodings_layout(manifest: dict[str, Any]) -> str:
+    """How an index stores its photos' encodings: "fields" (the image encoder's every output, which the head
+    prepares when the index is loaded) or "vectors" (a pair-independent model's prepared item vectors alone)."""
+    return manifest.get("image_encodings", "fields")
+
+
 @dataclass
 class ImageIndex:
     """A loaded index: the manifest, the image records in row order and the model's encodings."""
 
     root: Path
     manifest: dict[str, Any]
-    regions: np.ndarray  # [N, k, d]
+    regions: np.ndarray | None  # [N, k, d]; None where the index holds the prepared vectors alone
     vectors: np.ndarray | None  # [N, d]
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # ImageEmb.extras key -> [N, ...]
 
@@ -264,12 +273,22 @@ class ImageIndex:
     def grid(self) -> int:
         return int(self.manifest["backbone"]["grid"])
 
+    @property
+    def vectors_only(self) -> bool:
+        """Whether the index holds its model's prepared item vectors alone (a pair-independent head's index)."""
+        return encodings_layout(self.manifest) == VECTORS_ONLY
+
     def image_emb(self) -> ImageEmb:
         """The stored encodings as an ImageEmb (grid backbones: every region is real); the head's
-        per-item parts (e.g. SCAN's region Gram matrices) are added by the caller's `prepare_images`."""
+        per-item parts (e.g. SCAN's region Gram matrices) are added by the caller's `prepare_images`, except in
+        an index of prepared vectors alone, whose ImageEmb is `vectors_only()`'s, ready to score."""
         def tensor(arr: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.array(arr, dtype=np.float32))
 
+        if self.regions is None:
+            vector = tensor(self.vectors)
+            return ImageEmb(regions=vector.new_empty((len(vector), 0, vector.shape[1])),
+                            mask=torch.ones((len(vector), 0), dtype=torch.bool), vector=vector)
         regions = tensor(self.regions)
         vector = tensor(self.vectors) if self.vectors is not None else None
         return ImageEmb(regions=regions, mask=torch.ones(regions.shape[:2], dtype=torch.bool), vector=vector,
@@ -322,8 +341,11 @@ def load_index(index_dir: Path | str, verify: bool = True) -> ImageIndex:
     index_dir = Path(index_dir)
     manifest = read_manifest(index_dir)
     try:
-        regions = _open_array(index_dir, manifest, manifest.get("regions_from", "regions"), verify)
-        vectors = _open_array(index_dir, manifest, "vectors", verify) if "vectors" in manifest["arrays"] else None
+        vectors_only = encodings_layout(manifest) == VECTORS_ONLY
+        regions = None if vectors_only else _open_array(index_dir, manifest, manifest.get("regions_from", "regions"),
+                                                         verify)
+        vectors = (_open_array(index_dir, manifest, "vectors", verify)
+                   if vectors_only or "vectors" in manifest["arrays"] else None)
         # (indexes built before the extras were stored have no `image_extras`: their models had none)
         extras = {key: _open_array(index_dir, manifest, extra_array(key), verify)
                   for key in manifest.get("image_extras", [])}
@@ -340,8 +362,9 @@ def load_index(index_dir: Path | str, verify: bool = True) -> ImageIndex:
 
 # -- building ------------------------------------------------------------------------------------------
 
-def _read_parts(parts_dir: Path, identity: dict) -> dict[str, dict[str, Any]]:
-    """sha256 -> row of a finished chunk of an interrupted run (same model only)."""
+def _read_parts(parts_dir: Path, identity: dict, layout: str) -> dict[str, dict[str, Any]]:
+    """sha256 -> row of a finished chunk of an interrupted run (same model and encodings layout only: a chunk of an
+    older itmatch holds a pair-independent model's fields, not its prepared vectors)."""
     rows: dict[str, dict[str, Any]] = {}
     if not parts_dir.is_dir():
         return rows
@@ -349,7 +372,7 @@ def _read_parts(parts_dir: Path, identity: dict) -> dict[str, dict[str, Any]]:
         try:
             with np.load(part) as z:
                 if str(z["weights_hash"]) != identity["weights_hash"] or str(z["config_hash"]) != identity[
-                        "config_hash"]:
+                        "config_hash"] or _chunk_layout(z) != layout:
                     continue
                 data = {k: z[k] for k in z.files}
         except (OSError, ValueError, KeyError):
@@ -359,12 +382,26 @@ def _read_parts(parts_dir: Path, identity: dict) -> dict[str, dict[str, Any]]:
     return rows
 
 
+def _chunk_layout(chunk: Any) -> str:
+    return str(chunk["image_encodings"]) if "image_encodings" in chunk.files else "fields"
+
+
 def _part_rows(data: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
     # (chunks of older versions hold an empty `vectors` for a model without one)
     stored = [name for name in data if (name == "features" or is_encoding_array(name)) and data[name].size]
     return {str(sha): {**{name: data[name][i] for name in stored},
                        "width": int(data["sizes"][i][0]), "height": int(data["sizes"][i][1])}
             for i, sha in enumerate(data["sha256"])}
+
+
+def _index_encodings(model: torch.nn.Module, feats: torch.Tensor, vectors_only: bool) -> dict[str, np.ndarray]:
+    """What the index stores of a batch of photos' backbone features: the image encoder's every field, or, with
+    `vectors_only` (a pair-independent head, whose score is one product of item vectors), those vectors as the head
+    prepares them (OAN's intra-modal sets, SMAN-SIM's appended v(2)), which is all its search reads."""
+    emb = model.encode_image_fields(feats)
+    if vectors_only:
+        return {"vectors": model.head.prepare_images(emb).vector.float().cpu().numpy()}
+    return _stored_fields(emb)
 
 
 def _stored_fields(emb: ImageEmb) -> dict[str, np.ndarray]:
@@ -499,17 +536,23 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
     cells = torch.randn(2, k, dim, generator=torch.Generator().manual_seed(0)).to(on)
     with torch.inference_mode():
         # every field the image encoder returns is stored (SMAN: its v0, v1, att1 too), and only those: the
-        # head's per-item parts are recomputed from them when the index is loaded (Searcher)
+        # head's per-item parts are recomputed from them when the index is loaded (Searcher); except for a
+        # pair-independent head, whose search reads the prepared item vectors alone: only those are stored (the
+        # regions would be ~k times their bytes, and as many again in memory while the index loads)
         probe = model.encode_image_fields(cells)
+        vectors_only = model.head.pair_independent  # (its score is one product of the item vectors)
+        layout = VECTORS_ONLY if vectors_only else "fields"
+        stored = _index_encodings(model, cells, vectors_only)
     not_float = sorted(key for key, value in probe.extras.items() if not value.is_floating_point())
-    if not_float:
+    if not_float and not vectors_only:
         raise ConfigError(f"the {identity['preset'] or identity['arch']} model cannot be indexed: its image "
                           f"encodings carry non-float parts ({', '.join(not_float)}) that the index cannot store",
                           path=checkpoint, hint="store them as float tensors in the image encoder's extras")
-    row_shapes = {"features": (k, dim), **{name: arr.shape[1:] for name, arr in _stored_fields(probe).items()}}
+    row_shapes = {"features": (k, dim), **{name: arr.shape[1:] for name, arr in stored.items()}}
     # regions that are the backbone's cells themselves (SMAN's I_m, exactly, in evaluation mode) are stored once,
     # as the features: half the bytes of such an index
-    regions_are_features = probe.regions.shape == cells.shape and torch.equal(probe.regions.float(), cells)
+    regions_are_features = (not vectors_only and probe.regions.shape == cells.shape
+                            and torch.equal(probe.regions.float(), cells))
     if regions_are_features:
         del row_shapes["regions"]
 
@@ -546,8 +589,10 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
     old_sizes: dict[str, tuple[int, int]] = {}
     if old is not None:
         same_backbone = old["model"].get("backbone") == backbone_name
-        # (a model that differs only in its vocabulary encodes images alike: its encodings are kept)
-        keep = (list(old["arrays"]) if same_image_encoder(old["model"], identity)
+        # (a model that differs only in its vocabulary encodes images alike: its encodings are kept, where they are
+        # stored alike: an index of an older itmatch holds a pair-independent model's fields, re-encoded from its
+        # features into the prepared vectors)
+        keep = (list(old["arrays"]) if same_image_encoder(old["model"], identity) and encodings_layout(old) == layout
                 else (["features"] if same_backbone else []))
         try:
             for name in keep:
@@ -561,7 +606,7 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
             if not force:
                 raise
             old_rows, old_arrays = {}, {}
-    parts = _read_parts(parts_dir, identity)
+    parts = _read_parts(parts_dir, identity, layout)
 
     paths = scan_images(images_dir, exclude=out_dir)
     if not paths and old is not None and old["count"] and not force:
@@ -629,7 +674,7 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
             if good:
                 f = torch.stack(feats).float()
                 with matcher.placement.arithmetic():
-                    fields = _stored_fields(model.encode_image_fields(f.to(on)))
+                    fields = _index_encodings(model, f.to(on), vectors_only)
                 if regions_are_features:
                     if not np.array_equal(fields["regions"], f.numpy()):  # (the probe said they would be)
                         raise RuntimeError("the image encoder's regions differ from its input features")
@@ -637,7 +682,8 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
                 chunk_data = {"sha256": np.array([r["sha256"] for r in good]), "features": f.numpy(),
                               **fields, "sizes": np.array(sizes, dtype=np.int64),
                               "weights_hash": np.array(identity["weights_hash"]),
-                              "config_hash": np.array(identity["config_hash"])}
+                              "config_hash": np.array(identity["config_hash"]),
+                              "image_encodings": np.array(layout)}
                 name = parts_dir / f"part-{identity['weights_hash'][:12]}-{secrets.token_hex(6)}.npz"
                 parts_dir.mkdir(exist_ok=True)
                 _save_npz(name, chunk_data)
@@ -651,7 +697,7 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
         if gathered is None:
             return dist.broadcast_object(None)
         skipped = [s for part in gathered for s in part]
-        parts = _read_parts(parts_dir, identity)
+        parts = _read_parts(parts_dir, identity, layout)
 
     encoded = {t["sha256"] for t in todo}
     encoded_count = len(encoded) - len(skipped)  # the files that failed to decode were not encoded
@@ -684,8 +730,10 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
                                       if name.startswith(EXTRA_PREFIX))
     if regions_are_features:
         manifest["regions_from"] = "features"
-    # version 2 only where its one addition is used: older itmatch reads every other index
-    manifest["version"] = FORMAT_VERSION if regions_are_features else 1
+    if vectors_only:
+        manifest["image_encodings"] = VECTORS_ONLY
+    # each version only where its addition is used: older itmatch reads every other index
+    manifest["version"] = FORMAT_VERSION if vectors_only else 2 if regions_are_features else 1
     manifest["skipped"] = skipped
     manifest["itmatch_version"] = _version()
     manifest["backbone"] = _backbone_meta(matcher.backbone)

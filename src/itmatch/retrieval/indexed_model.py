@@ -8,6 +8,7 @@ its own index, so its members may differ in backbone, text encoder and head; the
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from itmatch.retrieval.index import (
 )
 from itmatch.retrieval.matcher import ImageTextMatcher, load
 from itmatch.retrieval.names import public_id
+
+log = logging.getLogger("itmatch.retrieval")
 
 SHOWN = 3  # photo names an error lists of each kind of difference between two indexes
 
@@ -75,9 +78,15 @@ def open_indexed_model(index_dir: Path | str, checkpoint: Path | str | None, *, 
         index.check_model(identity)
     matcher = load(ckpt, backbone=backbone, device=device, precision=precision, trust_modified=trust_modified)
     index.check_model(identity or model_identity(ckpt, matcher.backbone_name))
+    head = matcher.model.head
     with torch.inference_mode():
-        images = matcher.model.head.prepare_images(index.image_emb().to(matcher.device))
-    if matcher.model.head.pair_independent:  # (its score reads the photos' vectors alone: no regions kept)
+        images = index.image_emb().to(matcher.device)
+        if not index.vectors_only:  # (an index of vectors alone holds them prepared)
+            images = head.prepare_images(images)
+    if head.pair_independent and not index.vectors_only:
+        # an index written before 2026-12-05 holds such a model's regions too: searched as it is, from its vectors
+        log.info("%s holds regions its model never reads; `%s` rewrites it without them, from its stored "
+                 "features", public_id(str(index.root)), index_command(index.root, index.manifest))
         images = images.vectors_only()
     return IndexedModel(index, matcher, images)
 
