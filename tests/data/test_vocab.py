@@ -17,6 +17,14 @@ def test_treebank_lowercase_tokenization():
     assert tokenize("A dog's toy, isn't it?") == ["a", "dog", "'s", "toy", ",", "is", "n't", "it", "?"]
 
 
+def test_a_caption_tokenized_again_comes_from_the_cache_as_a_list_of_its_own():
+    first = tokenize("A dog runs on the grass.")
+    first.append("changed")  # a caller may change its list: the cached tokens must not change with it
+    again = tokenize("A dog runs on the grass.")
+    assert again == ["a", "dog", "runs", "on", "the", "grass", "."]
+    assert again is not first
+
+
 def test_typographic_quotes_dashes_and_full_width_letters_read_as_the_captions_ascii():
     """A phone types "doesn’t": it read as "doesn", "’", "t", three unknown words; "ｄｏｇ" was unknown."""
     assert tokenize("a dog that doesn\u2019t swim") == tokenize("a dog that doesn't swim")
