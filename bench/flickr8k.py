@@ -318,6 +318,10 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # in the paper schedule, which decays after epoch 10, 15-16 dev rsum below the peak); 4 epochs after the decay.
     # A third seed: whether the best seed's 291.6, the best single model, is the schedule's or the seed's
     **with_seeds("mmca_alpha0_lite2_decay4", "mmca_alpha0", ["train.lr_update=4", "train.epochs=8"], seeds=(1, 2)),
+    # ... with its weights averaged over the steps (train.ema_decay: a horizon of ~1,000 steps, two epochs of batch
+    # 64): the two seeds' ensemble is 18-22 rsum above either seed, and an average of one run's weights is the cheap
+    # kin of an ensemble (docs/training.md, "Weight averaging")
+    "mmca_alpha0_lite2_decay4_ema": ("mmca_alpha0", ["train.lr_update=4", "train.epochs=8", "train.ema_decay=0.999"]),
     # MMCA Tables 4/5's hidden size d = 512 (the paper's best is 256, the preset's) for that model and schedule
     # (a second seed: the first landed between d = 256's seeds, so one alone could not say whether d = 512 helps)
     **with_seeds("mmca_alpha0_lite2_decay4_d512", "mmca_alpha0",
@@ -343,6 +347,7 @@ GPU_ROW_DATA = {**{row: DATA_MS for row in ("save_asa_ms2", "save_asa_ms3", "sav
                                               "mmca_alpha0_lite2_seed1", "mmca_alpha0_lite2_ensemble_seed0+seed1",
                                               "mmca_alpha0_lite2_regdrop", "mmca_alpha0_lite2_decay4",
                                               "mmca_alpha0_lite2_decay4_seed1", "mmca_alpha0_lite2_decay4_seed2",
+                                              "mmca_alpha0_lite2_decay4_ema",
                                               "mmca_alpha0_lite2_decay4_d512", "mmca_alpha0_lite2_decay4_d512_seed1",
                                               "mmca_alpha0_lite2_decay4_ensemble_seed0+seed1")}}
 GPU = Profile("gpu", GPU_SCHEDULE, GPU_SCHEDULES, GPU_OVERRIDES, GPU_CONTROLS, GPU_ENSEMBLES,

@@ -222,6 +222,9 @@ class TrainConfig:
     # of each image with this probability (one always kept) by masking it; evaluation sees every region. For
     # encoders that honour the region mask (not SAVE's or SMAN's grid readers); docs/training.md
     region_dropout: float = option(0.0, min=0, max=0.9)
+    # the weights validated and kept as best/: 0, the trained ones; d > 0, their exponential moving average over the
+    # optimizer's steps, W_avg <- d W_avg + (1 - d) W (not in the papers; engine/averaging.py, docs/training.md)
+    ema_decay: float = option(0.0, min=0, max=0.9999)
     # torchrun runs (docs/distributed.md): process-group backend (auto: nccl for GPU tensors, gloo for CPU ones) and
     # whether the loss sees the negatives of the whole global batch (embeddings all-gathered) or only the
     # rank's own share of it

@@ -37,6 +37,8 @@ from itmatch.data.precomp import META_NAME, PrecompSplit
 from itmatch.data.vocab import AnyVocab, RememberedVocab
 from itmatch.device import Placement, machine_name, resolve
 from itmatch.engine.augment import check_region_dropout, training_region_mask
+from itmatch.engine.averaging import STATE_KEY as AVERAGE_KEY
+from itmatch.engine.averaging import weight_average
 from itmatch.engine.checkpoint import (
     MANIFEST,
     config_for_checkpoint,
@@ -342,8 +344,9 @@ RESUME_KEYS = ("train.", "data.path", "data.images")
 # of those, the ones that made the optimizer state itself: its kind (Adam's moments are not Adadelta's) and
 # which parameters it holds (a backbone that starts or stops training)
 RESUME_FIXED_KEYS = ("train.optimizer", "train.finetune_backbone")
-# and the ones best/ was chosen by: an epoch scored on more dev images, or re-ranked, has another scale of rsum
-SELECTION_KEYS = ("train.val_images", "train.val_rerank", "train.val_prune")
+# and the ones best/ was chosen by: an epoch scored on more dev images, or re-ranked, has another scale of rsum; an
+# averaged run's best/ epoch was chosen by its averaged weights
+SELECTION_KEYS = ("train.val_images", "train.val_rerank", "train.val_prune", "train.ema_decay")
 
 
 #: the data keys that are paths (data.* has settings too, e.g. data.min_word_count)
@@ -607,10 +610,13 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
     state["devices"] = list(dict.fromkeys([*state.get("devices", []), machine_name(placement.device)]))
     model.to(placement.device)  # (before the optimizer: its state follows the parameters' device)
     optimizer = make_optimizer(cfg, model, state["epoch"])
+    average = weight_average(cfg, model)  # (None unless train.ema_decay)
     scaler = placement.grad_scaler()  # fp16 only; otherwise a no-op
     if resume:
         load_optimizer_state(last, optimizer)
         trainer = load_trainer_state(last)
+        if average is not None and AVERAGE_KEY in trainer:
+            average.load_state_dict(trainer[AVERAGE_KEY])
         if scaler.is_enabled() and "scaler" in trainer:
             scaler.load_state_dict(trainer["scaler"])
         ranks = trainer.get("rng_ranks", [])
@@ -663,7 +669,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
         os.fsync(log.fileno())
         state["log_bytes"] = metrics_path.stat().st_size
         trainer = {"rng": rng_state(), **({"rng_ranks": ranks} if distributed else {}),
-                   **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {})}
+                   **({"scaler": scaler.state_dict()} if scaler.is_enabled() else {}),
+                   **({AVERAGE_KEY: average.state_dict()} if average is not None else {})}
         save_checkpoint(last, model, cfg, vocab, optimizer, state, trainer=trainer)
 
     def save_within_epoch(batch: int, running_loss: float, seconds: float, cpu_seconds: float) -> None:
@@ -716,6 +723,8 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                     clip_gradients(model.parameters(), cfg.train.grad_clip, cfg.train.grad_clip_mode)
                 scaler.step(optimizer)
                 scaler.update()
+                if average is not None:
+                    average.update_parameters(model)
                 state["step"] += 1
                 value, = stop.agree(loss.item())  # the loss whose gradient the ranks averaged, and their stop
                 if not math.isfinite(value):  # stop before anything is saved: its step wrote NaN into the weights
@@ -741,11 +750,12 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                     raise stopped(f"at epoch {epoch + 1}, batch {b + 1} of {n_batches} (step {state['step']})")
             bar.close()
             train_seconds, train_cpu_seconds = time.perf_counter() - started, time.process_time() - started_cpu
-            model.eval()
+            kept = model if average is None else average.module  # the weights validated, and saved as best/
+            kept.eval()
             truncated = getattr(vocab, "truncated", 0) - truncated_before
             try:
                 with stop.interruptible():  # (cut short by a stop: it changes nothing, and a resumed run runs it again)
-                    result = evaluate_models([(model, val_vocab)], val_split, "full", rerank=cfg.train.val_rerank,
+                    result = evaluate_models([(kept, val_vocab)], val_split, "full", rerank=cfg.train.val_rerank,
                                              prune=cfg.train.val_prune, precision=cfg.train.precision)
             except StopNow:  # (in one process only: a shared request never cuts a validation short)
                 save_within_epoch(n_batches, running, train_seconds, train_cpu_seconds)
@@ -776,7 +786,7 @@ def train(cfg: Config, run_dir: str | Path, *, resume: bool = False, force: bool
                 best = result
                 state["best_result"] = best
                 if main:
-                    save_checkpoint(run_dir / "best", model, cfg, vocab, state=state)
+                    save_checkpoint(run_dir / "best", kept, cfg, vocab, state=state)
             state["best_result"] = best
             save_last()
             stop.agree()  # (torchrun: whether any rank was asked during the validation or its saves)
