@@ -11,7 +11,8 @@ The indexes are bench/ensemble_search.py's (built here where they are missing, i
 up to date where they are not). Exact byte
 counts, not timings. Exits with a message when the data is absent. It also prints each index's bytes on disk beside
 those of the image encoder's every field (the features and regions, vectors and extras: what an index of a
-pair-independent model stored until 2026-12-05; docs/search.md, "Index").
+pair-independent model stored until 2026-12-05; docs/search.md, "Index"), and what `itmatch index --no-features`
+keeps of them.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def main() -> int:
         every_field = on_disk["features"] + megabytes(fields)
         parts = ", ".join(f"{array} {mb:.1f}" for array, mb in on_disk.items())
         print(f"{'':<36} index on disk {sum(on_disk.values()):8.1f} MB ({parts}) / {every_field:8.1f} MB with the "
-              f"encoder's every field (format version {member.index.manifest['version']})", flush=True)
+              f"encoder's every field (format version {member.index.manifest['version']}); "
+              f"{sum(on_disk.values()) - on_disk['features']:.1f} MB with --no-features (the same arrays less the "
+              "features)", flush=True)
     return 0
 
 

@@ -644,8 +644,8 @@ def test_an_index_of_a_model_whose_regions_are_its_own_stays_version_1(tiny_sear
     build_index(tiny_search_setup["photos"], tiny_search_setup["checkpoint"], out, progress=False)
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["version"] == 1 and "regions" in manifest["arrays"] and "regions_from" not in manifest
-    (out / MANIFEST).write_text(json.dumps({**manifest, "version": 4}))
-    with pytest.raises(DataError, match=r"index format version 4 is not one this itmatch reads \(1, 2, 3\)"):
+    (out / MANIFEST).write_text(json.dumps({**manifest, "version": 5}))
+    with pytest.raises(DataError, match=r"index format version 5 is not one this itmatch reads \(1, 2, 3, 4\)"):
         load_index(out)
 
 
@@ -855,3 +855,59 @@ def test_a_renamed_photo_pairs_with_one_new_id_of_its_content():
     old = {"a.png": "h1", "b.png": "h2", "c.png": "h3"}
     now = {"a.png": "h1", "b2.png": "h2", "b3.png": "h2", "d.png": "h4"}  # b copied twice under new names
     assert _compare_ids(old, now) == (["b3.png", "d.png"], ["c.png"], [("b.png", "b2.png")])
+
+
+@pytest.fixture(params=["scan", "vsepp", "sman"])
+def any_layout_checkpoint(request, tiny_search_setup, tiny_vsepp, tmp_path):
+    """One model per way an index stores its photos: SCAN's regions (version 1), VSE++'s prepared vectors (3), SMAN's
+    regions that are the backbone's cells, stored once as the features (2)."""
+    if request.param == "scan":
+        return tiny_search_setup["checkpoint"]
+    if request.param == "vsepp":
+        return tiny_vsepp
+    return _untrained_sman(tiny_search_setup, tmp_path / "sman", alpha=0.9)
+
+
+def test_an_index_without_features_searches_the_same_and_stays_so_until_told(any_layout_checkpoint, photos, tmp_path):
+    """--no-features: the index keeps what search reads alone (format version 4), ranks bit for bit as the index with
+    features, says what to do when its features are asked for, stays without them on an update, and takes them back
+    with --features (reading the photos through the CNN again); dropping them later re-encodes nothing."""
+    ckpt, query = any_layout_checkpoint, "a red circle above two stars"
+    build_index(photos, ckpt, tmp_path / "full", progress=False)
+    reference = score_of(Searcher(tmp_path / "full"), query)
+    out = tmp_path / "lean"
+    build_index(photos, ckpt, out, progress=False, features=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["version"] == 4 and "features" not in manifest["arrays"] and "regions_from" not in manifest
+    assert not list(out.glob("features-*.npy"))
+    assert torch.equal(score_of(Searcher(out), query), reference)
+    with pytest.raises(DataError, match="keeps no backbone features") as err:
+        load_index(out).features()
+    assert "--features" in err.value.hint
+    assert build_index(photos, ckpt, out, progress=False)["encoded"] == 0  # (as the index has them: none)
+    assert "features" not in json.loads((out / MANIFEST).read_text())["arrays"]
+    assert build_index(photos, ckpt, out, progress=False, features=True)["encoded"] == 12
+    full = json.loads((tmp_path / "full" / MANIFEST).read_text())
+    again = json.loads((out / MANIFEST).read_text())
+    assert (again["version"], sorted(again["arrays"])) == (full["version"], sorted(full["arrays"]))
+    assert build_index(photos, ckpt, out, progress=False, features=False)["encoded"] == 0
+    assert not list(out.glob("features-*.npy")) and torch.equal(score_of(Searcher(out), query), reference)
+
+
+def test_chunks_without_features_are_encoded_again_by_a_run_that_keeps_them(tiny_search_setup, photos, tmp_path,
+                                                                            capsys):
+    out = tmp_path / "index"
+
+    def stop(done, total):
+        if done >= 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _build(tiny_search_setup, photos, out, chunk=4, on_chunk=stop, features=False)
+    assert _build(tiny_search_setup, photos, out)["encoded"] == 12  # (its 4 photos' chunk lacks their features)
+    with pytest.raises(KeyboardInterrupt):
+        _build(tiny_search_setup, photos, tmp_path / "again", chunk=4, on_chunk=stop)
+    assert _build(tiny_search_setup, photos, tmp_path / "again", features=False)["encoded"] == 8  # (a superset)
+    assert main(["index", str(photos), "--model", str(tiny_search_setup["checkpoint"]), "--out", str(tmp_path / "cli"),
+                 "--no-features", "--quiet"]) == 0
+    assert "features" not in json.loads((tmp_path / "cli" / MANIFEST).read_text())["arrays"]

@@ -15,7 +15,7 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,10 +48,11 @@ PARTS = "parts"
 FORMAT = "itmatch-index"
 # 2: the regions may be stored once, as the features (manifest "regions_from"; a model whose image encoder passes
 # the backbone's cells through, SMAN). 3: a pair-independent model's photos are stored as the item vectors its score
-# reads, prepared, and nothing else (manifest "image_encodings": "vectors"; VSE++, MMCA alpha = 0, SMAN-IM). Each
-# index is written as the lowest version that holds it, so that older itmatch reads every index it can
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# reads, prepared, and nothing else (manifest "image_encodings": "vectors"; VSE++, MMCA alpha = 0, SMAN-IM). 4: no
+# backbone features (`itmatch index --no-features`: no "features" array; an older itmatch would fail to update it).
+# Each index is written as the lowest version that holds it, so that older itmatch reads every index it can
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 VECTORS_ONLY = "vectors"  # manifest "image_encodings" of a version-3 index; absent: the encoder's every field
 ARRAYS = ("features", "regions", "vectors")
 EXTRA_PREFIX = "extra_"  # array name of an ImageEmb.extras entry: extra_<key>
@@ -294,7 +295,17 @@ class ImageIndex:
         return ImageEmb(regions=regions, mask=torch.ones(regions.shape[:2], dtype=torch.bool), vector=vector,
                         extras={key: tensor(arr) for key, arr in self.extras.items()})
 
+    @property
+    def has_features(self) -> bool:
+        """Whether the index keeps its photos' backbone features (not with `itmatch index --no-features`)."""
+        return "features" in self.manifest["arrays"]
+
     def features(self, verify: bool = True) -> np.ndarray:
+        if not self.has_features:
+            raise DataError("the index keeps no backbone features (it was built with --no-features)",
+                            path=self.root / MANIFEST,
+                            hint=f"index the photos again keeping them: {index_command(self.root, self.manifest)} "
+                                 "--features")
         return _open_array(self.root, self.manifest, "features", verify)
 
     def checkpoint(self) -> Path:
@@ -362,9 +373,11 @@ def load_index(index_dir: Path | str, verify: bool = True) -> ImageIndex:
 
 # -- building ------------------------------------------------------------------------------------------
 
-def _read_parts(parts_dir: Path, identity: dict, layout: str) -> dict[str, dict[str, Any]]:
+def _read_parts(parts_dir: Path, identity: dict, layout: str, arrays: Iterable[str]) -> dict[str, dict[str, Any]]:
     """sha256 -> row of a finished chunk of an interrupted run (same model and encodings layout only: a chunk of an
-    older itmatch holds a pair-independent model's fields, not its prepared vectors)."""
+    older itmatch holds a pair-independent model's fields, not its prepared vectors), of the chunks that hold every
+    one of `arrays` (a run with --no-features left chunks without the features a run that keeps them needs)."""
+    needed = set(arrays)
     rows: dict[str, dict[str, Any]] = {}
     if not parts_dir.is_dir():
         return rows
@@ -372,7 +385,7 @@ def _read_parts(parts_dir: Path, identity: dict, layout: str) -> dict[str, dict[
         try:
             with np.load(part) as z:
                 if str(z["weights_hash"]) != identity["weights_hash"] or str(z["config_hash"]) != identity[
-                        "config_hash"] or _chunk_layout(z) != layout:
+                        "config_hash"] or _chunk_layout(z) != layout or not needed <= set(z.files):
                     continue
                 data = {k: z[k] for k in z.files}
         except (OSError, ValueError, KeyError):
@@ -440,7 +453,8 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
                 rehash: bool = False,
                 batch_size: int = 8, chunk: int = 64, progress: bool = True,
                 on_chunk: Callable[[int, int], None] | None = None, device: str | torch.device = "cpu",
-                precision: str = "fp32", trust_modified: bool = False) -> dict[str, Any]:
+                precision: str = "fp32", trust_modified: bool = False, features: bool | None = None
+                ) -> dict[str, Any]:
     """Index (or update the index of) every image under `images_dir` with the model of `checkpoint` (a checkpoint
     directory, or a shipped model's name: `itmatch models --pretrained`), the backbone and the model on `device`
     (in `precision`; photos are decoded on the host; what is stored is float32 on the host, whatever the device).
@@ -455,6 +469,10 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     same). `on_chunk(done, total)` is called after each saved chunk (it may raise to stop the run, which then
     resumes from the saved chunks).
     `trust_modified` loads a checkpoint whose files differ from its manifest (engine/checkpoint.py).
+
+    `features`: whether the index keeps the photos' backbone features beside the encodings its search reads, so that
+    a new model of the same backbone re-indexes them without the CNN (most of an index's bytes: VSE++'s vectors are
+    1/60 of them); None keeps them as the existing index has them (a new index keeps them).
 
     Under torchrun (docs/distributed.md) every rank calls this with the same arguments: rank r encodes its
     contiguous share of the images to encode into chunk files of its own, then rank 0 reads every rank's
@@ -484,7 +502,7 @@ def build_index(images_dir: Path | str, checkpoint: Path | str, out_dir: Path | 
     with index_lock(out_dir) if dist.is_main() else contextlib.nullcontext():
         return _build_index(images_dir, checkpoint, out_dir, force=force, rehash=rehash, batch_size=batch_size,
                             chunk=chunk, progress=progress, on_chunk=on_chunk, device=device, precision=precision,
-                            trust_modified=trust_modified)
+                            trust_modified=trust_modified, features=features)
 
 
 def _check_build_arguments(*, batch_size: int, chunk: int, on_chunk: Callable[[int, int], None] | None) -> None:
@@ -520,7 +538,8 @@ def index_lock(out_dir: Path):
 
 def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, force: bool, rehash: bool,
                  batch_size: int, chunk: int, progress: bool, on_chunk: Callable[[int, int], None] | None,
-                 device: str | torch.device, precision: str, trust_modified: bool) -> dict[str, Any]:
+                 device: str | torch.device, precision: str, trust_modified: bool, features: bool | None
+                 ) -> dict[str, Any]:
     from itmatch import distributed as dist
     from itmatch.features.extract import _backbone_meta, _version
     from itmatch.retrieval.matcher import load
@@ -549,12 +568,6 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
                           f"encodings carry non-float parts ({', '.join(not_float)}) that the index cannot store",
                           path=checkpoint, hint="store them as float tensors in the image encoder's extras")
     row_shapes = {"features": (k, dim), **{name: arr.shape[1:] for name, arr in stored.items()}}
-    # regions that are the backbone's cells themselves (SMAN's I_m, exactly, in evaluation mode) are stored once,
-    # as the features: half the bytes of such an index
-    regions_are_features = (not vectors_only and probe.regions.shape == cells.shape
-                            and torch.equal(probe.regions.float(), cells))
-    if regions_are_features:
-        del row_shapes["regions"]
 
     old: dict[str, Any] | None = None
     if (out_dir / MANIFEST).exists():
@@ -578,6 +591,15 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
     elif out_dir.exists() and any(p.name != PARTS for p in out_dir.iterdir()) and not force:
         raise OverwriteError("exists and is not an index", path=out_dir,
                              hint="choose an empty or new --out, or pass --force (force=True from Python)")
+    keep_features = features if features is not None else old is None or "features" in old["arrays"]
+    if not keep_features:
+        del row_shapes["features"]
+    # regions that are the backbone's cells themselves (SMAN's I_m, exactly, in evaluation mode) are stored once,
+    # as the features, where the index keeps them: half the bytes of such an index
+    regions_are_features = (keep_features and not vectors_only and probe.regions.shape == cells.shape
+                            and torch.equal(probe.regions.float(), cells))
+    if regions_are_features:
+        del row_shapes["regions"]
     out_dir.mkdir(parents=True, exist_ok=True)
     if dist.is_main():  # (the rank that holds index_lock and writes the arrays)
         _remove_killed_writes(out_dir)
@@ -592,13 +614,15 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
         # (a model that differs only in its vocabulary encodes images alike: its encodings are kept, where they are
         # stored alike: an index of an older itmatch holds a pair-independent model's fields, re-encoded from its
         # features into the prepared vectors)
-        keep = (list(old["arrays"]) if same_image_encoder(old["model"], identity) and encodings_layout(old) == layout
-                else (["features"] if same_backbone else []))
+        same_encodings = same_image_encoder(old["model"], identity) and encodings_layout(old) == layout
+        keep = list(old["arrays"]) if same_encodings else (["features"] if same_backbone else [])
         try:
             for name in keep:
                 if name in old["arrays"]:
                     # verified: rows copied into the new generation must not carry corruption forward
                     old_arrays[name] = _open_array(out_dir, old, name, verify=True)
+            if same_encodings and old.get("regions_from") == "features" and "features" in old_arrays:  # (SMAN)
+                old_arrays["regions"] = old_arrays["features"]
             for row, e in enumerate(old["images"]):
                 old_rows.setdefault(e["sha256"], row)
                 old_sizes[e["sha256"]] = (e["width"], e["height"])
@@ -606,7 +630,7 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
             if not force:
                 raise
             old_rows, old_arrays = {}, {}
-    parts = _read_parts(parts_dir, identity, layout)
+    parts = _read_parts(parts_dir, identity, layout, row_shapes)
 
     paths = scan_images(images_dir, exclude=out_dir)
     if not paths and old is not None and old["count"] and not force:
@@ -616,8 +640,9 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
                              "empty the index")
     records, unreadable = _hash_files(images_dir, paths, progress, None if rehash else old)
 
-    # the old rows serve only when they hold every field this model's encoder returns
-    has_regions = all(name in old_arrays for name in row_shapes if name != "features" or regions_are_features)
+    # the old rows serve only when they hold every array this index stores (the features too: an index built with
+    # --no-features that keeps them now reads its photos through the CNN again)
+    has_regions = all(name in old_arrays for name in row_shapes)
     todo = []  # unique contents with no encodings yet
     seen = set()
     for r in records:
@@ -679,8 +704,9 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
                     if not np.array_equal(fields["regions"], f.numpy()):  # (the probe said they would be)
                         raise RuntimeError("the image encoder's regions differ from its input features")
                     del fields["regions"]
-                chunk_data = {"sha256": np.array([r["sha256"] for r in good]), "features": f.numpy(),
-                              **fields, "sizes": np.array(sizes, dtype=np.int64),
+                chunk_data = {"sha256": np.array([r["sha256"] for r in good]),
+                              **({"features": f.numpy()} if keep_features else {}), **fields,
+                              "sizes": np.array(sizes, dtype=np.int64),
                               "weights_hash": np.array(identity["weights_hash"]),
                               "config_hash": np.array(identity["config_hash"]),
                               "image_encodings": np.array(layout)}
@@ -697,7 +723,7 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
         if gathered is None:
             return dist.broadcast_object(None)
         skipped = [s for part in gathered for s in part]
-        parts = _read_parts(parts_dir, identity, layout)
+        parts = _read_parts(parts_dir, identity, layout, row_shapes)
 
     encoded = {t["sha256"] for t in todo}
     encoded_count = len(encoded) - len(skipped)  # the files that failed to decode were not encoded
@@ -733,7 +759,8 @@ def _build_index(images_dir: Path, checkpoint: Path | str, out_dir: Path, *, for
     if vectors_only:
         manifest["image_encodings"] = VECTORS_ONLY
     # each version only where its addition is used: older itmatch reads every other index
-    manifest["version"] = FORMAT_VERSION if vectors_only else 2 if regions_are_features else 1
+    manifest["version"] = (FORMAT_VERSION if not keep_features else 3 if vectors_only else 2 if regions_are_features
+                           else 1)
     manifest["skipped"] = skipped
     manifest["itmatch_version"] = _version()
     manifest["backbone"] = _backbone_meta(matcher.backbone)
