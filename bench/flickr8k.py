@@ -292,6 +292,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # full model alone. Both are one product of per-item vectors: the CPU trains them
     "oan_no_attn_decay6": ("oan_no_attn", ["train.lr_update=6", "train.epochs=10"]),
     "oan_no_inter_attn_decay8": ("oan_no_inter_attn", ["train.lr_update=8", "train.epochs=12"]),
+    # ... and OAN itself by the same rule (its dev peak at epoch 10 of the paper schedule): the counterpart that makes
+    # "OAN > its ablations" one rule against one rule (a GPU row: OAN's score is pair-dependent)
+    "oan_decay10": ("oan", ["train.lr_update=10", "train.epochs=14"]),
     **with_seeds("vsepp_warmup", "vsepp", ["loss.warmup_epochs=1"]),
     # the accelerator issue's precision check: the same schedule and seed in bf16 autocast beside the fp32 row (it
     # asks for at most 1 rsum lost; one pair cannot show that alone, two seeds of one model differ by more)
