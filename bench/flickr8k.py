@@ -294,11 +294,13 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # then 15-26 rsum down before the decay after epoch 15) while OAN held its peak (docs/oan.md): the decay moved to
     # each one's dev peak, 4 epochs after it, so that "OAN > its ablations" does not rest on a schedule that suits the
     # full model alone. Both are one product of per-item vectors: the CPU trains them
-    "oan_no_attn_decay6": ("oan_no_attn", ["train.lr_update=6", "train.epochs=10"]),
+    **with_seeds("oan_no_attn_decay6", "oan_no_attn", ["train.lr_update=6", "train.epochs=10"]),
     "oan_no_inter_attn_decay8": ("oan_no_inter_attn", ["train.lr_update=8", "train.epochs=12"]),
     # weight averaging (train.ema_decay, as mmca_alpha0_lite2_decay4_ema) on a second model that the CPU trains fast:
     # the same horizon in epochs, two (~500 steps at OAN's batch of 128)
-    "oan_no_attn_decay6_ema": ("oan_no_attn", ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998"]),
+    # (second seeds of both: whether the +9.3 of seed 0 is the average's)
+    **with_seeds("oan_no_attn_decay6_ema", "oan_no_attn",
+                 ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998"]),
     # ... and OAN itself by the same rule (its dev peak at epoch 10 of the paper schedule): the counterpart that makes
     # "OAN > its ablations" one rule against one rule (a GPU row: OAN's score is pair-dependent)
     "oan_decay10": ("oan", ["train.lr_update=10", "train.epochs=14"]),
