@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -112,8 +113,6 @@ CONTROLS = {**{f"{p}_lr5e-4": (p, ["train.lr=0.0005"]) for p in LR5E4},
             # save_dsa_ft's control: the same extra epoch with the backbone frozen (cached features)
             "save_dsa_frozen_more": (CONTINUED, CONTINUE)}
 OVERRIDES.update({row: sets for row, (_, sets) in CONTROLS.items()})
-# rows whose model reads something else than DATA's {split}_ims.npy
-ROW_DATA = {"save_asa_ms2": DATA_MS, "save_asa_ms3": DATA_MS, "save_nl_ms2": DATA_MS}
 PERTURB = ["scan_t2i_avg", "vsepp"]  # the two models of OAN's Table 1
 # Mid-epoch saves of `last` (bit-for-bit resumable; docs/reliability.md): an epoch of the slow rows is hours
 # of CPU, so a stopped run loses at most this many batches instead of the epoch.
@@ -141,7 +140,6 @@ class Profile:
     rerank: dict[str, tuple[str, int]] = field(default_factory=dict)
     pruned: dict[str, str] = field(default_factory=dict)
     prerequisites: dict[str, str] = field(default_factory=dict)  # row -> the run it continues
-    row_data: dict[str, str] = field(default_factory=dict)
     prune: set[str] = field(default_factory=set)  # rows evaluated by safe pruning (exact metrics, fewer pairs)
     # row -> its candidate runs (also its `ensembles` entry, so that each is trained and its state shown): the row is
     # the pair of candidates with the best dev rsum, the only one evaluated on test (evaluate_dev_pairs, dev_pick)
@@ -153,7 +151,7 @@ class Profile:
 
 CPU = Profile("cpu", SCHEDULE, SCHEDULES, OVERRIDES, CONTROLS, ENSEMBLES,
               SINGLE + list(CONTROLS) + list(ENSEMBLES) + list(RERANK) + list(PRUNED), "runs/flickr8k", RESULTS,
-              HISTORY, CHECKPOINT_EVERY, RERANK, PRUNED, PREREQUISITES, ROW_DATA)
+              HISTORY, CHECKPOINT_EVERY, RERANK, PRUNED, PREREQUISITES)
 
 # ---------------------------------------------------------------------------------------- the GPU schedule
 # Every preset trains with its own paper's schedule (optimizer, lr, decay step, epochs, D), which the presets
@@ -358,19 +356,9 @@ GPU_OVERRIDES = {row: [*GPU_CONTROLS.get(row, (row, []))[1], *(["train.val_prune
                  for row in [*GPU_SINGLE, *GPU_CONTROLS]}
 GPU_PREREQUISITES = {**{f"{p}_{kind}": p for p in FINETUNED for kind in ("ft", "frozen_more")},
                      "scan_i2t_lse_lite2_ft": "scan_i2t_lse_lite2"}
-GPU_ROW_DATA = {**{row: DATA_MS for row in ("save_asa_ms2", "save_asa_ms3", "save_nl_ms2", "save_dsa_ms2",
-                                            "save_asa_ms2_both", "save_asa_ms3_both", "save_asa_ms3_seed1")},
-                **{row: DATA_LITE2 for row in ("scan_i2t_lse_lite2", "scan_i2t_lse_lite2_ft", "mmca_alpha0_lite2",
-                                              "mmca_alpha0_lite2_seed1", "mmca_alpha0_lite2_ensemble_seed0+seed1",
-                                              "mmca_alpha0_lite2_regdrop", "mmca_alpha0_lite2_decay4",
-                                              "mmca_alpha0_lite2_decay4_seed1", "mmca_alpha0_lite2_decay4_seed2",
-                                              "mmca_alpha0_lite2_decay4_ema", "mmca_alpha0_lite2_decay4_ema_seed1",
-                                              "mmca_alpha0_lite2_decay4_ema_ensemble_seed0+seed1",
-                                              "mmca_alpha0_lite2_decay4_d512", "mmca_alpha0_lite2_decay4_d512_seed1",
-                                              "mmca_alpha0_lite2_decay4_ensemble_seed0+seed1")}}
 GPU = Profile("gpu", GPU_SCHEDULE, GPU_SCHEDULES, GPU_OVERRIDES, GPU_CONTROLS, GPU_ENSEMBLES,
               GPU_SINGLE + list(GPU_CONTROLS) + list(GPU_ENSEMBLES), GPU_RUNS, "docs/results/flickr8k_gpu.csv",
-              "docs/results/training/flickr8k_gpu.csv", 100, prerequisites=GPU_PREREQUISITES, row_data=GPU_ROW_DATA,
+              "docs/results/training/flickr8k_gpu.csv", 100, prerequisites=GPU_PREREQUISITES,
               prune=GPU_PRUNE, perturb_prefix="flickr8k_gpu", device=True, dev_picked=GPU_DEV_PICKED)
 PROFILES = {"cpu": CPU, "gpu": GPU}
 DRY_RUN = False  # --dry-run: print the commands, run none
@@ -462,13 +450,23 @@ def schedule_of(member: str, profile: Profile) -> str:
     return profile.schedules.get(base_preset(member, profile), profile.schedule)
 
 
+def features_dir(row: str, profile: Profile) -> str:
+    """The features a trained row's run reads, by how the bench names its rows: SAVE's multi-scale cells (DATA_MS)
+    where the row or its preset is named `_ms2`/`_ms3`, EfficientNet-Lite2's 9 x 9 cells (DATA_LITE2) where the row
+    is named `_lite2`, else Lite0's 7 x 7 (DATA). A rule rather than a list of rows: a new row cannot read another
+    backbone's features by being left off a list (a shipped member reads its row's)."""
+    row = source_row(row)
+    if any(re.search(r"_ms\d", name) for name in (row, base_preset(row, profile))):
+        return DATA_MS
+    return DATA_LITE2 if "_lite2" in row else DATA
+
+
 def row_members(row: str, profile: Profile) -> tuple[list[str], list[str]]:
-    """The runs a row evaluates (one, or an ensemble's members) and the features each reads."""
+    """The runs a row evaluates (one, or an ensemble's members) and the features each reads (an ensemble's
+    members may read different ones)."""
     preset = trained_row(row, profile)
     members = profile.ensembles.get(preset, [preset])
-    data = profile.row_data.get(base_preset(preset, profile), profile.row_data.get(preset, DATA))
-    # (an ensemble may mix features; a shipped member reads its row's)
-    return members, [profile.row_data.get(source_row(member), data) for member in members]
+    return members, [features_dir(member, profile) for member in members]
 
 
 def features_of(row: str, profile: Profile, members: list[str]) -> list[str]:

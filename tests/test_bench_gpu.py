@@ -79,7 +79,7 @@ def test_gpu_rows_keep_their_papers_schedules(bench):
     assert [c.train.seed for c in decay4] == [0, 1, 2] and all(c.train.lr_update == 4 for c in decay4)
     assert all(dataclasses.replace(c.train, seed=0) == decay4[0].train and c.model == decay4[0].model
                for c in decay4)
-    assert {bench.GPU.row_data[f"mmca_alpha0_lite2_decay4{s}"] for s in ("", "_seed1", "_seed2")} == {
+    assert {bench.features_dir(f"mmca_alpha0_lite2_decay4{s}", bench.GPU) for s in ("", "_seed1", "_seed2")} == {
         bench.DATA_LITE2}
     both = config("save_asa_ms3_both").model
     assert both.direction == "both" and (both.scan.lambda_softmax, both.scan.i2t_lambda_softmax) == (9.0, 4.0)
