@@ -217,7 +217,8 @@ GPU_DEV_PICKED = {"ensemble_dev_pick": ["scan_i2t_lse-flickr8k", "oan", "mmca_al
                                          "save_asa_ms3", "sman"],
                   # the same rule over the models a user loads by name: nothing to train, so any clean clone
                   # reproduces it on a CPU from the extracted features alone
-                  "ensemble_dev_pick_shipped": ["mmca_alpha0_lite2_decay4-flickr8k", "mmca_alpha0_lite2-flickr8k",
+                  "ensemble_dev_pick_shipped": ["mmca_alpha0_lite2_decay4_ema-flickr8k",
+                                                "mmca_alpha0_lite2_decay4-flickr8k", "mmca_alpha0_lite2-flickr8k",
                                                 "mmca_alpha0-flickr8k", "vsepp-flickr8k", "vsepp_seed1-flickr8k",
                                                 "scan_i2t_lse-flickr8k"]}
 GPU_ENSEMBLES.update(GPU_DEV_PICKED)
