@@ -100,7 +100,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
                            extra_captions=args.extra_captions, rehash=args.rehash,
                            batch_size=args.batch_size, force=args.force, skip_bad_images=args.skip_bad_images,
                            scales=args.scales, device=placement.device, precision=placement.precision,
-                           progress=not args.quiet)
+                           progress=not args.quiet, view=args.view)
     from itmatch.distributed import is_main
 
     if is_main():  # (under torchrun: rank 0 reports; what changed since an earlier run was logged)
@@ -613,6 +613,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--scales", default=None, metavar="LIST",
                    help="also cache the backbone's finer stage maps for multi-scale models (SAVE), e.g. "
                         "c3,c4,c5: writes {split}_ims_c3.npy, {split}_ims_c4.npy beside {split}_ims.npy (c5)")
+    s.add_argument("--view", type=non_negative_int, default=0, metavar="K",
+                   help="extract augmented view K >= 1 of every photo (a random crop and flip fixed by K and the "
+                        "photo's id) instead of the photo itself (0, default): training features for "
+                        "data.train_views, into an --out of their own (docs/training.md 'Augmented views')")
     s.add_argument("--force", action="store_true", help="replace existing outputs")
     s.add_argument("--json", action="store_true",
                    help="print meta.json's record (per-file lists counted) instead of a line a split")

@@ -258,6 +258,9 @@ class DataConfig:
     backbone: str = ""  # the CNN the features came from (read from the data's meta.json); used by itmatch.load
     train_split: str = "train"
     val_split: str = "dev"
+    # precomp directories (comma-separated) of augmented views of the training split (`itmatch extract --view K`):
+    # each caption's image is drawn from the photo and its views (data/views.py); empty: the photos only
+    train_views: str = ""
 
 
 @dataclass

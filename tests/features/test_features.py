@@ -413,9 +413,9 @@ def _decoded(monkeypatch) -> list[str]:
     seen: list[str] = []
     real = split_mod._load_one
 
-    def spy(bb, images_dir, image_id):
+    def spy(bb, images_dir, image_id, view=0):
         seen.append(image_id)
-        return real(bb, images_dir, image_id)
+        return real(bb, images_dir, image_id, view)
 
     monkeypatch.setattr(split_mod, "_load_one", spy)
     return seen

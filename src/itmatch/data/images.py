@@ -8,39 +8,19 @@ what happens to a file that cannot be decoded: docs/save.md ('Decisions where th
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from PIL import Image, ImageOps
 
 from itmatch.data.precomp import PrecompSplit, ids_path, read_lines, read_text_side
 from itmatch.errors import DataError
 from itmatch.features.backbones import backbone_spec
 from itmatch.features.pipeline import UnreadableImage, decode_image, preprocess
+from itmatch.features.views import random_crop_flip
 
 log = logging.getLogger("itmatch.data")
-
-
-def random_crop_flip(image: Image.Image, rng: random.Random, area: tuple[float, float] = (0.5, 1.0),
-                     ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: float = 0.5) -> Image.Image:
-    """A random crop (fraction of the area in `area`, aspect ratio in `ratio`, log-uniform) and a
-    horizontal flip with probability `flip` of an upright image (`pipeline.decode_image`); falls back to
-    the whole image when no crop fits."""
-    w, h = image.size
-    for _ in range(10):
-        target = rng.uniform(*area) * w * h
-        aspect = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
-        cw, ch = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
-        if 0 < cw <= w and 0 < ch <= h:
-            x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
-            image = image.crop((x, y, x + cw, y + ch))
-            break
-    if rng.random() < flip:
-        image = ImageOps.mirror(image)
-    return image
 
 
 class ImageFiles:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from itmatch.config import Config, get_key
 from itmatch.data.precomp import META_NAME, MultiScaleArray, PrecompSplit, read_meta, read_precomp
+from itmatch.data.views import with_views
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.registry import arch, image_inputs, pixel_backbone
 
@@ -24,7 +25,8 @@ def open_split(cfg: Config, split: str, *, train: bool = False, data_path: str |
                               hint="pass --set data.images=DIR (the files named in {split}_ids.txt)")
         return read_image_split(root, split, cfg.data.images, pixel_backbone(cfg.model), augment=train,
                                 seed=cfg.train.seed)
-    return read_precomp(root, split, scales=inputs)
+    opened = read_precomp(root, split, scales=inputs)
+    return with_views(opened, cfg.data.train_views, cfg.train.seed) if train else opened
 
 
 def image_dims(cfg: Config, split: PrecompSplit) -> dict[str, int]:

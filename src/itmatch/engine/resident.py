@@ -16,6 +16,7 @@ import torch
 
 from itmatch.data.datasets import PairBatch
 from itmatch.data.precomp import ImageSource, MultiScaleArray
+from itmatch.data.views import FeatureViews
 from itmatch.device import OutOfMemoryError, free_memory, release_cached_memory
 from itmatch.errors import ConfigError
 
@@ -84,7 +85,9 @@ def resident_images(mode: str, images: ImageSource, device: torch.device) -> tup
     image files always stream."""
     arrays = feature_arrays(images)
     if arrays is None:
-        why = "the model reads image files, which are decoded and augmented per batch"
+        why = ("each caption's image is drawn from the augmented views (data.train_views)"
+               if isinstance(images, FeatureViews) else
+               "the model reads image files, which are decoded and augmented per batch")
         if mode == "on":
             log.warning("train.resident=on is ignored: %s", why)
         return None, f"streamed: {why}"

@@ -59,6 +59,7 @@ from itmatch.features.updates import (
     reuse_rows,
     source_changes,
 )
+from itmatch.features.views import view_meta
 from itmatch.fingerprint import text_sha256
 from itmatch.io import file_sha256, fsync_dir, remove_atomic_leftovers, write_json_atomic, write_text_atomic
 
@@ -83,6 +84,10 @@ def _backbone_meta(bb: Backbone) -> dict[str, Any]:
             "region_order": "row-major: region r is cell (r // grid, r % grid)", "dim": bb.out_dim}
 
 
+def _view_name(view: int) -> str:
+    return "the photos themselves" if view == 0 else f"augmented view {view}"
+
+
 @contextmanager
 def _torch_threads(n: int | None):
     previous = torch.get_num_threads()
@@ -97,7 +102,7 @@ def _torch_threads(n: int | None):
 
 
 def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: bool) -> None:
-    """Refuse (without `force`) to replace features of another image list or backbone, saying how the
+    """Refuse (without `force`) to replace features of another image list, backbone or view, saying how the
     image lists differ."""
     path = features_path(out_dir, split)
     if force or not path.exists():
@@ -113,7 +118,7 @@ def _refuse_other_extraction(out_dir: Path, split: str, ids: list[str], force: b
         if added or removed:
             detail = (f": the captions now list {len(added)} image(s) it does not hold ({examples(added)}) "
                       f"and not {len(removed)} of its {len(before)} ({examples(removed)})")
-    raise OverwriteError(f"already exists with features of another image list or backbone{detail}", path=path,
+    raise OverwriteError(f"already exists with features of another image list, backbone or view{detail}", path=path,
                          hint="pass --force to re-extract the split, or write to another --out")
 
 
@@ -231,7 +236,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
                     splits: list[str] | None = None, batch_size: int = 8, force: bool = False,
                     skip_bad_images: bool = False, progress: bool = True, num_threads: int | None = None,
                     on_batch: BatchHook | None = None, scales: str | list[str] | None = None,
-                    device: str | torch.device = "cpu", precision: str = "fp32") -> dict[str, Any]:
+                    device: str | torch.device = "cpu", precision: str = "fp32", view: int = 0) -> dict[str, Any]:
     """Extract backbone grid features of every image of `table` into the precomp layout in `out_dir`.
 
     Writes, per split (default: every non-empty split name of the table), `{split}_ims.npy` float32
@@ -258,6 +263,9 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     (docs/distributed.md); the output directory must be on a file system all ranks see.
     The backbone runs on `device` in `precision` (docs/gpu.md); images are decoded on a host thread and the
     features are written as float32 whatever the device. Settings are checked before any work.
+    `view` K >= 1 extracts the K-th augmented view of every photo (a random crop and flip fixed by K and the photo's
+    id, features/views.py) instead of the photo itself: a directory of training features that `data.train_views`
+    draws from; meta.json records it, and a directory keeps the features of one view only.
     Returns the metadata written to meta.json.
     """
     placement = resolve(device, precision)
@@ -268,6 +276,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     keep_extra = extra_captions == "keep"
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if view < 0:
+        raise ValueError(f"view must be >= 0 (0: the photos themselves), got {view}")
     if not images_dir.is_dir():
         raise DataError("images folder not found", path=images_dir,
                         hint="pass the folder that holds the image files named in the caption source")
@@ -306,7 +316,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
     extras = parse_extract_scales(scales)
     bb = load_backbone(backbone).to(placement.device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fingerprints = {s: run_fingerprint(bb, rows[s][0], extras) for s in splits}
+    fingerprints = {s: run_fingerprint(bb, rows[s][0], extras, view) for s in splits}
     # Splits an earlier run of this same command completed (meta.json records them with the same image
     # list and backbone) are kept: re-running the command is idempotent, so a run killed in a later split
     # (or after its last write, before it exited) resumes instead of refusing to overwrite them. Outputs
@@ -336,7 +346,7 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             refuse_overwrite(p, force)
 
     meta_file = out_dir / META_NAME
-    bmeta = _backbone_meta(bb)
+    bmeta = {**_backbone_meta(bb), **view_meta(view)}
     meta: dict[str, Any] = {}
     if meta_file.exists():
         try:
@@ -344,13 +354,16 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
         except (OSError, ValueError):
             old = {}
         same = all(old.get(k) == bmeta[k] for k in ("backbone", "image_size", "normalisation"))
-        if not same and old:
+        same_view = old.get("view", 0) == view
+        if not (same and same_view) and old:
             others = [s for s in old.get("splits", {}) if s not in splits]
             if others and not force:
-                raise OverwriteError(
-                    f"{out_dir} holds {old.get('backbone')} features (splits {', '.join(others)}); adding "
-                    f"{bb.name} features would mix backbones", path=meta_file,
-                    hint="write to another directory or pass --force")
+                mixed = (f"{old.get('backbone')} features (splits {', '.join(others)}); adding {bb.name} features "
+                         "would mix backbones" if not same else
+                         f"features of {_view_name(old.get('view', 0))} (splits {', '.join(others)}); adding "
+                         f"{_view_name(view)} would mix views")
+                raise OverwriteError(f"{out_dir} holds {mixed}", path=meta_file,
+                                     hint="write to another directory (one a view) or pass --force")
         elif old:
             meta = old
     meta.update({"format": "itmatch-precomp", "itmatch_version": _version(), **bmeta})
@@ -407,7 +420,8 @@ def extract_precomp(images_dir: Path, table: CaptionTable, out_dir: Path, *, bac
             info = run_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size,
                              force=force, skip_bad=skip_bad_images, progress=progress, on_batch=on_batch,
                              extras=extras, known_files=ch.records if ch is not None else None,
-                             placement=placement, update=changes_record(ch) if ch is not None else None, **reuse)
+                             placement=placement, update=changes_record(ch) if ch is not None else None, view=view,
+                             **reuse)
             if info is None:  # a rank other than 0: rank 0 writes the manifest
                 continue
             # a stopped caption-only update's marker: its record is in this update's (progress file), or the

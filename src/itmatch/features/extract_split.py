@@ -38,6 +38,7 @@ from itmatch.features.progress import (
     run_fingerprint,
 )
 from itmatch.features.updates import update_record
+from itmatch.features.views import view_of
 from itmatch.fingerprint import FileRecord, changed_files, file_records, text_sha256
 from itmatch.io import file_sha256, fsync_dir, write_json_atomic
 
@@ -59,10 +60,10 @@ class _Bad(Exception):
         self.image_id, self.path, self.reason, self.missing = image_id, path, reason, missing
 
 
-def _load_one(bb: Backbone, images_dir: Path, image_id: str) -> torch.Tensor:
+def _load_one(bb: Backbone, images_dir: Path, image_id: str, view: int = 0) -> torch.Tensor:
     path = images_dir / image_id
     try:
-        return bb.preprocess(decode_image(path))
+        return bb.preprocess(view_of(decode_image(path), view, image_id))
     except UnreadableImage as exc:
         raise _Bad(image_id, path, exc.reason, missing=exc.missing) from None
 
@@ -111,17 +112,19 @@ def extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: 
                   progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
                   known_files: dict[str, FileRecord | None] | None = None,
                   reuse: dict[int, int] | None = None, reuse_from: dict[str, np.ndarray] | None = None,
-                  placement: Placement | None = None, update: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Extract (or resume, or finish) one split. `known_files` are earlier fingerprints of the image files
-    (the size + mtime fast path); `reuse` maps the index of an image in `ids` to its row in the arrays
-    `reuse_from` ({"c5": main, "c3": ...}) of an earlier extraction, copied instead of recomputed.
+                  placement: Placement | None = None, update: dict[str, Any] | None = None,
+                  view: int = 0) -> dict[str, Any]:
+    """Extract (or resume, or finish) one split (augmented view `view` of its photos, features/views.py).
+    `known_files` are earlier fingerprints of the image files (the size + mtime fast path); `reuse` maps the index
+    of an image in `ids` to its row in the arrays `reuse_from` ({"c5": main, "c3": ...}) of an earlier extraction,
+    copied instead of recomputed.
     `update` (an update of a complete split: what changed, `changes_record`) is kept in the progress file, so
     that a run that finishes the split after a kill returns it too; the info returned holds it as `updated`
     when the split's progress file has it."""
     reuse = reuse or {}
     n = len(ids)
     per = len(caps) // n
-    fp = run_fingerprint(bb, ids, extras)
+    fp = run_fingerprint(bb, ids, extras, view)
     final, partial = features_path(out_dir, split), partial_path(out_dir, split)
     prog = progress_path(out_dir, split)
     shape = (n, bb.grid * bb.grid, bb.out_dim)
@@ -198,7 +201,7 @@ def extract_split(bb: Backbone, images_dir: Path, table: CaptionTable, out_dir: 
                 return [ids[k] for k in range(start, min(start + bs, n)) if k not in reuse]
 
             def submit(k: int) -> list[Future]:  # each photo its own task: a batch decodes on every thread
-                return [pool.submit(_load_one, bb, images_dir, image_id) for image_id in to_decode(starts[k])]
+                return [pool.submit(_load_one, bb, images_dir, image_id, view) for image_id in to_decode(starts[k])]
 
             nxt: list[Future] = submit(0) if starts else []
             for j, start in enumerate(starts):

@@ -46,14 +46,17 @@ def scale_partial(root: Path, split: str, scale: str) -> Path:
     return partial_path(root, split) if scale == "c5" else Path(f"{scale_path(root, split, scale)}.partial")
 
 
-def run_fingerprint(bb: Backbone, ids: list[str], extras: tuple[str, ...] = ()) -> str:
-    """What identifies an extraction of `ids`: backbone, weights, preprocessing, stage maps and the image list in
-    order. A progress file, a share or a meta.json entry of another fingerprint is another extraction's."""
+def run_fingerprint(bb: Backbone, ids: list[str], extras: tuple[str, ...] = (), view: int = 0) -> str:
+    """What identifies an extraction of `ids`: backbone, weights, preprocessing, stage maps, the augmented view
+    (features/views.py) and the image list in order. A progress file, a share or a meta.json entry of another
+    fingerprint is another extraction's."""
     h = hashlib.sha256()
     head = {"backbone": bb.name, "weights": Path(bb.weights).name, "image_size": bb.image_size,
             "normalisation": bb.normalisation, "preprocess_version": PREPROCESS_VERSION}
     if extras:  # absent for single-scale runs, so their fingerprints (and resumable state) are unchanged
         head["scales"] = list(extras)
+    if view:  # (likewise absent for the photos themselves, view 0)
+        head["view"] = view
     h.update(json.dumps(head, sort_keys=True).encode())
     for image_id in ids:
         h.update(image_id.encode("utf-8") + b"\0")
@@ -121,7 +124,7 @@ def is_finishing(out_dir: Path, split: str, fingerprint: str, extras: tuple[str,
 
 
 def refuse_other_unfinished(out_dir: Path, split: str, fingerprint: str, force: bool) -> None:
-    """Refuse (without `force`) to start over an unfinished extraction of another image list or backbone:
+    """Refuse (without `force`) to start over an unfinished extraction of another image list, backbone or view:
     its progress file and partial arrays would be replaced."""
     prog = progress_path(out_dir, split)
     state = read_progress(prog)

@@ -44,24 +44,24 @@ def extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, o
                           ids: list[str], caps: list[str], *, batch_size: int, force: bool, skip_bad: bool,
                           progress: bool, on_batch: BatchHook | None, extras: tuple[str, ...] = (),
                           known_files: dict[str, FileRecord | None] | None = None,
-                          placement: Placement | None = None, update: dict[str, Any] | None = None
-                          ) -> dict[str, Any] | None:
+                          placement: Placement | None = None, update: dict[str, Any] | None = None,
+                          view: int = 0) -> dict[str, Any] | None:
     """`extract_split` shared by the ranks of a torchrun group (docs/distributed.md). Every rank calls
     it; rank 0 returns the split's info, the others None."""
     n, world = len(ids), dist.world_size()
     per = len(caps) // n
-    fp = run_fingerprint(bb, ids, extras)
+    fp = run_fingerprint(bb, ids, extras, view)
     bounds = [dist.shard_bounds(n, r, world) for r in range(world)]
     shard_dirs = [shards_root(out_dir, split) / f"rank{r}-of-{world}" for r in range(world)]
     if not is_finishing(out_dir, split, fp, extras):
         (start, stop), mine = bounds[dist.rank()], shard_dirs[dist.rank()]
-        shard_fp = run_fingerprint(bb, ids[start:stop], extras)
+        shard_fp = run_fingerprint(bb, ids[start:stop], extras, view)
         if stop > start and (force or not split_complete(mine, split, shard_fp, extras)):
             mine.mkdir(parents=True, exist_ok=True)
             info = extract_split(bb, images_dir, table, mine, split, ids[start:stop], caps[start * per:stop * per],
                                  batch_size=batch_size, force=force, skip_bad=skip_bad,
                                  progress=progress and dist.is_main(), on_batch=on_batch, extras=extras,
-                                 placement=placement)
+                                 placement=placement, view=view)
             write_json_atomic(mine / META_NAME, {"format": "itmatch-precomp",
                                                  "splits": {split: {**info, "fingerprint": shard_fp}}})
             progress_path(mine, split).unlink(missing_ok=True)
@@ -73,7 +73,8 @@ def extract_split_sharded(bb: Backbone, images_dir: Path, table: CaptionTable, o
     info = None
     if dist.is_main():  # finishes the merged split: captions and ids without the skipped images, its info
         info = extract_split(bb, images_dir, table, out_dir, split, ids, caps, batch_size=batch_size, force=force,
-                             skip_bad=skip_bad, progress=False, on_batch=None, extras=extras, placement=placement)
+                             skip_bad=skip_bad, progress=False, on_batch=None, extras=extras, placement=placement,
+                             view=view)
         info["processes"] = world
     dist.barrier()
     return info
