@@ -23,11 +23,8 @@ from itmatch.engine.train import train
 from itmatch.errors import ConfigError, DataError, OverwriteError
 from itmatch.features import extract_precomp
 from itmatch.features.views import random_crop_flip, view_meta, view_of
-from itmatch.models.registry import resolve_config
 from tests.conftest import make_precomp
-
-QUICK = {"model": {"embed_size": 32, "word_dim": 16}, "loss": {"warmup_epochs": 1},
-         "train": {"epochs": 2, "batch_size": 32, "lr": 2e-3, "val_images": 40, "lr_update": 10}}
+from tests.engine.test_engine import quick_config
 
 
 def _photo(seed: int, size=(96, 64)) -> Image.Image:
@@ -140,8 +137,8 @@ def test_views_are_checked_before_training(tiny_precomp, tmp_path):
 
 
 def _config(data: Path, views: str = ""):
-    cfg = resolve_config("vsepp", {**QUICK, "data": {"path": str(data), "train_views": views}})
-    cfg.train.epochs = 1
+    cfg = quick_config("vsepp", data, epochs=1)
+    cfg.data.train_views = views
     return cfg
 
 
