@@ -204,6 +204,22 @@ def test_a_killed_row_resumes_and_a_missing_checkpoint_is_reported(bench, tmp_pa
         bench.run_row("scan_i2t_lse", 0, profile=gpu)
 
 
+def test_a_views_row_makes_its_views_before_it_trains(bench, tmp_path, monkeypatch):
+    """The features a row reads include the views its data.train_views names (resolved from its config), so a clean
+    machine extracts them before training; a row without views asks only for its photos' features."""
+    import dataclasses
+
+    gpu = dataclasses.replace(bench.GPU, runs=str(tmp_path / "runs"), results=str(tmp_path / "gpu.csv"))
+    monkeypatch.setattr(bench, "DRY_RUN", True)
+    extracted = []
+    monkeypatch.setattr(bench, "ensure_features", lambda data, profile=None: extracted.append(data))
+    bench.run_row("mmca_alpha0_lite2_decay4_ema_views4", 0, profile=gpu)
+    assert extracted == [bench.DATA_LITE2, *bench.LITE2_VIEWS]
+    extracted.clear()
+    bench.run_row("mmca_alpha0_lite2_decay4_ema", 0, profile=gpu)
+    assert extracted == [bench.DATA_LITE2]
+
+
 def test_save_without_self_attention_is_the_scan_run_it_evaluates(bench):
     """save_nosa (and its t-i LSE row) evaluate SCAN's GPU runs instead of training the same model again: the two
     presets resolve to the same schedule and settings, build the same head, and start from the same weights."""

@@ -16,6 +16,7 @@ from itmatch.data.vocab import Vocab
 from itmatch.engine.train import train
 from itmatch.errors import ConfigError, DataError
 from itmatch.models.registry import resolve_config
+from tests.engine.test_engine import QUICK as ENGINE_QUICK
 
 
 @pytest.mark.parametrize("override, message", [
@@ -99,9 +100,9 @@ def test_precomp_manifest_catches_truncated_and_unfinished_splits(tmp_path):
         read_precomp(tmp_path, "dev")
 
 
-QUICK = {"model": {"embed_size": 32, "word_dim": 16}, "loss": {"warmup_epochs": 1},
-         "train": {"epochs": 2, "batch_size": 32, "lr": 2e-3, "val_images": 40, "threads": 1, "max_batches": 12,
-                   "checkpoint_every": 5, "log_every": 1}}
+# the engine tests' QUICK schedule, on one thread and a few batches an epoch
+QUICK = {**ENGINE_QUICK, "train": {**ENGINE_QUICK["train"], "threads": 1, "max_batches": 12,
+                                       "checkpoint_every": 5, "log_every": 1}}
 
 
 class Crash(Exception):

@@ -15,10 +15,10 @@ from itmatch.engine.checkpoint import OPTIMIZER, load_checkpoint, load_optimizer
 from itmatch.engine.train import adopt_newer_best, apply_resume_overrides, train
 from itmatch.errors import ConfigError, OverwriteError, TrainingError
 from itmatch.models.registry import resolve_config
+from tests.engine.test_engine import QUICK as ENGINE_QUICK
 
-QUICK = {"model": {"embed_size": 32, "word_dim": 16}, "loss": {"warmup_epochs": 1},
-         "train": {"epochs": 2, "batch_size": 32, "lr": 2e-3, "val_images": 40, "threads": 1, "max_batches": 6,
-                   "log_every": 1}}
+# the engine tests' QUICK schedule, on one thread and a few batches an epoch
+QUICK = {**ENGINE_QUICK, "train": {**ENGINE_QUICK["train"], "threads": 1, "max_batches": 6, "log_every": 1}}
 
 
 def _cfg(tiny_precomp, **train_settings):
