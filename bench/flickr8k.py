@@ -227,11 +227,12 @@ GPU_ENSEMBLES = {"scan_ensemble_t2i_avg+i2t_lse": ["scan_t2i_avg", "scan_i2t_lse
 # been seen (docs/training.md, "Ensembles across families and backbones"). Every pair of the best single model of each
 # family is evaluated on the dev split (1k), and only the pair with the best dev rsum is evaluated on test; every
 # pair's dev rsum is kept beside the row (RUNS/<row>.dev_pairs.json) and the row's model column names the pair.
-GPU_DEV_PICKED = {"ensemble_dev_pick": ["scan_i2t_lse-flickr8k", "oan", "mmca_alpha0_lite2-flickr8k", "vsepp",
-                                         "save_asa_ms3", "sman"],
+GPU_DEV_PICKED = {"ensemble_dev_pick": ["scan_i2t_lse-flickr8k", "oan", "mmca_alpha0_lite2_decay6_ema_views4-flickr8k",
+                                         "vsepp", "save_asa_ms3", "sman"],
                   # the same rule over the models a user loads by name: nothing to train, so any clean clone
                   # reproduces it on a CPU from the extracted features alone
-                  "ensemble_dev_pick_shipped": ["mmca_alpha0_lite2_decay4_ema-flickr8k",
+                  "ensemble_dev_pick_shipped": ["mmca_alpha0_lite2_decay6_ema_views4-flickr8k",
+                                                "mmca_alpha0_lite2_decay4_ema-flickr8k",
                                                 "mmca_alpha0_lite2_decay4-flickr8k", "mmca_alpha0_lite2-flickr8k",
                                                 "mmca_alpha0-flickr8k", "vsepp-flickr8k", "vsepp_seed1-flickr8k",
                                                 "scan_i2t_lse-flickr8k"]}
