@@ -336,6 +336,10 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # averaging lifted oan_no_attn_decay6 by 9.3 test rsum, above OAN without it: OAN averaged the same way (a GPU row)
     # is the counterpart that keeps "OAN > its ablations" like against like
     "oan_decay10_ema": ("oan", ["train.lr_update=10", "train.epochs=14", "train.ema_decay=0.998"]),
+    # ... and on the Lite2 recipe (cells and views) on which the averaged ablation cleared 275.2 on the CPU
+    # (oan_no_attn_lite2_decay6_ema_views4, 280.7 and 277.0): whether OAN's attention adds to it (a GPU row)
+    "oan_lite2_decay10_ema_views4": ("oan", ["train.lr_update=10", "train.epochs=14", "train.ema_decay=0.998",
+                                             train_views(LITE2_VIEWS)]),
     **with_seeds("vsepp_warmup", "vsepp", ["loss.warmup_epochs=1"]),
     # the accelerator issue's precision check: the same schedule and seed in bf16 autocast beside the fp32 row (it
     # asks for at most 1 rsum lost; one pair cannot show that alone, two seeds of one model differ by more)
