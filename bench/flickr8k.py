@@ -304,9 +304,9 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # cores
     **{f"{p}_decay10": (p, ["train.lr_update=10", "train.epochs=14"])
        for p in ("sman_im", "sman_im_loc", "sman_sim", "sman_inter")},
-    # ... and SMAN-IM (the fastest of them on the CPU, ~2 min an epoch) on the best single model's recipe: Lite2
-    # cells and their four views, the weights averaged over ~500 steps (OAN's 0.998, the same batch of 128): how far
-    # the recipe takes SMAN's one-step ablation towards m-CNN's 275.2 on the same schedule
+    # ... and SMAN-IM (the fastest of them on the CPU, ~2 min an epoch on Lite0) on the best single model's recipe:
+    # Lite2 cells and their four views, the weights averaged over ~500 steps (OAN's 0.998, the same batch of 128): how
+    # far the recipe takes SMAN's one-step ablation towards m-CNN's 275.2 on the same schedule
     # (model.sman.regions: SMAN reads its grid in order and checks its size; Lite2's is 9 x 9)
     "sman_im_lite2_decay10_ema_views4": ("sman_im", ["model.sman.regions=81", "train.lr_update=10", "train.epochs=14",
                                                      "train.ema_decay=0.998", train_views(LITE2_VIEWS)]),
