@@ -336,7 +336,8 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
                  ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998", train_views(LITE2_VIEWS)]),
     # ... and on Lite2's cells without their views: which of the two (the backbone or the views) its +9.0 over
     # oan_no_attn_decay6_ema comes from
-    "oan_no_attn_lite2_decay6_ema": ("oan_no_attn", ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998"]),
+    **with_seeds("oan_no_attn_lite2_decay6_ema", "oan_no_attn",
+                 ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998"]),
     # ... and OAN itself by the same rule (its dev peak at epoch 10 of the paper schedule): the counterpart that makes
     # "OAN > its ablations" one rule against one rule (a GPU row: OAN's score is pair-dependent)
     "oan_decay10": ("oan", ["train.lr_update=10", "train.epochs=14"]),
