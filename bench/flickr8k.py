@@ -265,6 +265,9 @@ FINETUNE = [f"data.images={IMAGES}", "train.finetune_backbone=true", "train.back
 SHIPPED_SCAN = "scan_i2t_lse_d960"
 # SMAN on the best single model's recipe: Lite2's 9 x 9 cells (SMAN reads its grid in order and checks its size),
 # their four views and the weights averaged over ~500 steps (OAN's 0.998 at the same batch of 128)
+# OAN's averaged ablation: the decay at its dev peak (after epoch 6 of 10) and the weights averaged over ~500 steps;
+# the rows below vary only its features and views
+OAN_ABLATION_EMA = ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998"]
 SMAN_LITE2_RECIPE = ["model.sman.regions=81", "train.ema_decay=0.998", train_views(LITE2_VIEWS)]
 GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # attention that the papers' literal scales leave near uniform: both scale logits that lie in [0, 1] (l2-normalised
@@ -323,21 +326,17 @@ GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # weight averaging (train.ema_decay, as mmca_alpha0_lite2_decay4_ema) on a second model that the CPU trains fast:
     # the same horizon in epochs, two (~500 steps at OAN's batch of 128)
     # (second seeds of both: whether the +9.3 of seed 0 is the average's)
-    **with_seeds("oan_no_attn_decay6_ema", "oan_no_attn",
-                 ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998"]),
+    **with_seeds("oan_no_attn_decay6_ema", "oan_no_attn", OAN_ABLATION_EMA),
     # ... trained on four augmented views of its Lite0 photos as well (as mmca_alpha0_lite2_decay4_ema_views4, the
     # same schedule as without them): whether the views' gain carries to another family and backbone
-    "oan_no_attn_decay6_ema_views4": ("oan_no_attn", ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998",
-                                                      train_views(LITE0_VIEWS)]),
+    "oan_no_attn_decay6_ema_views4": ("oan_no_attn", [*OAN_ABLATION_EMA, train_views(LITE0_VIEWS)]),
     # ... and on EfficientNet-Lite2's 9 x 9 cells and their views, the recipe of the best single model (Lite2 lifted
     # MMCA alpha = 0 by 13.5 test rsum over Lite0 on the paper schedule): whether OAN's ablation then clears m-CNN's
     # 275.2 on the CPU (two seeds)
-    **with_seeds("oan_no_attn_lite2_decay6_ema_views4", "oan_no_attn",
-                 ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998", train_views(LITE2_VIEWS)]),
+    **with_seeds("oan_no_attn_lite2_decay6_ema_views4", "oan_no_attn", [*OAN_ABLATION_EMA, train_views(LITE2_VIEWS)]),
     # ... and on Lite2's cells without their views: which of the two (the backbone or the views) its +9.0 over
     # oan_no_attn_decay6_ema comes from
-    **with_seeds("oan_no_attn_lite2_decay6_ema", "oan_no_attn",
-                 ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998"]),
+    **with_seeds("oan_no_attn_lite2_decay6_ema", "oan_no_attn", OAN_ABLATION_EMA),
     # ... and OAN itself by the same rule (its dev peak at epoch 10 of the paper schedule): the counterpart that makes
     # "OAN > its ablations" one rule against one rule (a GPU row: OAN's score is pair-dependent)
     "oan_decay10": ("oan", ["train.lr_update=10", "train.epochs=14"]),
