@@ -235,7 +235,9 @@ GPU_DEV_PICKED = {"ensemble_dev_pick": ["scan_i2t_lse-flickr8k", "oan", "mmca_al
                                                 "mmca_alpha0_lite2_decay4_ema-flickr8k",
                                                 "mmca_alpha0_lite2_decay4-flickr8k", "mmca_alpha0_lite2-flickr8k",
                                                 "mmca_alpha0-flickr8k", "vsepp-flickr8k", "vsepp_seed1-flickr8k",
-                                                "scan_i2t_lse-flickr8k"]}
+                                                "scan_i2t_lse-flickr8k",
+                                                "oan_no_attn_lite2_decay6_ema_views4-flickr8k",
+                                                "sman_im_lite2_decay14_ema_views4-flickr8k"]}
 GPU_ENSEMBLES.update(GPU_DEV_PICKED)
 # two seeds for the headline rows (the spread is stated beside them), and for each shipped pretrained model
 HEADLINE = ["vsepp", "scan_t2i_avg", "scan_i2t_lse", "oan", "mmca", "mmca_alpha0", "save_dsa", "save_asa_ms3", "sman"]

@@ -173,17 +173,19 @@ def test_claims_view_checks_the_papers_orderings_and_the_goals_against_the_table
         "| oan > oan_bilstm | 261.2 | 259.0 | +2.2 | holds, within the table's largest seed spread (3.8); one seed: "
         "oan, oan_bilstm; kept its last epoch (maybe not converged): oan |")
     # a group of seeds with a run still rising measures that run's movement, not the seeds: it keeps its own
-    # spread but does not set the one-seed rows' (vsepp_seed1 kept its last epoch: the largest left is none)
+    # spread but does not set the one-seed rows' (vsepp_seed1 kept its last epoch: the largest left is none); the
+    # claim on vsepp names it, since its spread is the yardstick
     replace_history(results / "training" / "flickr8k_gpu.csv", "vsepp_seed1", history_rows("vsepp_seed1", metrics))
     lines = render_views(page, results).splitlines()
-    assert lines[5] == ("| vsepp ≥ 248 | 245.9 | 248.0 (goal) | −2.1 | does not hold, within the seed spread (3.8) |")
+    assert lines[5] == ("| vsepp ≥ 248 | 245.9 | 248.0 (goal) | −2.1 | does not hold, within the seed spread (3.8); "
+                        "kept its last epoch (maybe not converged): vsepp_seed1 |")
     # a one-seed side beside a side whose own spread is the wider: the yardstick is that side's spread, so named
     page.write_text("<!-- claims: flickr8k_gpu oan>vsepp -->\n<!-- claims: end -->\n")
     upsert_row(results / "flickr8k_gpu.csv", result_row("oan", "oan", "flickr8k", {**RESULT, "rsum": 248.0}, "c",
                                                        device="NVIDIA H100"), force=True)
     assert render_views(page, results).splitlines()[3] == (
         "| oan > vsepp | 248.0 | 245.9 | +2.1 | holds, within the seed spread (3.8); one seed: oan; kept its last "
-        "epoch (maybe not converged): oan |")
+        "epoch (maybe not converged): oan, vsepp_seed1 |")
     assert lines[8] == ("| oan > oan_bilstm | 261.2 | 259.0 | +2.2 | holds; one seed: oan, oan_bilstm; kept its last "
                         "epoch (maybe not converged): oan |")
     page.write_text("a\n<!-- claims: flickr8k_gpu oan>=scan_t2i_avg oan=vsepp -->\n<!-- claims: end -->\n")

@@ -295,12 +295,13 @@ def claim_lines(claims: list[str], rows: list[dict[str, str]], kept_last: dict[s
     (seed_groups) says so; a side trained with one seed only is named, and its spread taken as the largest the
     table measured between converged runs (a margin of one-seed rows is no firmer than one between seeds; a group
     with a run that kept its last epoch measures a run still moving, not the seeds); a side whose run kept its last
-    epoch (`kept_last`, runs_kept_last) is named as maybe not converged; a claim with a row not in the table yet
-    says that instead."""
+    epoch (`kept_last`, runs_kept_last), or one of its other seeds', is named as maybe not converged; a claim with
+    a row not in the table yet says that instead."""
     kept_last = kept_last or {}
     by_name = {r["name"]: r for r in rows}
     groups = seed_groups(rows)
     spread = {r["name"]: seed_spread(group) for group in groups for r in group}
+    seeds_of = {r["name"]: [m["name"] for m in group] for group in groups for r in group}
     largest = max((seed_spread(group) for group in groups if not any(r["name"] in kept_last for r in group)),
                   default=0.0)
     lines = []
@@ -320,7 +321,8 @@ def claim_lines(claims: list[str], rows: list[dict[str, str]], kept_last: dict[s
         holds = a >= b if op == ">=" else a > b
         sides = (left,) if goal else (left, right)
         one_seed = [n for n in sides if n not in spread]
-        rising = [n for n in sides if n in kept_last]
+        # (a side's other seeds too: their spread is the yardstick, and a run still rising widens it)
+        rising = list(dict.fromkeys(m for n in sides for m in seeds_of.get(n, [n]) if m in kept_last))
         own = max((spread[n] for n in sides if n in spread), default=0.0)
         noise = max(own, largest if one_seed else 0.0)
         # (named after where the yardstick came from: a side's own seeds, or the table's widest for a one-seed side)
