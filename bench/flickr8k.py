@@ -265,11 +265,11 @@ def continue_from(row: str, preset: str) -> list[str]:
 
 FINETUNE = [f"data.images={IMAGES}", "train.finetune_backbone=true", "train.backbone_lr_scale=1.0"]
 SHIPPED_SCAN = "scan_i2t_lse_d960"
-# SMAN on the best single model's recipe: Lite2's 9 x 9 cells (SMAN reads its grid in order and checks its size),
-# their four views and the weights averaged over ~500 steps (OAN's 0.998 at the same batch of 128)
 # OAN's averaged ablation: the decay at its dev peak (after epoch 6 of 10) and the weights averaged over ~500 steps;
 # the rows below vary only its features and views
 OAN_ABLATION_EMA = ["train.lr_update=6", "train.epochs=10", "train.ema_decay=0.998"]
+# SMAN on the best single model's recipe: Lite2's 9 x 9 cells (SMAN reads its grid in order and checks its size),
+# their four views and the weights averaged over ~500 steps (OAN's 0.998 at the same batch of 128)
 SMAN_LITE2_RECIPE = ["model.sman.regions=81", "train.ema_decay=0.998", train_views(LITE2_VIEWS)]
 GPU_CONTROLS: dict[str, tuple[str, list[str]]] = {
     # attention that the papers' literal scales leave near uniform: both scale logits that lie in [0, 1] (l2-normalised
